@@ -1,0 +1,1 @@
+"""One module per `testbed` verb; each has `register(subparsers)` and sets `func` on its parser."""

@@ -1,0 +1,275 @@
+"""Describe: the experiment YAML, validated into immutable `Experiment` objects.
+
+`load_experiment(path, overrides)` is the only place an experiment file is read. It
+
+1. loads the YAML with a safe loader,
+2. applies `--set key=value` overrides (dotted keys),
+3. expands `variants:` (a list of dotted-key overrides, one run each) and `sweep:` (a grid of
+   dotted key -> list of values; every combination is one run, crossed with the variants),
+4. validates each expanded mapping against the schema and returns one `Experiment` per run.
+
+Everything downstream (builder, runner, planner, analysis) reads only these objects.
+
+Scaling (`scale:`): the emulation runs `time` times faster than the real world and moves `bytes`
+times the real KV bytes. Compute times are divided by `time`, arrival rates multiplied by it, KV
+payloads multiplied by `bytes`, the WAN rate becomes `rate * bytes * time` and delays are divided by
+`time`, so every ratio of transfer time to compute time is preserved. Reports convert back.
+"""
+
+import copy
+import dataclasses
+import itertools
+import pathlib
+
+import yaml
+
+from testbed import profile as profiles
+from testbed import units
+from testbed.errors import ConfigError
+from testbed.net.spec import NetworkSpec
+from testbed.schema import (build, choice, integer, optional, positive, section, spec, string,
+                            to_dict)
+from testbed.workload.spec import WorkloadSpec
+
+# The emulated WAN must stay within what one 2-core machine can shape and carry.
+MAX_EMULATED_RATE_BPS = 2e9
+MIN_EMULATED_DELAY_S = 0.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ScaleSpec:
+    time: float = spec(positive(units.number), 1.0,
+                       "emulate this many times faster than real time")
+    bytes: float = spec(positive(units.number), 1.0,
+                        "move this fraction of the real KV bytes (1e-3 = 1/1000)")
+    tokens: float = spec(positive(units.number), 1.0,
+                         "torch engine: divide prompt lengths by this (tiny model, long traces)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    profile: str = spec(string, "kimi-linear-1t", "accelerator profile, testbed/profiles/NAME.yaml")
+    engine: str = spec(choice("profile"), "profile",
+                       "profile: workers wait the profiled time and send profiled KV bytes")
+    decode_step: float = spec(optional(units.duration_s), None,
+                              "T_decode per decode step (real-world); default from the profile")
+    bs_max: int = spec(optional(integer(1)), None, "BS_max, largest decode batch; default from profile")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PrfaasClusterSpec:
+    instances: int = spec(integer(0, 32), 0, "PrfaaS prefill instances (remote datacenter)")
+    accelerator: str = spec(string, "h200", "accelerator name in the profile")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LocalClusterSpec:
+    instances: int = spec(integer(1, 64), 1, "local PD instances (N_p + N_d)")
+    accelerator: str = spec(string, "h20", "accelerator name in the profile")
+    prefill: int = spec(integer(0, 64), 0, "N_p: local instances that prefill")
+    decode: int = spec(integer(1, 64), 1, "N_d: local instances that decode")
+
+    def check(self):
+        if self.prefill + self.decode != self.instances:
+            raise ValueError(f"prefill ({self.prefill}) + decode ({self.decode}) must equal "
+                             f"instances ({self.instances})")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ClustersSpec:
+    prfaas: PrfaasClusterSpec = spec(section(PrfaasClusterSpec), factory=PrfaasClusterSpec,
+                                     doc="the remote prefill-only cluster")
+    local: LocalClusterSpec = spec(section(LocalClusterSpec), factory=LocalClusterSpec,
+                                   doc="the local PD cluster")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SchedulerSpec:
+    policy: str = spec(choice("homogeneous", "naive", "prfaas"), "prfaas",
+                       "homogeneous: all local | naive: all prefill on PrfaaS | prfaas: threshold")
+    threshold: int = spec(units.tokens, 19866, "prfaas: offload requests longer than this (tokens)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunSpec:
+    drain_timeout: float = spec(units.duration_s, 120.0,
+                                "after the last send, wait at most this long (emulated) for replies")
+    request_timeout: float = spec(units.duration_s, 600.0,
+                                  "a request not finished after this long (real-world) fails")
+    kv_deadline: float = spec(units.duration_s, 300.0,
+                              "a KV transfer not finished this long (real-world) after prefill fails")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Experiment:
+    name: str = spec(string, doc="experiment name; results go to results/<name>/")
+    seed: int = spec(integer(0), 1, "seed of every random choice (workload, jitter, loss)")
+    requests: int = spec(optional(integer(1, 1_000_000)), None, "number of requests to send")
+    duration: float = spec(optional(positive(units.duration_s)), None,
+                           "or: send for this long (real-world)")
+    scale: ScaleSpec = spec(section(ScaleSpec), factory=ScaleSpec, doc="time and byte scaling")
+    model: ModelSpec = spec(section(ModelSpec), factory=ModelSpec, doc="the served model")
+    clusters: ClustersSpec = spec(section(ClustersSpec), factory=ClustersSpec, doc="instances")
+    network: NetworkSpec = spec(section(NetworkSpec), factory=NetworkSpec, doc="WAN and LAN links")
+    scheduler: SchedulerSpec = spec(section(SchedulerSpec), factory=SchedulerSpec,
+                                    doc="request routing")
+    workload: WorkloadSpec = spec(section(WorkloadSpec), doc="what requests are sent")
+    run: RunSpec = spec(section(RunSpec), factory=RunSpec, doc="timeouts of the run itself")
+    label: str = spec(optional(string), None, "name of this run in tables (default: the policy)")
+
+    def check(self):
+        if (self.requests is None) == (self.duration is None):
+            raise ValueError("give exactly one of 'requests' or 'duration'")
+        c, pol = self.clusters, self.scheduler.policy
+        if pol == "homogeneous" and c.local.prefill < 1:
+            raise ValueError("policy homogeneous needs clusters.local.prefill >= 1")
+        if pol == "naive" and c.prfaas.instances < 1:
+            raise ValueError("policy naive needs clusters.prfaas.instances >= 1")
+        if pol == "prfaas" and (c.prfaas.instances < 1 or c.local.prefill < 1):
+            raise ValueError("policy prfaas needs clusters.prfaas.instances >= 1 and "
+                             "clusters.local.prefill >= 1")
+
+    # ---- derived, emulated quantities (real-world value -> what the emulator runs) ----
+    @property
+    def run_label(self):
+        return self.label or self.scheduler.policy
+
+    def emulated_direction(self, name):
+        """The WAN link parameters of one direction, scaled to emulation units."""
+        d = self.network.wan.direction(name)
+        s = self.scale
+        d["rate"] = d["rate"] * s.bytes * s.time
+        d["delay"] = d["delay"] / s.time
+        d["jitter"] = d["jitter"] / s.time
+        return d
+
+    def emulated_lan_rate(self):
+        r = self.network.lan.rate
+        return None if r is None else r * self.scale.bytes * self.scale.time
+
+
+def _check_scale(exp, path):
+    for direction in ("kv", "request"):
+        rate = exp.emulated_direction(direction)["rate"]
+        if rate > MAX_EMULATED_RATE_BPS:
+            real = exp.network.wan.direction(direction)["rate"]
+            raise ConfigError(
+                f"network.wan.rate {units.fmt_rate(real)} x scale.bytes {exp.scale.bytes:g} x "
+                f"scale.time {exp.scale.time:g} = {units.fmt_rate(rate)} emulated, above what this "
+                f"machine can shape ({units.fmt_rate(MAX_EMULATED_RATE_BPS)}); lower scale.bytes "
+                f"or scale.time", path=path, key="scale")
+        if rate < 8e3:
+            raise ConfigError(
+                f"emulated WAN rate {units.fmt_rate(rate)} is below 8 kbit/s; raise scale.bytes",
+                path=path, key="scale")
+
+
+def set_dotted(d, dotted, value, path=None):
+    """d['a']['b'] = value for dotted 'a.b', creating mappings on the way."""
+    keys = dotted.split(".")
+    cur = d
+    for i, k in enumerate(keys[:-1]):
+        nxt = cur.get(k)
+        if nxt is None:
+            nxt = cur[k] = {}
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"cannot set {dotted!r}: {'.'.join(keys[:i + 1])} is not a mapping",
+                              path=path, key=dotted)
+        cur = nxt
+    cur[keys[-1]] = value
+
+
+def parse_override(text, path=None):
+    """'key.path=value' from `--set`; the value is read as YAML (so 3, 1e-3, true, [1, 2] work)."""
+    if "=" not in text:
+        raise ConfigError(f"--set expects key=value, got {text!r}", path=path)
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def expand(raw, path=None):
+    """The list of (label, mapping) runs described by one YAML mapping (variants x sweep)."""
+    raw = dict(raw)
+    variants = raw.pop("variants", None) or [{}]
+    sweep = raw.pop("sweep", None) or {}
+    if not isinstance(variants, list) or not all(isinstance(v, dict) for v in variants):
+        raise ConfigError("expected a list of mappings (dotted key: value)", path=path,
+                          key="variants")
+    if not isinstance(sweep, dict) or not all(isinstance(v, list) and v for v in sweep.values()):
+        raise ConfigError("expected a mapping of dotted key -> non-empty list of values",
+                          path=path, key="sweep")
+    keys = list(sweep)
+    runs = []
+    for variant in variants:
+        for combo in itertools.product(*(sweep[k] for k in keys)) if keys else [()]:
+            d = copy.deepcopy(raw)
+            for k, v in variant.items():
+                set_dotted(d, str(k), copy.deepcopy(v), path)
+            for k, v in zip(keys, combo):
+                set_dotted(d, k, copy.deepcopy(v), path)
+            runs.append((d, dict(zip(keys, combo))))
+    return runs
+
+
+def _label(exp, sweep_point):
+    base = exp.run_label
+    if sweep_point:
+        base += "," + ",".join(f"{k.split('.')[-1]}={v}" for k, v in sweep_point.items())
+    return base
+
+
+def validate(raw, path=None, sweep_point=None):
+    """One expanded mapping -> Experiment (raises ConfigError naming file and key)."""
+    try:
+        exp = build(Experiment, raw)
+    except ConfigError as e:
+        raise ConfigError(str(e), path=path) from None
+    prof = profiles.load(exp.model.profile)
+    for where, acc in (("clusters.prfaas.accelerator", exp.clusters.prfaas.accelerator),
+                       ("clusters.local.accelerator", exp.clusters.local.accelerator)):
+        if acc not in prof.prefill:
+            raise ConfigError(f"profile {prof.name!r} has no accelerator {acc!r}; it has "
+                              f"{', '.join(prof.prefill)}", path=path, key=where)
+    _check_scale(exp, path)
+    return dataclasses.replace(exp, label=_label(exp, sweep_point or {}))
+
+
+def read_yaml(path):
+    p = pathlib.Path(path)
+    if not p.is_file():
+        raise ConfigError("no such experiment file", path=str(path))
+    try:
+        raw = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"not valid YAML{where}: {getattr(e, 'problem', e)}", path=str(path))
+    if not isinstance(raw, dict):
+        raise ConfigError("expected a mapping at the top level", path=str(path))
+    return raw
+
+
+def load_experiment(path, overrides=()):
+    """Read, override, expand and validate: the list of runs of one experiment file."""
+    raw = read_yaml(path)
+    for text in overrides:
+        key, value = parse_override(text, path)
+        set_dotted(raw, key, value, path)
+    runs = [validate(d, str(path), point) for d, point in expand(raw, str(path))]
+    labels = [r.label for r in runs]
+    if len(set(labels)) != len(labels):
+        runs = [dataclasses.replace(r, label=f"{r.label}#{i}") for i, r in enumerate(runs)]
+    return runs
+
+
+def resolved(exp):
+    """Plain-data form of an Experiment (written as config.yaml in the run directory)."""
+    return to_dict(exp)
+
+
+__all__ = ["Experiment", "load_experiment", "resolved", "expand", "validate", "set_dotted",
+           "parse_override", "MAX_EMULATED_RATE_BPS"]

@@ -1,0 +1,117 @@
+"""Accelerator profiles: measured points fitted into T_prefill(l) and S_kv(l).
+
+A profile (`testbed/profiles/NAME.yaml`) holds, for one model, the KV bytes a prefill of l tokens
+produces and, per accelerator, the prefill latency at a few lengths, plus the decode step time and
+maximum batch. As PRFAAS.md prescribes, the latency is fitted by least squares to
+`T_prefill(l) = a + b*l + c*l^2` (attention is quadratic) and the size to `S_kv(l) = a + b*l`.
+
+The profile engine (workers) and the planner (`testbed.plan`) both read profiles through this
+module so that prediction and emulation use the same numbers.
+"""
+
+import dataclasses
+import pathlib
+
+import numpy as np
+import yaml
+
+from testbed import units
+from testbed.errors import ConfigError
+
+PROFILE_DIR = pathlib.Path(__file__).parent / "profiles"
+
+
+def available():
+    """Names of the profiles shipped with the testbed."""
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.yaml"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+    """Polynomial in l with coefficients lowest order first; evaluates on scalars or arrays."""
+
+    coeffs: tuple
+
+    def __call__(self, l):
+        l = np.asarray(l, dtype=float)
+        out = np.zeros_like(l)
+        for i, c in enumerate(self.coeffs):
+            out = out + c * l**i
+        return float(out) if out.ndim == 0 else out
+
+
+def fit(points, degree):
+    xs = np.array([p[0] for p in points], dtype=float)
+    ys = np.array([p[1] for p in points], dtype=float)
+    if len(xs) < degree + 1:
+        raise ValueError(f"need at least {degree + 1} points for a degree-{degree} fit")
+    c = np.polynomial.polynomial.polyfit(xs, ys, degree)
+    return Fit(tuple(float(v) for v in c))
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    name: str
+    kv_size: Fit                  # S_kv(l), bytes
+    prefill: dict                 # accelerator -> Fit of T_prefill(l), seconds
+    kv_points: tuple
+    prefill_points: dict
+    decode_step_s: float          # T_decode
+    bs_max: int                   # BS_max
+    stream_chunks: int
+
+    def t_prefill(self, accelerator, l):
+        return self.prefill[accelerator](l)
+
+    def s_kv(self, l):
+        return self.kv_size(l)
+
+    def phi_kv(self, accelerator, l):
+        """KV throughput of one instance, bytes/s: Phi_kv(l) = S_kv(l) / T_prefill(l)."""
+        return self.s_kv(l) / self.t_prefill(accelerator, l)
+
+
+def _points(mapping, parse, where):
+    if not isinstance(mapping, dict) or not mapping:
+        raise ConfigError("expected a mapping of token count -> value", key=where)
+    pts = []
+    for k, v in mapping.items():
+        try:
+            pts.append((units.tokens(k), parse(v)))
+        except ValueError as e:
+            raise ConfigError(str(e), key=f"{where}.{k}") from None
+    return tuple(sorted(pts))
+
+
+def load(name_or_path):
+    """Load and fit a profile by name (from testbed/profiles) or by path."""
+    path = pathlib.Path(name_or_path)
+    if not path.suffix:
+        path = PROFILE_DIR / f"{name_or_path}.yaml"
+    if not path.exists():
+        raise ConfigError(f"no profile {name_or_path!r}; available: {', '.join(available())}",
+                          key="model.profile")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"not valid YAML: {e}", path=str(path)) from None
+    try:
+        kv = _points(data["kv_size"]["points"], units.size_bytes, "kv_size.points")
+        accs = data["accelerators"]
+        lat = {a: _points(v["prefill_latency"], units.duration_s, f"accelerators.{a}")
+               for a, v in accs.items()}
+        dec = data.get("decode", {})
+        return Profile(
+            name=data.get("name", path.stem),
+            kv_size=fit(kv, 1),
+            prefill={a: fit(p, 2) for a, p in lat.items()},
+            kv_points=kv,
+            prefill_points=lat,
+            decode_step_s=units.duration_s(dec.get("step_time", "25ms")),
+            bs_max=int(dec.get("bs_max", 20)),
+            stream_chunks=int(data.get("stream_chunks", 16)),
+        )
+    except ConfigError as e:
+        raise ConfigError(str(e), path=str(path)) from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"malformed profile ({e!r})", path=str(path)) from None
