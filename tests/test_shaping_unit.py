@@ -1,0 +1,93 @@
+"""Link arithmetic and parameter checks of testbed.net.shaping; no root, no kernel objects."""
+
+import pytest
+
+from testbed.errors import ConfigError
+from testbed.net import shaping
+
+
+def test_burst_is_one_ms_of_line_rate():
+    assert shaping.htb_burst_bytes(1e9) == 125_000
+    assert shaping.htb_burst_bytes(10e9) == 1_250_000
+    # grows with the rate (HTB reaches 10 Gbit/s here only so) and never below two frames
+    assert shaping.htb_burst_bytes(10e6) == 2 * shaping.FRAME_BYTES
+    assert shaping.htb_burst_bytes(8e3) == 2 * shaping.FRAME_BYTES
+
+
+def test_quantum_within_htb_bounds():
+    assert shaping.htb_quantum_bytes(8e3) == shaping.FRAME_BYTES
+    assert shaping.htb_quantum_bytes(100e9) == 200_000
+
+
+def test_default_queue_is_one_bdp():
+    # 1 Gbit/s x 40 ms RTT = 5 MB
+    assert shaping.default_queue_bytes(1e9, 0.040) == 5_000_000
+    assert shaping.queue_limit(None, 1e9, 0.040) == ("bfifo", 5_000_000)
+
+
+def test_default_queue_floor_holds_a_tso_burst():
+    assert shaping.default_queue_bytes(10e6, 0.0) == shaping.MIN_QUEUE_BYTES
+    assert shaping.MIN_QUEUE_BYTES > 65536
+
+
+def test_explicit_queue_kinds():
+    assert shaping.queue_limit({"packets": 100}, 1e9, 0.01) == ("pfifo", 100)
+    assert shaping.queue_limit({"bytes": 300_000}, 1e9, 0.01) == ("bfifo", 300_000)
+    assert shaping.queue_packets({"bytes": 3 * 1514}, 1e9, 0.0) == 3
+    assert shaping.queue_packets({"packets": 7}, 1e9, 0.0) == 7
+
+
+def test_delayline_capacity_covers_the_delay():
+    p = {"rate": 1e9, "delay": 0.020, "jitter": 0.002}
+    # 1 Gbit/s x 28 ms = 2312 frames in flight; capacity is twice that plus headroom
+    assert shaping.delayline_capacity(p) >= 2 * 2312
+    assert shaping.delayline_capacity({"rate": 1e6, "delay": 0.0, "jitter": 0.0}) == 1024
+    assert shaping.delayline_capacity({"rate": 100e9, "delay": 1.0, "jitter": 0.0}) == \
+        shaping.MAX_NFQUEUE_PACKETS
+
+
+def test_check_params_fills_defaults_and_parses_units():
+    p = shaping.check_params({"rate": "100Mbit", "delay": "5ms", "loss": "1%"}, "kv")
+    assert p["rate"] == 100e6 and p["delay"] == pytest.approx(0.005)
+    assert p["loss"] == pytest.approx(0.01)
+    assert p["up"] is True and p["queue"] is None and p["jitter_dist"] == "normal"
+
+
+@pytest.mark.parametrize("bad,key", [
+    ({"delay": 0.001}, "network.wan.kv.rate"),
+    ({"rate": "fast"}, "network.wan.kv.rate"),
+    ({"rate": 1e3}, "network.wan.kv.rate"),
+    ({"rate": 1e6, "loss": 2}, "network.wan.kv.loss"),
+    ({"rate": 1e6, "queue": {"frames": 3}}, "network.wan.kv.queue"),
+    ({"rate": 1e6, "jitter_dist": "gamma"}, "network.wan.kv.jitter_dist"),
+])
+def test_check_params_names_the_key(bad, key):
+    with pytest.raises(ConfigError) as e:
+        shaping.check_params(bad, "kv")
+    assert key in str(e.value)
+
+
+def test_wan_rejects_bad_directions_and_backend():
+    p = {"rate": 1e6}
+    with pytest.raises(ConfigError):
+        shaping.Wan("/nonexistent", {"kv": "a"}, {"kv": p})
+    with pytest.raises(ConfigError, match="backend"):
+        shaping.Wan("/nonexistent", {"kv": "a", "request": "b"}, {"kv": p, "request": p},
+                    backend="tbf")
+
+
+def test_set_rejects_unknown_keys_before_touching_the_kernel():
+    p = {"rate": 1e6}
+    w = shaping.Wan("/nonexistent", {"kv": "a", "request": "b"}, {"kv": p, "request": p})
+    with pytest.raises(ConfigError, match="bandwidth"):
+        w.set(bandwidth=5)
+
+
+def test_load_trace(tmp_path):
+    f = tmp_path / "bw.csv"
+    f.write_text("time,rate\n0,100Mbit\n1.5s,50Mbit\n3,1e8\n")
+    rows = shaping.load_trace(f, time_scale=2.0, rate_scale=0.5)
+    assert rows == [(0.0, 50e6), (0.75, 25e6), (1.5, 50e6)]
+    f.write_text("time,rate\n2,1Mbit\n1,1Mbit\n")
+    with pytest.raises(ConfigError, match="non-decreasing"):
+        shaping.load_trace(f)
