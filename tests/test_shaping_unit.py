@@ -39,9 +39,9 @@ def test_explicit_queue_kinds():
 
 def test_delayline_capacity_covers_the_delay():
     p = {"rate": 1e9, "delay": 0.020, "jitter": 0.002}
-    # 1 Gbit/s x 28 ms = 2312 frames in flight; capacity is twice that plus headroom
-    assert shaping.delayline_capacity(p) >= 2 * 2312
-    assert shaping.delayline_capacity({"rate": 1e6, "delay": 0.0, "jitter": 0.0}) == 1024
+    # 1 Gbit/s x 28 ms = 2312 frames in flight; capacity is four times that plus headroom
+    assert shaping.delayline_capacity(p) >= 4 * 2312
+    assert shaping.delayline_capacity({"rate": 1e6, "delay": 0.0, "jitter": 0.0}) == 4096
     assert shaping.delayline_capacity({"rate": 100e9, "delay": 1.0, "jitter": 0.0}) == \
         shaping.MAX_NFQUEUE_PACKETS
 
