@@ -1,0 +1,218 @@
+"""The wire format of one layer's state: a header frame, then the raw tensor bytes in chunks.
+
+Transport-agnostic: `encode_layer` returns a list of frames (bytes or memoryview) and the
+receiver feeds each frame's payload to a `LayerAssembler` in the order it was produced. The
+spine's KV data socket (`testbed/kvwire.py`) carries one frame per kvwire frame.
+
+    header frame = 'PKVL' | version u8 | 0 u8 | json length u32 | crc32(json) u32 | json
+    json         = {layer, n_layers, kind, chunk_bytes,
+                    tensors: [{name, dtype, shape, nbytes, crc32, chunks}, ...]}
+    data frames  = each tensor's bytes, in header order, cut into `chunk_bytes` pieces
+
+Data frames carry no header of their own, so on the sending side they are memoryviews of the
+tensors themselves (torch -> numpy -> memoryview, no copy; a CUDA tensor is first copied to
+host memory, which is the transfer buffer). The price is ordering: the frames of one layer must
+reach the assembler in order and not interleaved with another layer of the same request on the
+same `stream` -- true for one TCP connection. A sender that spreads one request's layers over
+several connections passes the connection as `stream`; each stream keeps its own cursor.
+
+The receiver copies each chunk once into a preallocated tensor, checks every tensor's crc32
+and every length, shape and dtype against the header, and raises `StateWireError` naming the
+layer and the tensor on any mismatch.
+"""
+
+import json
+import math
+import struct
+import zlib
+
+import numpy as np
+import torch
+
+from testbed.errors import TestbedError
+
+MAGIC = b"PKVL"
+VERSION = 1
+HEADER = struct.Struct("!4sBBII")
+DEFAULT_CHUNK_BYTES = 1 << 20
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+class StateWireError(TestbedError):
+    """A layer's state arrived corrupt, truncated, out of order or not matching the model."""
+
+
+def _host_bytes(t):
+    """A contiguous host copy-or-view of tensor t and a memoryview of its bytes."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    t = t.contiguous()
+    flat = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+    return memoryview(flat.numpy()).cast("B")
+
+
+def encode_layer(idx, tensors, n_layers=None, kind="", chunk_bytes=DEFAULT_CHUNK_BYTES):
+    """Frames of layer `idx`'s state (`tensors`: name -> tensor): a header, then data chunks."""
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+    descs, views = [], []
+    for name, t in tensors.items():
+        if t.dtype not in DTYPE_NAMES:
+            raise StateWireError(f"layer {idx} tensor {name!r}: dtype {t.dtype} not supported")
+        mv = _host_bytes(t)
+        descs.append({"name": name, "dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape),
+                      "nbytes": mv.nbytes, "crc32": zlib.crc32(mv),
+                      "chunks": math.ceil(mv.nbytes / chunk_bytes)})
+        views.append(mv)
+    meta = json.dumps({"layer": idx, "n_layers": n_layers, "kind": kind,
+                       "chunk_bytes": chunk_bytes, "tensors": descs},
+                      separators=(",", ":")).encode()
+    frames = [HEADER.pack(MAGIC, VERSION, 0, len(meta), zlib.crc32(meta)) + meta]
+    for mv in views:
+        frames.extend(mv[o:o + chunk_bytes] for o in range(0, mv.nbytes, chunk_bytes))
+    return frames
+
+
+def encode_state(state, chunk_bytes=DEFAULT_CHUNK_BYTES):
+    """Frames of every layer of a `hybrid.RequestState`, layer by layer."""
+    n = len(state.layers)
+    return [f for i in range(n) for f in encode_layer(i, state.layer_tensors(i), n,
+                                                      state.kinds[i], chunk_bytes)]
+
+
+def frames_nbytes(frames):
+    return sum(memoryview(f).nbytes for f in frames)
+
+
+def _parse_header(frame):
+    mv = memoryview(frame)
+    if mv.nbytes < HEADER.size:
+        raise StateWireError(f"expected a layer header frame, got {mv.nbytes} bytes")
+    magic, version, _, n, crc = HEADER.unpack(mv[:HEADER.size])
+    if magic != MAGIC:
+        raise StateWireError(f"expected a layer header frame (magic {MAGIC!r}), got {bytes(magic)!r}")
+    if version != VERSION:
+        raise StateWireError(f"layer header version {version}, this receiver reads {VERSION}")
+    meta = mv[HEADER.size:]
+    if meta.nbytes != n or zlib.crc32(meta) != crc:
+        raise StateWireError("layer header corrupt (length or crc32 mismatch)")
+    return json.loads(bytes(meta))
+
+
+class _Pending:
+    """A layer being received: its header and the tensors filled so far."""
+
+    def __init__(self, meta, where):
+        self.meta = meta
+        self.layer = meta["layer"]
+        self.chunk = meta["chunk_bytes"]
+        self.bufs = []
+        for d in meta["tensors"]:
+            dt = DTYPES.get(d["dtype"])
+            if dt is None:
+                raise StateWireError(f"{where}: tensor {d['name']!r} has unknown dtype {d['dtype']!r}")
+            want = math.prod(d["shape"]) * torch.empty(0, dtype=dt).element_size()
+            if want != d["nbytes"] or d["chunks"] != math.ceil(d["nbytes"] / self.chunk):
+                raise StateWireError(f"{where}: tensor {d['name']!r} header inconsistent "
+                                     f"(shape {d['shape']} {d['dtype']} = {want} bytes, "
+                                     f"header says {d['nbytes']} in {d['chunks']} chunks)")
+            self.bufs.append(torch.empty(d["nbytes"], dtype=torch.uint8))
+        self.t = 0          # tensor being filled
+        self.off = 0        # bytes of it filled
+        self._skip_empty()
+
+    def _skip_empty(self):
+        while self.t < len(self.bufs) and self.meta["tensors"][self.t]["nbytes"] == 0:
+            self.t += 1
+
+    @property
+    def done(self):
+        return self.t >= len(self.bufs)
+
+    def fill(self, frame):
+        d = self.meta["tensors"][self.t]
+        mv = memoryview(frame).cast("B")
+        expect = min(self.chunk, d["nbytes"] - self.off)
+        if mv.nbytes != expect:
+            raise StateWireError(f"layer {self.layer} tensor {d['name']!r}: chunk at byte "
+                                 f"{self.off} is {mv.nbytes} bytes, expected {expect}")
+        dst = self.bufs[self.t].numpy()
+        dst[self.off:self.off + expect] = np.frombuffer(mv, dtype=np.uint8)
+        self.off += expect
+        if self.off == d["nbytes"]:
+            if zlib.crc32(dst) != d["crc32"]:
+                raise StateWireError(f"layer {self.layer} tensor {d['name']!r}: crc32 mismatch "
+                                     f"({d['nbytes']} bytes arrived corrupt)")
+            self.t += 1
+            self.off = 0
+            self._skip_empty()
+
+    def tensors(self):
+        out = {}
+        for d, buf in zip(self.meta["tensors"], self.bufs):
+            out[d["name"]] = buf.view(DTYPES[d["dtype"]]).view(d["shape"])
+        return out
+
+
+class LayerAssembler:
+    """Receives one request's layer frames and assembles its per-layer state.
+
+    `n_layers` (and optionally `kinds`, one per layer) is what the decode model expects; a
+    header that disagrees is an error. `feed` returns the index of a layer it just completed,
+    else None. `complete` is true when every layer arrived; `states()` returns the per-layer
+    dicts of tensors (name -> tensor, on CPU) in layer order.
+    """
+
+    def __init__(self, n_layers, kinds=None):
+        self.n_layers = n_layers
+        self.kinds = tuple(kinds) if kinds is not None else None
+        self.layers = {}
+        self.pending = {}            # stream -> _Pending
+        self.bytes_received = 0
+
+    def feed(self, frame, stream=None):
+        self.bytes_received += memoryview(frame).nbytes
+        cur = self.pending.get(stream)
+        if cur is None:
+            cur = self._start(_parse_header(frame))
+            if not cur.done:
+                self.pending[stream] = cur
+                return None
+        else:
+            cur.fill(frame)
+            if not cur.done:
+                return None
+            del self.pending[stream]
+        self.layers[cur.layer] = cur.tensors()
+        return cur.layer
+
+    def _start(self, meta):
+        i = meta.get("layer")
+        where = f"layer {i}"
+        if not isinstance(i, int) or not 0 <= i < self.n_layers:
+            raise StateWireError(f"layer index {i!r} outside 0..{self.n_layers - 1}")
+        if meta.get("n_layers") not in (None, self.n_layers):
+            raise StateWireError(f"{where}: sender's model has {meta['n_layers']} layers, "
+                                 f"receiver's has {self.n_layers}")
+        if self.kinds and meta.get("kind") and meta["kind"] != self.kinds[i]:
+            raise StateWireError(f"{where}: sender says {meta['kind']!r}, receiver's model has "
+                                 f"{self.kinds[i]!r}")
+        if i in self.layers or any(p.layer == i for p in self.pending.values()):
+            raise StateWireError(f"{where} received twice")
+        return _Pending(meta, where)
+
+    @property
+    def complete(self):
+        return len(self.layers) == self.n_layers and not self.pending
+
+    def missing(self):
+        return [i for i in range(self.n_layers) if i not in self.layers]
+
+    def states(self):
+        if not self.complete:
+            raise StateWireError(f"state incomplete: layers {self.missing()} missing")
+        return [self.layers[i] for i in range(self.n_layers)]
