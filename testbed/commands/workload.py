@@ -71,7 +71,7 @@ def format_summary(s, trace=None, title=""):
                      f"{trace['clipped']} inputs clipped")
         lines += [f"               skipped {e}" for e in trace["skip_examples"]]
     lines.append(f"  requests     {s['count']:,}")
-    lines.append(f"  arrivals     {s['rate_per_s']:.3g}/s mean, inter-arrival CV "
+    lines.append(f"  arrivals     {s['rate_per_s']:.3f}/s mean, inter-arrival CV "
                  f"{s['interarrival_cv']:.3g}")
     for name in ("input", "output"):
         lines.append(f"  {name:<12} mean {s[name + '_mean']:,.0f}  p50 {s[name + '_p50']:,.0f}"
