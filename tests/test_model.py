@@ -207,3 +207,66 @@ def test_wire_rejects_a_mismatched_model_and_incomplete_state(model):
         asm.feed(frames[0])
     with pytest.raises(StateWireError, match=r"missing"):
         asm.states()
+
+
+# ---- engines ----
+
+def test_torch_engines_stream_layers_and_decode_like_forward_full():
+    import asyncio
+
+    from workers.engine_torch import TorchDecodeEngine, TorchPrefillEngine, emit_sender
+
+    cfg = HybridConfig(seed=4, n_layers=4, d_model=64)
+    pre, dec = TorchPrefillEngine(cfg, "cpu", chunk_bytes=4096), TorchDecodeEngine(cfg, "cpu")
+    reqs = [{"id": 7, "input_len": 90}, {"id": 8, "input_len": 150}]
+    layers_seen = []
+
+    async def go():
+        out = []
+        for r in reqs:
+            def emit(seq, payload, last, rid=r["id"]):
+                dec.receive(rid, seq, 1 if last else 0, bytes(payload))
+            send = emit_sender(emit)
+
+            async def send_layer(i, frames):
+                layers_seen.append(i)
+                send(i, frames)
+            out.append(await pre.prefill(r, send_layer))
+        return out
+
+    timings = asyncio.run(go())
+    assert layers_seen == [0, 1, 2, 3, None] * 2
+    assert all(t["kv_bytes"] > t["state_bytes"] > 0 for t in timings)
+    for r, t in zip(reqs, timings):
+        dec.admit(r["id"])
+        assert dec.resident_bytes(r["id"]) == t["state_bytes"]
+    fed = {7: [timings[0]["first_token"]], 8: [timings[1]["first_token"]]}
+    for _ in range(6):
+        for rid, tok in dec.step([7, 8]).items():
+            fed[rid].append(tok)
+    m = dec.model
+    for r in reqs:
+        from workers.engine_torch import request_tokens
+        toks = request_tokens(r, cfg.vocab).tolist() + fed[r["id"]][:-1]
+        assert m.forward_full(toks)[len(toks) - 7:].argmax(-1).tolist() == fed[r["id"]]
+    dec.release(7)
+    assert dec.step([7, 8]).keys() == {8}
+    pre.close()
+    dec.close()
+
+
+def test_torch_decode_engine_reports_a_corrupt_transfer():
+    from workers.engine_torch import TorchDecodeEngine
+
+    cfg = HybridConfig(n_layers=4, d_model=64)
+    m = HybridModel(cfg)
+    _, st = m.prefill(_tokens(70))
+    frames = [bytearray(f) for f in encode_state(st, chunk_bytes=2048)]
+    frames[3][5] ^= 0xFF
+    dec = TorchDecodeEngine(cfg, "cpu")
+    for seq, f in enumerate(frames):
+        dec.receive(1, seq, 0, bytes(f))
+    assert "crc32" in dec.error(1)
+    with pytest.raises(StateWireError, match="crc32"):
+        dec.admit(1)
+    dec.close()

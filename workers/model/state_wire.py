@@ -8,6 +8,8 @@ spine's KV data socket (`testbed/kvwire.py`) carries one frame per kvwire frame.
     json         = {layer, n_layers, kind, chunk_bytes,
                     tensors: [{name, dtype, shape, nbytes, crc32, chunks}, ...]}
     data frames  = each tensor's bytes, in header order, cut into `chunk_bytes` pieces
+    trailer      = 'PKVT' | version u8 | 0 u8 | json length u32 | crc32(json) u32 | json
+                   (optional, after the last layer: {first_token, length, n_layers})
 
 Data frames carry no header of their own, so on the sending side they are memoryviews of the
 tensors themselves (torch -> numpy -> memoryview, no copy; a CUDA tensor is first copied to
@@ -32,6 +34,7 @@ import torch
 from testbed.errors import TestbedError
 
 MAGIC = b"PKVL"
+TRAILER_MAGIC = b"PKVT"
 VERSION = 1
 HEADER = struct.Struct("!4sBBII")
 DEFAULT_CHUNK_BYTES = 1 << 20
@@ -77,6 +80,13 @@ def encode_layer(idx, tensors, n_layers=None, kind="", chunk_bytes=DEFAULT_CHUNK
     return frames
 
 
+def encode_trailer(first_token, length, n_layers):
+    """The frame that ends a request's state: prefill's greedy first token and the length."""
+    meta = json.dumps({"first_token": int(first_token), "length": int(length),
+                       "n_layers": n_layers}).encode()
+    return HEADER.pack(TRAILER_MAGIC, VERSION, 0, len(meta), zlib.crc32(meta)) + meta
+
+
 def encode_state(state, chunk_bytes=DEFAULT_CHUNK_BYTES):
     """Frames of every layer of a `hybrid.RequestState`, layer by layer."""
     n = len(state.layers)
@@ -89,18 +99,19 @@ def frames_nbytes(frames):
 
 
 def _parse_header(frame):
+    """(magic, meta) of a layer header or trailer frame."""
     mv = memoryview(frame)
     if mv.nbytes < HEADER.size:
         raise StateWireError(f"expected a layer header frame, got {mv.nbytes} bytes")
     magic, version, _, n, crc = HEADER.unpack(mv[:HEADER.size])
-    if magic != MAGIC:
+    if magic not in (MAGIC, TRAILER_MAGIC):
         raise StateWireError(f"expected a layer header frame (magic {MAGIC!r}), got {bytes(magic)!r}")
     if version != VERSION:
         raise StateWireError(f"layer header version {version}, this receiver reads {VERSION}")
     meta = mv[HEADER.size:]
     if meta.nbytes != n or zlib.crc32(meta) != crc:
         raise StateWireError("layer header corrupt (length or crc32 mismatch)")
-    return json.loads(bytes(meta))
+    return magic, json.loads(bytes(meta))
 
 
 class _Pending:
@@ -164,7 +175,8 @@ class LayerAssembler:
     `n_layers` (and optionally `kinds`, one per layer) is what the decode model expects; a
     header that disagrees is an error. `feed` returns the index of a layer it just completed,
     else None. `complete` is true when every layer arrived; `states()` returns the per-layer
-    dicts of tensors (name -> tensor, on CPU) in layer order.
+    dicts of tensors (name -> tensor, on CPU) in layer order; `trailer` is the end-of-state
+    record ({first_token, length, n_layers}) once it arrived, else None.
     """
 
     def __init__(self, n_layers, kinds=None):
@@ -173,12 +185,20 @@ class LayerAssembler:
         self.layers = {}
         self.pending = {}            # stream -> _Pending
         self.bytes_received = 0
+        self.trailer = None
 
     def feed(self, frame, stream=None):
         self.bytes_received += memoryview(frame).nbytes
         cur = self.pending.get(stream)
         if cur is None:
-            cur = self._start(_parse_header(frame))
+            magic, meta = _parse_header(frame)
+            if magic == TRAILER_MAGIC:
+                if meta.get("n_layers") != self.n_layers:
+                    raise StateWireError(f"trailer says {meta.get('n_layers')} layers, "
+                                         f"receiver's model has {self.n_layers}")
+                self.trailer = meta
+                return None
+            cur = self._start(meta)
             if not cur.done:
                 self.pending[stream] = cur
                 return None
