@@ -1,0 +1,155 @@
+"""`testbed plan FILE`: what the paper's analytical model predicts for an experiment file.
+
+Builds the three deployments of PRFAAS.md (PrfaaS-PD, homogeneous PD, naive heterogeneous) from
+the file's runs (`testbed.plan.policy_sizings` states the rule), finds each one's best threshold
+and N_p/N_d split, and prints a table per policy with the headline ratios, or (`--json`) one
+object `{"policies": {"prfaas": {...}, "homogeneous": {...}, "naive": {...}}, ...}`.
+`--figures DIR` also draws the planner's figures (`testbed.plan_figures`). Nothing is started.
+"""
+
+import argparse
+import json
+import math
+import pathlib
+
+import numpy as np
+
+from testbed import plan as planner
+from testbed import units
+from testbed.errors import ConfigError
+
+
+def register(subparsers):
+    p = subparsers.add_parser(
+        "plan", help="predict throughput of the three policies with the paper's model",
+        description="Predict Lambda_max of PrfaaS-PD, homogeneous PD and naive heterogeneous "
+                    "for an experiment file with the paper's analytical model (real-world units).")
+    p.add_argument("file", help="experiment YAML (its variants give each policy's cluster sizes)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                   help="override a key of the file (dotted path), e.g. network.wan.rate=50Gbit")
+    p.add_argument("--figures", metavar="DIR", help="also write the planner's figures (PNG, PDF)")
+    p.add_argument("--b-out", metavar="RATE", type=_rate, default=None,
+                   help="PrfaaS egress bandwidth B_out, e.g. 40Gbit (default: the WAN kv rate)")
+    p.add_argument("--step", metavar="TOKENS", type=int, default=planner.DEFAULT_STEP_TOKENS,
+                   help=f"threshold grid step (1..100, default {planner.DEFAULT_STEP_TOKENS})")
+    p.add_argument("--lengths", metavar="FILE",
+                   help="empirical uncached input lengths, one integer a line (replaces the "
+                        "file's input distribution)")
+    p.set_defaults(func=run)
+    return p
+
+
+def _rate(text):
+    try:
+        return units.rate_bps(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def read_lengths(path):
+    """Lengths from a text file, one number a line ('#' comments allowed)."""
+    p = pathlib.Path(path)
+    if not p.is_file():
+        raise ConfigError("no such lengths file", path=str(path))
+    try:
+        values = np.loadtxt(p, dtype=float, comments="#", ndmin=1)
+    except ValueError as e:
+        raise ConfigError(f"expected one number a line ({e})", path=str(path)) from None
+    try:
+        return planner.LengthDistribution.from_lengths(values, label=p.name)
+    except ValueError as e:
+        raise ConfigError(str(e), path=str(path)) from None
+
+
+def run(args):
+    lengths = read_lengths(args.lengths) if args.lengths else None
+    report = planner.plan_file(args.file, args.overrides, lengths=lengths, b_out_bps=args.b_out,
+                               step=args.step)
+    if args.figures:
+        from testbed import plan_figures
+        from testbed.config import load_experiment
+        runs = load_experiment(args.file, args.overrides)
+        report["figures"] = [str(f) for f in plan_figures.draw_all(
+            runs, args.figures, lengths=lengths, b_out_bps=args.b_out, step=args.step)]
+    if args.json:
+        print(json.dumps(report, indent=2, allow_nan=False))
+    else:
+        print(render(report, args.file))
+    return 0
+
+
+# ---------------------------------------------------------------- human output
+
+_LINES = [  # (label, key, format)
+    ("PrfaaS instances", "n_prfaas", "{:d}"),
+    ("N_p (local prefill)", "n_p", "{:d}"),
+    ("N_d (local decode)", "n_d", "{:d}"),
+    ("threshold t (tokens)", "threshold", "{:,d}"),
+    ("p = P(L > t)", "offload_fraction", "{:.3f}"),
+    ("l_long (tokens)", "l_long", "{:,.0f}"),
+    ("l_short (tokens)", "l_short", "{:,.0f}"),
+    ("Theta_prfaas (req/s)", "theta_prfaas", "{:.3f}"),
+    ("Theta_pdp (req/s)", "theta_pdp", "{:.3f}"),
+    ("Theta_pdd (req/s)", "theta_pdd", "{:.3f}"),
+    ("Theta_prfaas / p", "bound_prfaas", "{:.3f}"),
+    ("Theta_pdp / (1 - p)", "bound_pdp", "{:.3f}"),
+    ("Lambda_max (req/s)", "lambda_max", "{:.3f}"),
+    ("binding stage", "binding", "{}"),
+    ("PrfaaS limited by", "prfaas_limit", "{}"),
+    ("egress (Gbps)", "egress_gbps", "{:.2f}"),
+    ("B_out needed (Gbps)", "b_out_min_gbps", "{:.2f}"),
+    ("(Th_prfaas+Th_pdp)/Th_pdd", "balance", "{:.2f}"),
+]
+
+
+def _cell(row, key, fmt):
+    if row is None:
+        return "-"
+    v = row.get(key)
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "-"
+    return fmt.format(v)
+
+
+def render(report, path):
+    pols = report["policies"]
+    inp = report["inputs"]
+    names = list(pols)
+    head = [f"testbed plan {path}",
+            f"  model {inp['profile']}; L ~ {inp['input']} (E[L] = {inp['mean_input']:,.0f}); "
+            f"L_out = {inp['l_out']:,.0f}; T_decode = {inp['t_decode_s'] * 1e3:g} ms; "
+            f"BS_max = {inp['bs_max']}",
+            f"  B_out = {report['b_out_gbps']:.3g} Gbps ({report['b_out_rule']}); "
+            f"WAN {report['wan_gbps']:.3g} Gbps; threshold grid step {inp['threshold_step']} "
+            f"tokens", ""]
+    width = max(len(label) for label, _, _ in _LINES)
+    cols = [max(12, len(n)) for n in names]
+    lines = ["  " + " " * width + "  " + "  ".join(n.rjust(w) for n, w in zip(names, cols))]
+    for label, key, fmt in _LINES:
+        cells = [_cell(pols[n], key, fmt) for n in names]
+        lines.append("  " + label.ljust(width) + "  " +
+                     "  ".join(c.rjust(w) for c, w in zip(cells, cols)))
+    origin = [f"  {n}: {pols[n]['origin']}" for n in names if pols[n]]
+    ratios = [f"  Lambda_max {k.replace('/', ' / ')} = {v:.2f}x"
+              for k, v in report["ratios"].items()]
+    phi_lines = ["Phi_kv per instance (Gbps)"] + [
+        f"  {acc}: " + ", ".join(f"{_k(l)} {g:.2f}" for l, g in row.items())
+        for acc, row in report["phi_kv"]["by_accelerator"].items()]
+    conf = [f"  {c['label']}: Lambda_max {c['lambda_max']:.3f} req/s, binding {c['binding']}"
+            if c.get("lambda_max") is not None else f"  {c['label']}: no prediction"
+            for c in report["configured"]]
+    warn = [f"  warning: {w}" for w in report["warnings"]]
+    out = head + lines + ["", "headline"] + ratios + ["", "sizes from"] + origin + \
+        ["", "as configured in the file (what `testbed run` will measure)"] + conf + \
+        [""] + phi_lines
+    if warn:
+        out += [""] + warn
+    if report.get("figures"):
+        out += ["", "figures: " + ", ".join(report["figures"])]
+    return "\n".join(out)
+
+
+def _k(l):
+    l = int(l)
+    return f"{l // 1024}K" if l % 1024 == 0 else f"{l / 1024:.1f}K"
