@@ -32,7 +32,7 @@ B_out rule: the paper fixes B_out; here it is the WAN rate of the `kv` direction
 takes, so the link rate is the most the cluster can send. A planner argument (`b_out_bps`,
 `testbed plan --b-out`) may set another value (a provisioned share of the link, or a what-if
 above it); a warning says when the predicted egress exceeds the WAN rate, and when PrfaaS would
-need more than the WAN gives to stay compute-bound (`b_out_min = N_prfaas * Phi_kv(l_long)`, the
+need more than B_out to stay compute-bound (`b_out_min = N_prfaas * Phi_kv(l_long)`, the
 paper's minimum egress).
 """
 
@@ -567,10 +567,11 @@ def egress_warnings(row, inp):
                    f"exceeds the WAN rate {wan:.3g} Gbps (B_out {inp.b_out_Bps * 8 / GBPS:.3g} "
                    f"Gbps is above the link)")
     need = row.get("b_out_min_gbps")
-    if need is not None and need > wan:
+    b_out = inp.b_out_Bps * 8 / GBPS
+    if need is not None and need > b_out * (1 + 1e-9):
         out.append(f"{row['policy']}: PrfaaS needs B_out >= N_prfaas * Phi_kv(l_long) = "
-                   f"{need:.2f} Gbps to stay compute-bound; the WAN gives {wan:.3g} Gbps, so it "
-                   f"is bandwidth-bound")
+                   f"{need:.2f} Gbps to stay compute-bound; B_out is {b_out:.3g} Gbps (WAN "
+                   f"{wan:.3g} Gbps), so it is bandwidth-bound")
     return out
 
 
