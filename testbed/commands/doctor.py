@@ -1,0 +1,105 @@
+"""`testbed doctor`: what this machine offers the link emulation, and which backend `auto` picks.
+
+Each check creates nothing outside scratch namespaces (`tbdoc<pid>`, always removed): qdisc kinds
+are tried on `lo` of a scratch namespace, NFQUEUE by binding the delay line's queue there.
+"""
+
+import contextlib
+import importlib
+import os
+import shutil
+import subprocess
+
+QDISCS = ("htb", "tbf", "bfifo", "pfifo", "netem", "fq", "fq_codel", "red", "hfsc")
+
+
+def register(sub):
+    p = sub.add_parser("doctor", help="list kernel features and the shaping backend auto picks")
+    p.set_defaults(func=main)
+
+
+def _qdisc_available(ns, idx, kind):
+    from pyroute2.netlink.exceptions import NetlinkError
+    from testbed.net import shaping
+    shaping._register_fifo_plugins()
+    extra = {"tbf": {"rate": "1mbit", "burst": 10000, "limit": 10000}}.get(
+        kind, {"limit": 1000} if "fifo" in kind else {})
+    try:
+        ns.tc("add", kind, index=idx, handle=0x10000, **extra)
+    except NetlinkError as e:
+        if e.code == 2:
+            return False, "not in this kernel (ENOENT)"
+        return False, os.strerror(e.code)
+    except Exception as e:   # pyroute2 could not encode the request: not a kernel answer
+        return False, f"not tried ({e})"
+    with contextlib.suppress(Exception):
+        ns.tc("del", index=idx, handle=0x10000, parent=0xFFFFFFFF)
+    return True, ""
+
+
+def _nfqueue_available(ns_path):
+    from testbed.net.shaping import delayline_binary
+    try:
+        binary = delayline_binary()
+    except Exception as e:
+        return False, str(e)
+    p = subprocess.Popen(["nsenter", f"--net={ns_path}", str(binary), "7", "16", "0", "0",
+                          "normal", "0", "1"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = p.communicate("", timeout=5)   # empty stdin: binds, says ready, exits
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.communicate()
+        return False, "delay line did not answer within 5 s"
+    return ("ready" in out), (err.strip() or "")
+
+
+def main(args):
+    rows = []
+    root = os.geteuid() == 0
+    rows.append(("root", root, "" if root else "namespaces and tc need sudo"))
+    try:
+        importlib.import_module("mininet.net")
+        rows.append(("mininet importable", True, ""))
+    except Exception as e:
+        rows.append(("mininet importable", False, str(e)))
+    for tool in ("nsenter", "iptables", "iptables-restore", "nft", "gcc", "iperf3"):
+        rows.append((f"{tool} on PATH", bool(shutil.which(tool)), ""))
+    try:
+        importlib.import_module("netfilterqueue")
+        rows.append(("NetfilterQueue (python)", True, "installed; the delay line uses C instead"))
+    except Exception as e:
+        rows.append(("NetfilterQueue (python)", False, str(e)))
+    if root:
+        rows += _kernel_rows()
+        from testbed.net.shaping import probe_backend
+        backend, reason = probe_backend()
+    else:
+        backend, reason = "userspace", "not root: could not probe the kernel"
+    width = max(len(r[0]) for r in rows)
+    for name, ok, note in rows:
+        print(f"{name:{width}}  {'yes' if ok else 'NO ':3}  {note}".rstrip())
+    print(f"\nbackend auto picks: {backend}  ({reason})")
+    return 0
+
+
+def _kernel_rows():
+    from pyroute2 import NetNS, netns
+    name = f"tbdoc{os.getpid()}"
+    rows = []
+    netns.create(name)
+    try:
+        path = f"/var/run/netns/{name}"
+        with NetNS(path) as ns:
+            lo = ns.link_lookup(ifname="lo")[0]
+            ns.link("set", index=lo, state="up")
+            for kind in QDISCS:
+                ok, why = _qdisc_available(ns, lo, kind)
+                rows.append((f"qdisc {kind}", ok, why))
+        ok, why = _nfqueue_available(path)
+        rows.append(("NFQUEUE (tb-delayline binds)", ok, why))
+    finally:
+        with contextlib.suppress(Exception):
+            netns.remove(name)
+    return rows

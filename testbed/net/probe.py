@@ -1,0 +1,318 @@
+"""Measure a built link between two namespaces: the `link_fidelity` of a run.
+
+Place in the architecture: after the network is built and before workers start, the run calls
+`measure_link` across the WAN; `testbed linktest` and `benchmarks/link_fidelity.py` call it on a
+link built alone. It measures, it never reads back what the shaper was told:
+
+- RTT percentiles and one-way delay jitter from >= 100 UDP probes echoed by the far side. Both
+  namespaces share the host's CLOCK_MONOTONIC, so one-way delays are exact, not halved RTTs.
+- goodput: TCP payload bits/s of a bulk transfer over `duration_s`, excluding a warm-up, counted
+  by the receiver (the TCP payload of a 1514-byte frame is 1448 bytes, 0.956 of the link rate).
+- loss: when loss is configured, a paced UDP train of `loss_packets` one way (below half the link
+  rate, so the bottleneck queue never drops), counted at the receiver.
+- reordering: forward probes and train packets arriving below the highest sequence seen.
+
+Each side runs as `nsenter --net=PATH python -m testbed.net.probe ROLE ...`, a child of this
+process that prints one JSON line; every wait on it is bounded.
+"""
+
+import json
+import math
+import os
+import select
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import time
+
+from testbed.errors import NetworkError
+
+TCP_PORT, UDP_PORT = 47001, 47002
+WARMUP_S = 0.5                  # slow start at 40 ms RTT reaches 1 Gbit/s well within this
+PROBES, PROBE_INTERVAL_S = 200, 0.005
+HDR = struct.Struct("!cIq")     # kind ('p' probe, 't' train, 'e' end), seq, send time ns
+TRAIN_PAYLOAD = 100
+DEVIATION_WARN = 0.10
+
+
+# ---------------------------------------------------------------- roles run inside a namespace
+
+def _udp_server(port, timeout_s):
+    """Echo probes (adding our receive time), count train packets; report at 'e' or timeout."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+    s.bind(("0.0.0.0", port))
+    print("ready", flush=True)
+    got = {"p": 0, "t": 0}
+    reordered = {"p": 0, "t": 0}
+    top = {"p": -1, "t": -1}
+    owd_ns = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        r, _, _ = select.select([s], [], [], 0.5)
+        if not r:
+            continue
+        data, addr = s.recvfrom(2048)
+        now = time.monotonic_ns()
+        kind, seq, sent = HDR.unpack_from(data)
+        kind = kind.decode()
+        if kind == "e":
+            break
+        got[kind] += 1
+        if seq < top[kind]:
+            reordered[kind] += 1
+        top[kind] = max(top[kind], seq)
+        if kind == "p":
+            owd_ns.append(now - sent)
+            s.sendto(data[:HDR.size] + struct.pack("!q", now), addr)
+    print(json.dumps({"got": got, "reordered": reordered, "owd_ns": owd_ns}), flush=True)
+
+
+def _udp_client(ip, port, probes, interval_s, train, train_pps):
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+    s.connect((ip, port))
+    rtt_ns, rev_ns = [], []
+    t0 = time.monotonic()
+    for seq in range(probes):
+        # wait for echoes until the next probe is due, so each is timed when it arrives
+        _drain_echoes(s, rtt_ns, rev_ns, t0 + seq * interval_s - time.monotonic())
+        s.send(HDR.pack(b"p", seq, time.monotonic_ns()))
+    _drain_echoes(s, rtt_ns, rev_ns, 1.0, stop_at=probes)   # the last echoes: at most 1 s late
+    pad = b"\0" * TRAIN_PAYLOAD
+    t0 = time.monotonic()
+    for seq in range(train):
+        if seq % 16 == 0:
+            _pace(t0 + seq / train_pps)
+        s.send(HDR.pack(b"t", seq, 0) + pad)
+    time.sleep(0.05)
+    for _ in range(5):   # 'e' may itself be lost; once it arrives the server is gone (ICMP)
+        try:
+            s.send(HDR.pack(b"e", 0, 0))
+        except ConnectionRefusedError:
+            break
+        time.sleep(0.01)
+    print(json.dumps({"rtt_ns": rtt_ns, "rev_ns": rev_ns, "sent": {"p": probes, "t": train}}),
+          flush=True)
+
+
+def _pace(at):
+    delay = at - time.monotonic()
+    if delay > 0:
+        time.sleep(delay)
+
+
+def _drain_echoes(s, rtt_ns, rev_ns, wait_s, stop_at=None):
+    end = time.monotonic() + wait_s
+    while stop_at is None or len(rtt_ns) < stop_at:
+        r, _, _ = select.select([s], [], [], max(0.0, end - time.monotonic()))
+        if not r:
+            return
+        data = s.recv(2048)
+        now = time.monotonic_ns()
+        _, _, sent = HDR.unpack_from(data)
+        (echoed,) = struct.unpack_from("!q", data, HDR.size)
+        rtt_ns.append(now - sent)
+        rev_ns.append(now - echoed)
+
+
+def _tcp_sink(port, duration_s):
+    """Accept one connection; report payload bytes received after the warm-up, and over what."""
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("0.0.0.0", port))
+    srv.listen(1)
+    print("ready", flush=True)
+    srv.settimeout(10)
+    conn, _ = srv.accept()
+    conn.settimeout(5)
+    buf = bytearray(1 << 20)
+    first = mark = None
+    total = counted = 0
+    try:
+        while True:
+            n = conn.recv_into(buf)
+            if n == 0:
+                break
+            now = time.monotonic()
+            first = first or now
+            total += n
+            if now - first >= WARMUP_S:
+                if mark is None:
+                    mark = now
+                else:
+                    counted += n
+                last = now
+    except socket.timeout:
+        pass
+    span = (last - mark) if mark is not None and counted else 0.0
+    print(json.dumps({"bytes": total, "counted_bytes": counted, "span_s": span}), flush=True)
+
+
+def _tcp_source(ip, port, duration_s):
+    s = socket.create_connection((ip, port), timeout=5)
+    chunk = b"\0" * (1 << 20)
+    end = time.monotonic() + WARMUP_S + duration_s
+    sent = 0
+    s.settimeout(max(5.0, duration_s))
+    while time.monotonic() < end:
+        sent += s.send(chunk)
+    s.close()
+    print(json.dumps({"sent": sent}), flush=True)
+
+
+# ---------------------------------------------------------------- orchestration
+
+def _spawn(ns_path, *args):
+    argv = ["nsenter", f"--net={ns_path}", sys.executable, "-m", "testbed.net.probe", *map(str, args)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))]
+        + os.environ.get("PYTHONPATH", "").split(os.pathsep)))
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+
+
+def _wait_ready(proc, what, timeout_s=5.0):
+    r, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    line = proc.stdout.readline().strip() if r else ""
+    if line != "ready":
+        proc.kill()
+        raise NetworkError(f"probe {what} did not start: {line or proc.stderr.read().strip()}")
+
+
+def _result(proc, what, timeout_s):
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise NetworkError(f"probe {what} gave no result within {timeout_s:.0f} s") from None
+    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise NetworkError(f"probe {what} failed: {err.strip().splitlines()[-1:] or proc.returncode}")
+    return json.loads(lines[-1])
+
+
+def _percentile(xs, q):
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    k = (len(xs) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def measure_udp(src, dst, dst_ip, probes=PROBES, train=0, train_pps=1000.0):
+    server = _spawn(dst, "udp-server", UDP_PORT, 60)
+    try:
+        _wait_ready(server, "udp server")
+        client = _spawn(src, "udp-client", dst_ip, UDP_PORT, probes, PROBE_INTERVAL_S, train,
+                        train_pps)
+        c = _result(client, "udp client", probes * PROBE_INTERVAL_S + train / train_pps + 15)
+        s = _result(server, "udp server", 5)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.communicate()
+    return c, s
+
+
+def measure_goodput(src, dst, dst_ip, duration_s):
+    sink = _spawn(dst, "tcp-sink", TCP_PORT, duration_s)
+    try:
+        _wait_ready(sink, "tcp sink")
+        source = _spawn(src, "tcp-source", dst_ip, TCP_PORT, duration_s)
+        _result(source, "tcp source", duration_s + WARMUP_S + 15)
+        r = _result(sink, "tcp sink", 10)
+    finally:
+        if sink.poll() is None:
+            sink.kill()
+            sink.communicate()
+    return 8 * r["counted_bytes"] / r["span_s"] if r["span_s"] > 0 else 0.0
+
+
+def _expected(configured):
+    fwd = configured
+    rev = configured.get("reverse", configured)
+    return {"goodput_bps": fwd["rate"],
+            "rtt_ms": 1e3 * (fwd.get("delay", 0.0) + rev.get("delay", 0.0)),
+            "jitter_ms": 1e3 * fwd.get("jitter", 0.0),
+            "loss": fwd.get("loss", 0.0)}
+
+
+def measure_link(src_ns_path, dst_ns_path, dst_ip, configured, duration_s=2.0,
+                 loss_packets=20000, probes=PROBES):
+    """Configured vs measured for the src -> dst direction of a built link.
+
+    configured: the forward direction's emulated parameters {rate (bit/s), delay (s), jitter (s),
+    loss}, optionally with a "reverse" dict of the same keys (else the link is symmetric).
+    Returns {"configured", "measured": {goodput_bps, rtt_p50_ms, rtt_p99_ms, jitter_ms, loss,
+    reordered}, "deviation", "warnings"}. `goodput_bps` is TCP payload; `jitter_ms` is the
+    standard deviation of the one-way delay; `loss` is None unless loss is configured.
+    """
+    exp = _expected(configured)
+    want_loss = exp["loss"] > 0
+    train = loss_packets if want_loss else 0
+    # the train stays under half the link rate so only the configured loss drops it
+    train_pps = max(200.0, min(20000.0, 0.5 * configured["rate"] / (8 * (TRAIN_PAYLOAD + 70))))
+    c, s = measure_udp(src_ns_path, dst_ns_path, dst_ip, probes, train, train_pps)
+    goodput = measure_goodput(src_ns_path, dst_ns_path, dst_ip, duration_s)
+    rtt_ms = [x / 1e6 for x in c["rtt_ns"]]
+    owd_ms = [x / 1e6 for x in s["owd_ns"]]
+    measured = {
+        "goodput_bps": goodput,
+        "rtt_p50_ms": _percentile(rtt_ms, 0.5),
+        "rtt_p99_ms": _percentile(rtt_ms, 0.99),
+        "jitter_ms": statistics.pstdev(owd_ms) if len(owd_ms) > 1 else float("nan"),
+        "loss": (1 - s["got"]["t"] / train) if want_loss else None,
+        "reordered": s["reordered"]["p"] + s["reordered"]["t"],
+        "probes": len(rtt_ms),
+        "loss_packets": train,
+    }
+    deviation, warnings = compare(exp, measured)
+    return {"configured": {**{k: configured.get(k) for k in
+                              ("rate", "delay", "jitter", "loss", "queue")},
+                           "expected": exp},
+            "measured": measured, "deviation": deviation, "warnings": warnings}
+
+
+def compare(exp, measured):
+    """Relative deviations measured vs expected, and a warning for each above 10%.
+
+    Goodput is compared with the TCP payload share (0.956) of the rate; RTT with an
+    absolute floor (0.3 ms is 10% of 3 ms) so that a 0 ms link is not "infinitely" off."""
+    dev, warn = {}, []
+    payload_rate = exp["goodput_bps"] * 1448 / 1514
+    dev["goodput"] = measured["goodput_bps"] / payload_rate - 1
+    dev["rtt_p50"] = (measured["rtt_p50_ms"] - exp["rtt_ms"]) / max(exp["rtt_ms"], 3.0)
+    if exp["jitter_ms"] > 0:
+        dev["jitter"] = measured["jitter_ms"] / exp["jitter_ms"] - 1
+    if exp["loss"] > 0 and measured["loss"] is not None:
+        dev["loss"] = measured["loss"] / exp["loss"] - 1
+    for k, v in dev.items():
+        if abs(v) > DEVIATION_WARN:
+            warn.append(f"{k} deviates {v:+.0%} from configured")
+    if measured["reordered"]:
+        warn.append(f"{measured['reordered']} packets arrived out of order")
+    return {k: round(v, 4) for k, v in dev.items()}, warn
+
+
+def main(argv):
+    role, args = argv[0], argv[1:]
+    if role == "udp-server":
+        _udp_server(int(args[0]), float(args[1]))
+    elif role == "udp-client":
+        _udp_client(args[0], int(args[1]), int(args[2]), float(args[3]), int(args[4]),
+                    float(args[5]))
+    elif role == "tcp-sink":
+        _tcp_sink(int(args[0]), float(args[1]))
+    elif role == "tcp-source":
+        _tcp_source(args[0], int(args[1]), float(args[2]))
+    else:
+        raise SystemExit(f"unknown probe role {role!r}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
