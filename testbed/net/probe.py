@@ -20,6 +20,7 @@ import json
 import math
 import os
 import select
+import signal
 import socket
 import statistics
 import struct
@@ -50,8 +51,14 @@ def _udp_server(port, timeout_s):
     top = {"p": -1, "t": -1}
     owd_ns = []
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        r, _, _ = select.select([s], [], [], 0.5)
+    stop = []
+    # SIGTERM: the client is done but 'e' never came (link down); report what arrived
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    while time.monotonic() < deadline and not stop:
+        try:
+            r, _, _ = select.select([s], [], [], 0.5)
+        except InterruptedError:
+            continue
         if not r:
             continue
         data, addr = s.recvfrom(2048)
@@ -211,6 +218,10 @@ def measure_udp(src, dst, dst_ip, probes=PROBES, train=0, train_pps=1000.0):
         client = _spawn(src, "udp-client", dst_ip, UDP_PORT, probes, PROBE_INTERVAL_S, train,
                         train_pps)
         c = _result(client, "udp client", probes * PROBE_INTERVAL_S + train / train_pps + 15)
+        try:
+            server.wait(timeout=1.0)   # it stops at the client's 'e' packet
+        except subprocess.TimeoutExpired:
+            server.terminate()         # 'e' was lost (link down): SIGTERM makes it report
         s = _result(server, "udp server", 5)
     finally:
         if server.poll() is None:

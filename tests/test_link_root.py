@@ -1,0 +1,163 @@
+"""The WAN link as built: measured values against configured ones, on real namespaces (root).
+
+Each test builds its own tb<hex>{s,r,d} namespaces through `two_host_link` with a registry in
+tmp_path and removes them in `finally`. Tolerances are wider than the fidelity targets of
+benchmarks/link_fidelity.py because these two cores are shared with other jobs.
+"""
+
+import os
+import subprocess
+import time
+
+import pytest
+
+from testbed import lifecycle
+from testbed.commands.linktest import two_host_link
+from testbed.net import probe, shaping
+
+pytestmark = pytest.mark.root
+
+
+def _params(**kw):
+    d = shaping.check_params({"rate": 50e6, **kw}, "test")
+    return {"kv": d, "request": d}
+
+
+@pytest.fixture
+def link_factory(tmp_path):
+    """build(**params) -> Link; everything built is removed at the end, also on failure."""
+    stack = []
+
+    def build(backend="userspace", **kw):
+        reg = lifecycle.Registry(f"t{os.getpid()}-{len(stack)}", kind="test", state_dir=tmp_path)
+        cm = two_host_link(_params(**kw), backend=backend, registry=reg)
+        stack.append((cm, reg))
+        return cm.__enter__()
+
+    try:
+        yield build
+    finally:
+        for cm, reg in reversed(stack):
+            try:
+                cm.__exit__(None, None, None)
+            finally:
+                reg.close()
+        left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        for cm, reg in stack:
+            assert not any(n in left for n in reg.state["netns"]), left
+
+
+def test_rate_measured_at_the_receiver(link_factory):
+    link = link_factory(rate=50e6)
+    goodput = probe.measure_goodput(link.src, link.dst, link.dst_ip, duration_s=1.5)
+    # TCP payload share of a 1514-byte frame is 0.956
+    assert 0.88 * 50e6 <= goodput <= 1.0 * 50e6, goodput
+    st = link.wan.stats()["kv"]
+    assert st["tx_bytes"] >= 0.9 * 50e6 / 8 * 1.5
+
+
+def test_rtt_jitter_and_order(link_factory):
+    link = link_factory(rate=50e6, delay=0.005, jitter=0.001)
+    c, s = probe.measure_udp(link.src, link.dst, link.dst_ip, probes=150)
+    rtt_ms = sorted(x / 1e6 for x in c["rtt_ns"])
+    assert len(rtt_ms) >= 145
+    p50 = probe._percentile(rtt_ms, 0.5)
+    assert abs(p50 - 10.0) <= 1.0, p50
+    owd = [x / 1e6 for x in s["owd_ns"]]
+    sd = (sum((x - sum(owd) / len(owd)) ** 2 for x in owd) / len(owd)) ** 0.5
+    assert 0.65 <= sd <= 1.35, sd
+    assert s["reordered"]["p"] == 0
+
+
+def test_loss_measured_one_way(link_factory):
+    link = link_factory(rate=50e6, loss=0.05)
+    c, s = probe.measure_udp(link.src, link.dst, link.dst_ip, probes=10, train=4000,
+                             train_pps=8000)
+    loss = 1 - s["got"]["t"] / 4000
+    assert 0.0375 <= loss <= 0.0625, loss   # 25% relative; 3.6 sigma at 4000 packets
+
+
+def test_down_stops_traffic_and_up_restores(link_factory):
+    link = link_factory(rate=50e6)
+    assert link.wan.set(up=False) < 0.05
+    c, s = probe.measure_udp(link.src, link.dst, link.dst_ip, probes=20)
+    assert s["got"]["p"] == 0 and not c["rtt_ns"]
+    assert link.wan.stats()["kv"]["up"] is False
+    assert link.wan.set(up=True) < 0.05
+    c, s = probe.measure_udp(link.src, link.dst, link.dst_ip, probes=20)
+    assert len(c["rtt_ns"]) >= 19
+
+
+def test_rate_change_shows_in_kernel_counters_within_100ms(link_factory):
+    link = link_factory(rate=100e6, delay=0.002)
+    sink = probe._spawn(link.dst, "tcp-sink", probe.TCP_PORT, 2.0)
+    try:
+        probe._wait_ready(sink, "tcp sink")
+        source = probe._spawn(link.src, "tcp-source", link.dst_ip, probe.TCP_PORT, 1.5)
+        time.sleep(1.0)   # the flow is through slow start at 4 ms RTT (probe.WARMUP_S is 0.5 s)
+        before = _rate_over(link.wan, 0.1)
+        t_set = time.monotonic()
+        took = link.wan.set("kv", rate=20e6)
+        assert took < 0.05
+        while time.monotonic() < t_set + 0.05:
+            time.sleep(0.005)
+        after = _rate_over(link.wan, 0.05)   # the window ends 100 ms after the change
+        probe._result(source, "tcp source", 10)
+        probe._result(sink, "tcp sink", 10)
+    finally:
+        for p in (sink,):
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    assert before >= 0.8 * 100e6, before
+    assert after <= 1.3 * 20e6, after
+
+
+def _rate_over(wan, window_s):
+    a = wan.stats()["kv"]["tx_bytes"]
+    t0 = time.monotonic()
+    time.sleep(window_s)
+    b = wan.stats()["kv"]["tx_bytes"]
+    return 8 * (b - a) / (time.monotonic() - t0)
+
+
+def test_stop_removes_delay_line_and_rules(link_factory):
+    link = link_factory(rate=10e6, delay=0.002, loss=0.01)
+    pids = [dl.proc.pid for dl in link.wan._delaylines.values()]
+    assert pids
+    link.wan.stop()
+    link.wan.stop()   # idempotent
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}") or lifecycle.proc_start_time(pid) is None
+    rules = subprocess.run(["nsenter", f"--net={link.router}", "iptables-save"],
+                           capture_output=True, text=True).stdout
+    assert "TBWAN" not in rules and "NFQUEUE" not in rules
+    qdiscs = subprocess.run(["tc", "-n", link.names[1], "qdisc", "show"], capture_output=True,
+                            text=True).stdout
+    assert "htb" not in qdiscs
+
+
+def _netem_skip():
+    backend, reason = shaping.probe_backend()
+    if backend != "netem":
+        pytest.skip(f"netem backend unavailable: {reason}")
+
+
+def test_netem_rtt_and_rate(link_factory):
+    _netem_skip()
+    link = link_factory(backend="netem", rate=50e6, delay=0.005)
+    c, _ = probe.measure_udp(link.src, link.dst, link.dst_ip, probes=100)
+    assert abs(probe._percentile([x / 1e6 for x in c["rtt_ns"]], 0.5) - 10.0) <= 1.0
+    goodput = probe.measure_goodput(link.src, link.dst, link.dst_ip, duration_s=1.5)
+    assert goodput >= 0.88 * 50e6
+
+
+def test_netem_loss_and_down(link_factory):
+    _netem_skip()
+    link = link_factory(backend="netem", rate=50e6, loss=0.05)
+    _, s = probe.measure_udp(link.src, link.dst, link.dst_ip, probes=10, train=4000,
+                             train_pps=8000)
+    assert 0.0375 <= 1 - s["got"]["t"] / 4000 <= 0.0625
+    link.wan.set(up=False)
+    _, s = probe.measure_udp(link.src, link.dst, link.dst_ip, probes=20)
+    assert s["got"]["p"] == 0
