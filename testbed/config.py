@@ -92,8 +92,8 @@ class SchedulerSpec:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunSpec:
-    drain_timeout: float = spec(units.duration_s, 120.0,
-                                "after the last send, wait at most this long (emulated) for replies")
+    drain_timeout: float = spec(units.duration_s, 600.0,
+                                "after the last send, wait at most this long (real-world) for replies")
     request_timeout: float = spec(units.duration_s, 600.0,
                                   "a request not finished after this long (real-world) fails")
     kv_deadline: float = spec(units.duration_s, 300.0,
@@ -142,10 +142,6 @@ class Experiment:
         d["delay"] = d["delay"] / s.time
         d["jitter"] = d["jitter"] / s.time
         return d
-
-    def emulated_lan_rate(self):
-        r = self.network.lan.rate
-        return None if r is None else r * self.scale.bytes * self.scale.time
 
 
 def _check_scale(exp, path):

@@ -70,12 +70,5 @@ class WanSpec:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class LanSpec:
-    rate: float = spec(optional(units.rate_bps), None,
-                       "intra-datacenter link rate (real-world); null = unshaped veth")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
 class NetworkSpec:
     wan: WanSpec = spec(section(WanSpec), factory=WanSpec, doc="the cross-datacenter link")
-    lan: LanSpec = spec(section(LanSpec), factory=LanSpec, doc="links inside each datacenter")

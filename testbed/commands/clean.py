@@ -1,0 +1,29 @@
+"""`testbed clean`: remove what killed runs left behind, from their recorded state only.
+
+Reads every state file in /run/prfaas-testbed/ (written by `testbed.lifecycle.Registry` as a run
+creates things) and removes exactly the processes (PID + start time checked), interfaces,
+namespaces and firewall rules recorded there. Never `mn -c`, never a kill by name.
+"""
+
+import os
+
+from testbed import lifecycle
+from testbed.errors import PrivilegeError
+
+
+def register(sub):
+    p = sub.add_parser("clean", help="remove leftovers of killed runs (root)")
+    p.add_argument("--all", action="store_true",
+                   help="also runs whose owning process is still alive")
+    p.set_defaults(func=main)
+
+
+def main(args):
+    if os.geteuid() != 0:
+        raise PrivilegeError("testbed clean removes namespaces and interfaces: use sudo")
+    report = lifecycle.cleanup_all(include_live=args.all)
+    for line in report:
+        print(line)
+    if not report:
+        print("nothing to clean")
+    return 0

@@ -1,0 +1,56 @@
+"""`testbed run FILE`: run an experiment (every variant), print the comparison, then the run dir.
+
+The run directory's path is the last line of standard output, so scripts can capture it.
+"""
+
+import os
+import signal
+import sys
+
+from testbed import metrics
+
+
+def register(sub):
+    p = sub.add_parser("run", help="run an experiment YAML over the emulated network (root)")
+    p.add_argument("file", help="experiment YAML")
+    p.add_argument("--out", help="run directory (default results/<name>/<timestamp>-<id>)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a key, e.g. --set scheduler.threshold=32K (repeatable)")
+    p.add_argument("--no-probe", action="store_true", help="skip the WAN probe at start")
+    p.add_argument("--cli", action="store_true",
+                   help="open the Mininet CLI once the network and workers are up")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=main)
+
+
+_MAIN_PID = os.getpid()
+
+
+def _sigterm(signum, frame):
+    """SIGTERM tears the run down like Ctrl-C, in this process only: forked helpers (pyroute2
+    spawns some) must not unwind a copy of the runner's stack."""
+    if os.getpid() != _MAIN_PID:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
+    raise KeyboardInterrupt
+
+
+def main(args):
+    from testbed import run
+
+    global _MAIN_PID
+    _MAIN_PID = os.getpid()
+    signal.signal(signal.SIGTERM, _sigterm)
+    top, summaries = run.execute(args.file, args.overrides, out=args.out,
+                                 probe=not args.no_probe, cli=args.cli,
+                                 progress=not args.no_progress and sys.stderr.isatty())
+    print()
+    print(metrics.table(summaries))
+    for s in summaries:
+        for w in s.get("link_warnings") or []:
+            print(f"warning ({s['label']}): {w}")
+        if s.get("failed"):
+            print(f"note ({s['label']}): {s['failed']} failed: {s.get('failure_reasons')}")
+    print(top)
+    return 0

@@ -1,0 +1,111 @@
+"""Measure: what the kernel counted, sampled while the run goes on; and the run's event log.
+
+`CounterSampler` polls the WAN model's kernel counters (`Wan.stats()`: bytes and packets sent by
+each router egress interface, queue backlog, drops, link state) at `hz` (default 20 Hz) in a
+thread and writes `timeseries.csv`. Rates are differences of kernel byte counters, never what the
+workers say they sent. Real-world columns are converted back with the run's scale
+(rate / (scale.bytes * scale.time), time * scale.time).
+
+`EventLog` appends timestamped rows to `events.csv` (link changes, worker deaths, phases).
+"""
+
+import csv
+import threading
+import time
+
+DIRECTIONS = ("kv", "request")
+
+
+class EventLog:
+    """Callable: `events(kind, **fields)` appends a row (time, kind, detail) to events.csv."""
+
+    def __init__(self, path):
+        self.f = open(path, "w", newline="", buffering=1)
+        self.w = csv.writer(self.f)
+        self.w.writerow(["time", "kind", "detail"])
+        self.lock = threading.Lock()
+
+    def __call__(self, kind, **fields):
+        detail = " ".join(f"{k}={v}" for k, v in fields.items())
+        with self.lock:
+            if not self.f.closed:
+                self.w.writerow([f"{time.time():.6f}", kind, detail])
+
+    def close(self):
+        with self.lock:
+            self.f.close()
+
+
+class CounterSampler:
+    COLUMNS = ["time", "t_s", "t_real_s"] + [
+        f"{d}_{k}" for d in DIRECTIONS for k in (
+            "tx_bytes", "tx_packets", "rate_bps", "egress_gbps", "backlog_bytes",
+            "backlog_packets", "drops", "up")]
+
+    def __init__(self, wan, path, time_scale, bytes_scale, hz=20.0):
+        self.wan = wan
+        self.path = path
+        self.period = 1.0 / hz
+        self.time_scale = time_scale
+        self.to_real = 1.0 / (bytes_scale * time_scale)
+        self.thread = None
+        self.stop_event = threading.Event()
+        self.first = None
+        self.last = None
+        self.error = None
+
+    def start(self):
+        self.f = open(self.path, "w", newline="", buffering=1)
+        self.w = csv.writer(self.f)
+        self.w.writerow(self.COLUMNS)
+        self.t0 = time.time()
+        self.first = self._sample(None)
+        self.thread = threading.Thread(target=self._loop, name="counters", daemon=True)
+        self.thread.start()
+        return self
+
+    def _sample(self, prev):
+        now = time.time()
+        stats = self.wan.stats()
+        row = [f"{now:.6f}", f"{now - self.t0:.6f}", f"{(now - self.t0) * self.time_scale:.6f}"]
+        for d in DIRECTIONS:
+            s = stats[d]
+            rate = 0.0
+            if prev is not None:
+                dt = now - prev[0]
+                rate = (s["tx_bytes"] - prev[1][d]["tx_bytes"]) * 8 / dt if dt > 0 else 0.0
+            row += [s["tx_bytes"], s["tx_packets"], f"{rate:.1f}",
+                    f"{rate * self.to_real / 1e9:.6f}", s["backlog_bytes"],
+                    s.get("backlog_packets", 0), s["drops"], int(bool(s["up"]))]
+        self.w.writerow(row)
+        return (now, stats)
+
+    def _loop(self):
+        prev = self.first
+        next_t = time.monotonic()
+        while not self.stop_event.is_set():
+            next_t += self.period
+            self.stop_event.wait(max(0.0, next_t - time.monotonic()))
+            try:
+                prev = self._sample(prev)
+            except Exception as e:  # the network may be going away; keep what we have
+                self.error = e
+                break
+            self.last = prev
+
+    def stop(self):
+        """Stop sampling; returns kernel byte counts per direction over the sampled span."""
+        if self.thread is None:
+            return {}
+        self.stop_event.set()
+        self.thread.join(timeout=2.0)
+        try:
+            self.last = self._sample(self.last or self.first)
+        except Exception as e:
+            self.error = self.error or e
+        self.f.close()
+        self.thread = None
+        last = (self.last or self.first)[1]
+        first = self.first[1]
+        return {d: {k: last[d][k] - first[d][k] for k in ("tx_bytes", "tx_packets", "drops")}
+                for d in DIRECTIONS}

@@ -1,0 +1,224 @@
+"""Analyse: per-request records and the run summary, read only from the run directory.
+
+`requests.jsonl` (written by the client as it goes) becomes `requests.parquet`, one row per
+request of `workload.parquet`: a request that was sent but has no `done` line, or never sent,
+is kept and marked failed with the reason. Metric definitions follow `vllm bench serve`:
+
+- TTFT: first token received by the client - send time.
+- TPOT: (E2EL - TTFT) / (output tokens - 1), per request, then averaged.
+- ITL: gaps between consecutive tokens (decode-worker stamps).
+- E2EL: last token received - send time.
+- throughput: completed requests / (last completion - first send).
+
+Times measured on the emulated timeline are converted back to real-world units by multiplying
+durations by `scale.time`; byte rates by dividing by `scale.bytes * scale.time`. The summary keys
+are real-world milliseconds, seconds, requests/s and Gbit/s (1e9 bit/s).
+"""
+
+import json
+import math
+import pathlib
+
+import numpy as np
+import pandas as pd
+
+SUMMARY_KEYS = [
+    "label", "policy", "completed", "failed", "duration_s", "request_throughput",
+    "mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
+    "p99_tpot_ms", "mean_itl_ms", "mean_e2el_ms", "egress_mean_gbps", "egress_peak_gbps",
+    "offload_fraction", "wan_bytes_measured", "kv_bytes_sent_remote",
+]
+
+
+def read_records(path):
+    """Latest `sent` and `done` line of each request id in a client JSONL file."""
+    sent, done = {}, {}
+    p = pathlib.Path(path)
+    if not p.exists():
+        return sent, done
+    with open(p) as f:
+        for line in f:
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                continue            # a line cut by a crash
+            if obj.get("ev") == "sent":
+                sent[obj["id"]] = obj
+            elif obj.get("ev") == "done":
+                done[obj["id"]] = obj
+    return sent, done
+
+
+def build_requests(workload, sent, done, time_scale):
+    """One row per workload request, measured fields joined, durations in real-world ms."""
+    rows = []
+    for w in workload.itertuples(index=False):
+        rid = int(w.id)
+        row = {"id": rid, "arrival_s": float(w.arrival_s), "input_len": int(w.input_len),
+               "output_len": int(w.output_len)}
+        d, s = done.get(rid), sent.get(rid)
+        if d is not None:
+            row.update({k: v for k, v in d.items() if k not in ("ev", "id")})
+        elif s is not None:
+            row.update(send_time=s["send_time"], status="failed",
+                       error="no reply recorded before the run ended")
+        else:
+            row.update(status="failed", error="never sent (the run ended first)")
+        if s is not None:
+            row["lateness_s"] = s.get("lateness_s")
+        rows.append(row)
+    df = pd.DataFrame(rows)
+    for col in ("send_time", "first_token", "last_token", "prefill_queued", "prefill_start",
+                "prefill_end", "send_start", "send_end", "kv_recv_start", "kv_recv_end",
+                "decode_join", "lateness_s", "kv_bytes", "kv_bytes_sent", "n_tokens",
+                "overlap_s"):
+        if col not in df:
+            df[col] = np.nan
+        df[col] = pd.to_numeric(df[col], errors="coerce")
+    for col in ("route", "prefill_instance", "decode_instance", "error"):
+        if col not in df:
+            df[col] = None
+    ms = 1e3 * time_scale
+    df["ttft_ms"] = (df.first_token - df.send_time) * ms
+    df["e2el_ms"] = (df.last_token - df.send_time) * ms
+    n = df.n_tokens.where(df.n_tokens > 1)
+    df["tpot_ms"] = (df.e2el_ms - df.ttft_ms) / (n - 1)
+    df["prefill_ms"] = (df.prefill_end - df.prefill_start) * ms
+    df["prefill_queue_ms"] = (df.prefill_start - df.prefill_queued) * ms
+    df["transfer_ms"] = (df.kv_recv_end - df.kv_recv_start) * ms
+    df["transfer_after_prefill_ms"] = (df.kv_recv_end - df.prefill_end) * ms
+    df["mean_itl_ms"] = [
+        float(np.mean(np.diff(t))) * ms if isinstance(t, list) and len(t) > 1 else np.nan
+        for t in df.get("token_times", pd.Series([None] * len(df)))]
+    df["lateness_ms"] = df.lateness_s * 1e3     # of the emulated schedule, not scaled
+    return df
+
+
+def _pct(series, q):
+    s = series.dropna()
+    return float(np.percentile(s, q)) if len(s) else float("nan")
+
+
+def summarize(df, exp, timeseries=None, counters=None):
+    ok = df[df.status == "ok"]
+    T, B = exp.scale.time, exp.scale.bytes
+    t0 = df.send_time.min()
+    t1 = ok.last_token.max() if len(ok) else float("nan")
+    span_emul = (t1 - t0) if len(ok) else float("nan")
+    duration_s = span_emul * T
+    out = {
+        "label": exp.label, "policy": exp.scheduler.policy,
+        "requests": int(len(df)), "completed": int(len(ok)), "failed": int(len(df) - len(ok)),
+        "duration_s": duration_s,
+        "request_throughput": len(ok) / duration_s if duration_s and duration_s > 0 else 0.0,
+        "mean_ttft_ms": float(ok.ttft_ms.mean()), "median_ttft_ms": _pct(ok.ttft_ms, 50),
+        "p90_ttft_ms": _pct(ok.ttft_ms, 90), "p99_ttft_ms": _pct(ok.ttft_ms, 99),
+        "mean_tpot_ms": float(ok.tpot_ms.mean()), "p99_tpot_ms": _pct(ok.tpot_ms, 99),
+        "mean_itl_ms": float(ok.mean_itl_ms.mean()), "mean_e2el_ms": float(ok.e2el_ms.mean()),
+        "offload_fraction": float((df.route == "remote").mean()) if len(df) else 0.0,
+        "kv_bytes_sent_remote": int(df.kv_bytes_sent[df.route == "remote"].fillna(0).sum()),
+        "kv_bytes_received_remote": int(df.kv_bytes[df.route == "remote"].fillna(0).sum()),
+        "mean_send_lateness_ms": float(df.lateness_ms.mean()),
+        "p99_send_lateness_ms": _pct(df.lateness_ms, 99),
+        "scale_time": T, "scale_bytes": B,
+    }
+    out.update(egress(timeseries, t0, t1, T, B))
+    if counters:
+        out["wan_bytes_counted"] = counters.get("kv", {}).get("tx_bytes")
+    errors = df.error[df.status != "ok"].dropna().value_counts()
+    out["failure_reasons"] = {str(k): int(v) for k, v in errors.head(5).items()}
+    out["prediction"] = predicted(exp)
+    return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in out.items()}
+
+
+def egress(ts, t0, t1, time_scale, bytes_scale):
+    """WAN KV-direction egress from the kernel counters over [t0, t1] (the measured span).
+
+    mean = bytes counted / span; peak = the largest rate over windows of 1 s real-world time
+    (at least two samples). Reported in real-world Gbit/s.
+    """
+    out = {"wan_bytes_measured": 0, "egress_mean_gbps": 0.0, "egress_peak_gbps": 0.0,
+           "request_bytes_measured": 0}
+    if ts is None or not len(ts) or not np.isfinite(t0):
+        return out
+    to_real = 1.0 / (bytes_scale * time_scale)
+    before = ts[ts.time <= t0]
+    start = before.iloc[-1] if len(before) else ts.iloc[0]
+    end_t = t1 if np.isfinite(t1) else ts.time.iloc[-1]
+    after = ts[ts.time >= end_t]
+    end = after.iloc[0] if len(after) else ts.iloc[-1]
+    span = end.time - start.time
+    out["wan_bytes_measured"] = int(end.kv_tx_bytes - start.kv_tx_bytes)
+    out["request_bytes_measured"] = int(end.request_tx_bytes - start.request_tx_bytes)
+    if span > 0:
+        out["egress_mean_gbps"] = out["wan_bytes_measured"] * 8 / span * to_real / 1e9
+    win = ts[(ts.time >= start.time) & (ts.time <= end.time)]
+    if len(win) >= 2:
+        dt = max(1.0 / time_scale, float(np.median(np.diff(win.time))) * 2)
+        t = win.time.to_numpy()
+        b = win.kv_tx_bytes.to_numpy(dtype=float)
+        j = np.searchsorted(t, t + dt)
+        valid = j < len(t)
+        if valid.any():
+            rates = (b[j[valid]] - b[valid]) * 8 / (t[j[valid]] - t[valid])
+            out["egress_peak_gbps"] = float(rates.max()) * to_real / 1e9
+    return out
+
+
+def predicted(exp):
+    """The planner's prediction for this run's configuration, when the planner is available."""
+    try:
+        from testbed import plan
+    except ImportError:
+        return None
+    try:
+        return plan.predict(exp)
+    except Exception as e:  # a prediction must never lose a measured run
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def analyse(run_dir, exp):
+    """requests.jsonl + workload.parquet + timeseries.csv -> requests.parquet, summary.json."""
+    d = pathlib.Path(run_dir)
+    workload = pd.read_parquet(d / "workload.parquet")
+    sent, done = read_records(d / "requests.jsonl")
+    df = build_requests(workload, sent, done, exp.scale.time)
+    df.drop(columns=["token_times"], errors="ignore").to_parquet(d / "requests.parquet",
+                                                                 index=False)
+    ts = pd.read_csv(d / "timeseries.csv") if (d / "timeseries.csv").exists() else None
+    meta = json.loads((d / "metadata.json").read_text()) if (d / "metadata.json").exists() else {}
+    summary = summarize(df, exp, ts, meta.get("wan_counters"))
+    summary["run_dir"] = str(d)
+    fid = meta.get("link_fidelity") or {}
+    summary["link_warnings"] = fid.get("warnings", [])
+    (d / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def write_sweep(top, summaries):
+    rows = [{k: v for k, v in s.items() if not isinstance(v, (dict, list))} for s in summaries]
+    pd.DataFrame(rows).to_csv(pathlib.Path(top) / "sweep.csv", index=False)
+
+
+def table(summaries):
+    """The comparison printed at the end of `testbed run` (real-world units)."""
+    cols = [("label", "run", "{}"), ("completed", "done", "{:d}"), ("failed", "fail", "{:d}"),
+            ("request_throughput", "req/s", "{:.3f}"), ("mean_ttft_ms", "TTFT mean", "{:.0f}"),
+            ("median_ttft_ms", "p50", "{:.0f}"), ("p90_ttft_ms", "p90", "{:.0f}"),
+            ("p99_ttft_ms", "p99", "{:.0f}"), ("mean_tpot_ms", "TPOT", "{:.1f}"),
+            ("egress_mean_gbps", "egress Gb/s", "{:.2f}"),
+            ("offload_fraction", "offload", "{:.2f}")]
+    header = [c[1] for c in cols] + ["predicted req/s"]
+    body = []
+    for s in summaries:
+        row = []
+        for key, _, fmt in cols:
+            v = s.get(key)
+            row.append("-" if v is None else fmt.format(v))
+        pred = (s.get("prediction") or {}).get("lambda_max")
+        row.append("-" if pred is None else f"{pred:.3f}")
+        body.append(row)
+    widths = [max(len(h), *(len(r[i]) for r in body)) for i, h in enumerate(header)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in body]
+    return "\n".join(lines)

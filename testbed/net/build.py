@@ -1,0 +1,114 @@
+"""Build: the experiment's topology made real with Mininet, and the WAN link model applied.
+
+`Network(exp, registry)` creates the two-datacenter topology (`topologies.two_dc`) with Linux
+bridges and no controller, turns the WAN router into a router (IPv4 forwarding), and hands its
+two egress interfaces to the link model (`testbed.net.shaping.Wan`). Every node's shell PID and
+every bridge is recorded in the run's `Registry` as it is created, so a killed run can be cleaned
+up exactly (`testbed clean`); `stop()` tears down in reverse order.
+"""
+
+import os
+import subprocess
+
+from testbed.errors import NetworkError, PrivilegeError
+
+
+def _mininet():
+    try:
+        from mininet.log import setLogLevel
+        from mininet.net import Mininet
+        from mininet.nodelib import LinuxBridge
+    except ImportError as e:
+        raise NetworkError(f"Mininet is not importable ({e}); run `sudo make deps` (Debian "
+                           "package mininet, used from a venv made with --system-site-packages)")
+    setLogLevel(os.environ.get("TESTBED_MININET_LOG", "warning"))
+    return Mininet, LinuxBridge
+
+
+class Network:
+    """The emulated network of one run. Use as: start(), host(role), popen(...), stop()."""
+
+    def __init__(self, exp, registry, events=None):
+        self.exp = exp
+        self.registry = registry
+        self.events = events
+        self.net = None
+        self.topo = None
+        self.wan = None
+
+    def start(self):
+        if os.geteuid() != 0:
+            raise PrivilegeError("building the emulated network needs root: run with sudo")
+        Mininet, LinuxBridge = _mininet()
+        from topologies.two_dc import TwoDatacenterTopo
+
+        c = self.exp.clusters
+        self.topo = TwoDatacenterTopo(prefix=self.registry.prefix,
+                                      remote_prefill=c.prfaas.instances,
+                                      local_prefill=c.local.prefill,
+                                      local_decode=c.local.decode)
+        self.net = Mininet(topo=None, switch=LinuxBridge, controller=None, build=False,
+                           autoSetMacs=False, waitConnected=False)
+        self.registry.on_close(self.stop, "network")
+        # Build node by node so each shell PID and bridge is on record before the next exists.
+        for name in self.topo.switches():
+            self.net.addSwitch(name, **self.topo.nodeInfo(name))
+            self.registry.add_link(name)
+        for name in self.topo.hosts():
+            node = self.net.addHost(name, **self.topo.nodeInfo(name))
+            self.registry.add_process(node.pid, f"mininet host {name}")
+        for name in self.topo.switches():
+            self.registry.add_process(self.net[name].pid, f"mininet switch shell {name}")
+        for src, dst, info in self.topo.links(sort=True, withKeys=False, withInfo=True):
+            self.net.addLink(**info)
+        self.net.build()
+        self.net.start()
+        router = self.host("wan")
+        out = router.cmd("sysctl -qw net.ipv4.ip_forward=1 && cat /proc/sys/net/ipv4/ip_forward")
+        if out.strip() != "1":
+            raise NetworkError(f"could not enable forwarding on the WAN router: {out.strip()}")
+        self._shape(router)
+        return self
+
+    def _shape(self, router):
+        from testbed.net.shaping import Wan
+
+        self.wan = Wan(netns_path=f"/proc/{router.pid}/ns/net",
+                       ifaces=dict(self.topo.router_intfs),
+                       params={d: self.exp.emulated_direction(d) for d in ("kv", "request")},
+                       backend=self.exp.network.wan.backend, seed=self.exp.seed,
+                       registry=self.registry, events=self.events)
+        self.wan.start()
+
+    def host(self, role):
+        return self.net[self.topo.roles[role]]
+
+    def ip(self, role):
+        return self.topo.ips[role]
+
+    @property
+    def netns_path(self):
+        return {role: f"/proc/{self.net[name].pid}/ns/net"
+                for role, name in self.topo.roles.items() if role not in ("sR", "sL")}
+
+    def popen(self, role, argv, log_path, env=None):
+        """Start `argv` inside host `role`, output to `log_path`; the PID goes on record."""
+        log = open(log_path, "ab")
+        try:
+            proc = self.host(role).popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+        finally:
+            log.close()
+        self.registry.add_process(proc.pid, f"{role}: {' '.join(map(str, argv[:4]))}")
+        return proc
+
+    def cli(self):
+        from mininet.cli import CLI
+        CLI(self.net)
+
+    def stop(self):
+        if self.wan is not None:
+            wan, self.wan = self.wan, None
+            wan.stop()
+        if self.net is not None:
+            net, self.net = self.net, None
+            net.stop()

@@ -1,0 +1,308 @@
+"""Run: one experiment file, every variant in turn, on a freshly built network each time.
+
+For each expanded run (`config.load_experiment`): write the resolved config and the request
+list, build the network (`net.build.Network`), start the workers inside their Mininet hosts and
+wait (bounded) for each to report ready, probe the WAN as built, sample the kernel counters,
+start the open-loop client, show progress, then tear everything down in reverse order, also on
+Ctrl-C or when a worker dies. Analysis (`metrics`) and figures (`plot`) read only the run
+directory afterwards.
+"""
+
+import contextlib
+import datetime
+import json
+import os
+import pathlib
+import platform
+import secrets
+import signal
+import subprocess
+import sys
+import time
+
+import yaml
+
+from testbed import __version__, config, lifecycle, metrics, plot
+from testbed.errors import PrivilegeError, RunInterrupted, WorkerError
+from testbed.measure import CounterSampler, EventLog
+from testbed.workload import generate
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+READY_TIMEOUT_S = 30.0
+GRPC_PORT, KV_PORT = 50051, 50052
+
+
+def default_out(exp_name):
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return REPO / "results" / exp_name / f"{stamp}-{secrets.token_hex(2)}"
+
+
+def _git_revision():
+    try:
+        rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
+                             text=True, timeout=5).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain"],
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return rev + ("-dirty" if dirty else "") if rev else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _versions():
+    from importlib import metadata
+
+    out = {"testbed": __version__, "python": platform.python_version()}
+    for pkg in ("torch", "grpcio", "pyroute2", "pandas", "numpy", "seaborn", "mininet"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            out[pkg] = metadata.version(pkg)
+    with contextlib.suppress(ImportError):
+        import mininet.net
+        out["mininet"] = mininet.net.VERSION
+    return out
+
+
+def runtime_for(exp, net):
+    """The description every worker reads (runtime.json): instances, scale, policy, timeouts."""
+    t = exp.scale.time
+    prof_decode = exp.model.decode_step
+    inst = {}
+    c = exp.clusters
+    for i in range(c.prfaas.instances):
+        inst[f"rp{i}"] = {"role": "prefill", "dc": "prfaas", "accelerator": c.prfaas.accelerator}
+    for i in range(c.local.prefill):
+        inst[f"lp{i}"] = {"role": "prefill", "dc": "local", "accelerator": c.local.accelerator}
+    for i in range(c.local.decode):
+        inst[f"ld{i}"] = {"role": "decode", "dc": "local", "accelerator": c.local.accelerator}
+    inst["scheduler"] = {"role": "scheduler", "dc": "local", "accelerator": ""}
+    inst["client"] = {"role": "client", "dc": "local", "accelerator": ""}
+    for name, d in inst.items():
+        d.update(ip=net.ip(name), grpc_port=GRPC_PORT, kv_port=KV_PORT)
+    from testbed import profile as profiles
+    prof = profiles.load(exp.model.profile)
+    return {
+        "name": exp.name, "label": exp.label, "seed": exp.seed,
+        "scale": {"time": t, "bytes": exp.scale.bytes, "tokens": exp.scale.tokens},
+        "profile": exp.model.profile, "engine": exp.model.engine,
+        "decode": {"step_s": prof_decode if prof_decode is not None else prof.decode_step_s,
+                   "bs_max": exp.model.bs_max or prof.bs_max},
+        "scheduler": {"policy": exp.scheduler.policy, "threshold": exp.scheduler.threshold},
+        "kv_deadline_s": exp.run.kv_deadline / t,
+        "request_timeout_s": exp.run.request_timeout / t,
+        "drain_timeout_s": exp.run.drain_timeout / t,
+        "instances": inst,
+    }
+
+
+class Progress:
+    """Counts completed requests in requests.jsonl as the client appends them; a tqdm bar."""
+
+    def __init__(self, path, total, label, enabled=True):
+        self.path, self.total = path, total
+        self.pos = 0
+        self.done = 0
+        self.failed = 0
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, desc=f"{label:>12}", unit="req", file=sys.stderr,
+                            dynamic_ncols=True, leave=True)
+
+    def poll(self):
+        if not self.path.exists():
+            return
+        with open(self.path) as f:
+            f.seek(self.pos)
+            chunk = f.read()
+        complete = chunk[:chunk.rfind("\n") + 1]
+        self.pos += len(complete.encode())
+        for line in complete.splitlines():
+            if '"ev":"done"' in line:
+                self.done += 1
+                if '"status":"ok"' not in line:
+                    self.failed += 1
+                if self.bar:
+                    self.bar.update(1)
+                    self.bar.set_postfix(failed=self.failed, refresh=False)
+
+    def write(self, msg):
+        (self.bar.write if self.bar else print)(msg, file=sys.stderr)
+
+    def close(self):
+        if self.bar:
+            self.bar.close()
+
+
+class Run:
+    """One expanded run: build, start, drive, tear down. `execute()` returns the run dir."""
+
+    def __init__(self, exp, run_dir, probe=True, cli=False, progress=True):
+        self.exp, self.dir = exp, pathlib.Path(run_dir)
+        self.probe, self.cli, self.progress = probe, cli, progress
+        self.meta = {}
+        self.procs = {}
+
+    def execute(self):
+        exp, d = self.exp, self.dir
+        (d / "logs").mkdir(parents=True, exist_ok=True)
+        (d / "config.yaml").write_text(yaml.safe_dump(config.resolved(exp), sort_keys=False))
+        workload = generate(exp.workload, exp.seed, requests=exp.requests,
+                            duration_s=exp.duration)
+        workload.to_parquet(d / "workload.parquet", index=False)
+        self.meta = {"name": exp.name, "label": exp.label, "git_revision": _git_revision(),
+                     "kernel": platform.release(), "host": platform.node(),
+                     "versions": _versions(), "argv": sys.argv, "start_time": time.time(),
+                     "scale": config.resolved(exp)["scale"], "requests": len(workload)}
+        registry = lifecycle.Registry(secrets.token_hex(2))
+        events = EventLog(d / "events.csv")
+        self.meta["run_id"] = registry.run_id
+        interrupted = False
+        counters = {}
+        try:
+            from testbed.net.build import Network
+            net = Network(exp, registry, events).start()
+            self._describe_network(net)
+            rt = runtime_for(exp, net)
+            (d / "runtime.json").write_text(json.dumps(rt, indent=1))
+            self._start_workers(net, rt, events)
+            if self.probe:
+                self._probe(net)
+            if self.cli:
+                net.cli()
+            sampler = CounterSampler(net.wan, d / "timeseries.csv", exp.scale.time,
+                                     exp.scale.bytes).start()
+            try:
+                self._drive(net, rt, workload, events)
+            finally:
+                counters = sampler.stop()
+        except KeyboardInterrupt:
+            interrupted = True
+            events("interrupted")
+        finally:
+            errors = registry.close()
+            self.meta["end_time"] = time.time()
+            self.meta["teardown_errors"] = errors
+            self.meta["wan_counters"] = counters
+            (d / "metadata.json").write_text(json.dumps(self.meta, indent=1, default=str))
+            events.close()
+        summary = metrics.analyse(d, exp)
+        if interrupted:
+            raise RunInterrupted(f"interrupted; what was measured is in {d}")
+        return summary
+
+    def _describe_network(self, net):
+        self.meta["topology"] = {"class": "topologies.two_dc.TwoDatacenterTopo",
+                                 "nodes": dict(net.topo.roles), "ips": dict(net.topo.ips),
+                                 "router_egress": dict(net.topo.router_intfs)}
+        self.meta["shaping"] = {"backend": net.wan.backend,
+                                "reason": getattr(net.wan, "backend_reason", ""),
+                                "emulated": {k: self.exp.emulated_direction(k)
+                                             for k in ("kv", "request")}}
+
+    def _spawn(self, net, name, module, rt, extra=()):
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        argv = [sys.executable, "-m", module, "--runtime", str(self.dir / "runtime.json"),
+                "--name", name, *extra]
+        self.procs[name] = net.popen(name, argv, self.dir / "logs" / f"{name}.log", env=env)
+
+    def _stop_processes(self):
+        """SIGTERM every process of the run (client first), then SIGKILL what is left."""
+        live = [p for p in reversed(list(self.procs.values())) if p.poll() is None]
+        for p in live:
+            with contextlib.suppress(ProcessLookupError):
+                p.terminate()
+        deadline = time.monotonic() + 3.0
+        for p in live:
+            try:
+                p.wait(timeout=max(0.05, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=2)
+
+    def _start_workers(self, net, rt, events):
+        # Registered after the network's teardown, so it runs before it (reverse order).
+        net.registry.on_close(self._stop_processes, "processes")
+        for name, inst in rt["instances"].items():
+            if inst["role"] in ("prefill", "decode"):
+                self._spawn(net, name, f"workers.{inst['role']}", rt)
+        self._spawn(net, "scheduler", "workers.scheduler", rt)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        pending = set(self.procs)
+        while pending:
+            for name in list(pending):
+                if (self.dir / "ready" / name).exists():
+                    pending.discard(name)
+                elif self.procs[name].poll() is not None:
+                    raise WorkerError(f"{name} exited with code {self.procs[name].returncode} "
+                                      f"before it was ready; see {self.dir}/logs/{name}.log")
+            if pending and time.monotonic() > deadline:
+                raise WorkerError(f"not ready after {READY_TIMEOUT_S:.0f}s: "
+                                  f"{', '.join(sorted(pending))}; see {self.dir}/logs/")
+            time.sleep(0.05)
+        events("workers_ready", count=len(self.procs))
+
+    def _probe(self, net):
+        try:
+            from testbed.net.probe import measure_link
+        except ImportError:
+            self.meta["link_fidelity"] = {"skipped": "no probe available"}
+            return
+        paths = net.netns_path
+        self.meta["link_fidelity"] = measure_link(
+            paths["probe_remote"], paths["probe_local"], net.ip("probe_local"),
+            configured=self.exp.emulated_direction("kv"))
+
+    def _drive(self, net, rt, workload, events):
+        records = self.dir / "requests.jsonl"
+        start_at = time.time() + 0.5
+        self.meta["client_start_at"] = start_at
+        self._spawn(net, "client", "workers.client", rt,
+                    ["--workload", str(self.dir / "workload.parquet"), "--out", str(records),
+                     "--start-at", f"{start_at:.6f}"])
+        events("client_started", requests=len(workload))
+        last_arrival = float(workload.arrival_s.max()) if len(workload) else 0.0
+        bound = start_at + last_arrival / self.exp.scale.time + rt["drain_timeout_s"] + 30.0
+        progress = Progress(records, len(workload), self.exp.label, self.progress)
+        dead = set()
+        client = self.procs["client"]
+        try:
+            while client.poll() is None:
+                progress.poll()
+                for name, p in self.procs.items():
+                    if name != "client" and name not in dead and p.poll() is not None:
+                        dead.add(name)
+                        events("worker_died", name=name, code=p.returncode)
+                        progress.write(f"warning: {name} exited with code {p.returncode}; "
+                                       f"its requests fail (see logs/{name}.log)")
+                if time.time() > bound:
+                    events("client_timeout")
+                    progress.write("warning: the run outlived its bound; stopping the client")
+                    client.send_signal(signal.SIGTERM)
+                    client.wait(timeout=10)
+                    break
+                time.sleep(0.1)
+            progress.poll()
+        finally:
+            progress.close()
+        events("client_finished", code=client.returncode)
+        self.meta["dead_workers"] = sorted(dead)
+
+
+def execute(path, overrides=(), out=None, probe=True, cli=False, progress=True):
+    """Run every variant of an experiment file; returns (top run dir, list of summaries)."""
+    runs = config.load_experiment(path, overrides)
+    if os.geteuid() != 0:
+        raise PrivilegeError("testbed run builds network namespaces and needs root: use sudo")
+    top = pathlib.Path(out) if out else default_out(runs[0].name)
+    top.mkdir(parents=True, exist_ok=True)
+    summaries = []
+    for exp in runs:
+        run_dir = top / _safe(exp.label) if len(runs) > 1 else top
+        summaries.append(Run(exp, run_dir, probe=probe, cli=cli, progress=progress).execute())
+    if len(runs) > 1:
+        metrics.write_sweep(top, summaries)
+    plot.run_figures(top)
+    return top, summaries
+
+
+def _safe(label):
+    return "".join(ch if ch.isalnum() or ch in "-_.=," else "_" for ch in label)

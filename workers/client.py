@@ -1,0 +1,128 @@
+"""Client: the open-loop load generator. Sends each request of `workload.parquet` on schedule.
+
+A request is sent at `start + arrival_s / scale.time` whether or not earlier ones finished (open
+loop); how late each send was is recorded. For every request the client appends to
+`requests.jsonl` a `sent` line when it sends and a `done` line when the stream ends, flushed at
+once, so a crash keeps everything measured so far. Times are the client's own clock: TTFT is the
+first token's arrival here minus the send time (vLLM `bench serve` definition); the decode
+worker's per-token stamps come along for ITL.
+"""
+
+import argparse
+import asyncio
+import json
+import time
+
+import grpc
+import pandas as pd
+
+from testbed.proto import testbed_pb2 as pb
+from testbed.proto import testbed_pb2_grpc as pbg
+from workers import common
+
+
+class Recorder:
+    def __init__(self, path):
+        self.f = open(path, "a", buffering=1)
+
+    def write(self, obj):
+        self.f.write(json.dumps(obj, separators=(",", ":")) + "\n")
+
+    def close(self):
+        self.f.close()
+
+
+def _prefill_fields(p):
+    return {"prefill_instance": p.instance, "prefill_queued": p.queued or None,
+            "prefill_start": p.start or None, "prefill_end": p.end or None,
+            "kv_bytes_sent": p.kv_bytes, "send_start": p.send_start or None,
+            "send_end": p.send_end or None, "overlap_s": p.overlap_s,
+            "prefill_error": p.error}
+
+
+async def one_request(stub, row, scheduled, rec, timeout_s):
+    req = pb.Request(id=int(row.id), input_len=int(row.input_len),
+                     output_len=int(row.output_len), cached_len=int(getattr(row, "cached_len", 0)))
+    prefix = getattr(row, "prefix_blocks", None)
+    if prefix is not None and len(prefix):
+        req.prefix_blocks.extend(int(b) for b in prefix)
+    send = time.time()
+    req.send_time = send
+    rec.write({"ev": "sent", "id": req.id, "send_time": send, "scheduled": scheduled,
+               "lateness_s": send - scheduled})
+    out = {"ev": "done", "id": req.id, "send_time": send, "first_token": None,
+           "last_token": None, "n_tokens": 0, "status": "failed", "error": ""}
+    token_times = []
+    try:
+        call = stub.Submit(req, timeout=timeout_s)
+        async for chunk in call:
+            now = time.time()
+            if chunk.times:
+                if out["first_token"] is None:
+                    out["first_token"] = now
+                out["last_token"] = now
+                out["n_tokens"] += len(chunk.times)
+                token_times.extend(chunk.times)
+            if chunk.done:
+                out["status"], out["error"] = chunk.status or "failed", chunk.error
+                out.update(route=chunk.route.kind, decode_instance=chunk.route.decode or
+                           chunk.decode_instance, threshold=chunk.route.threshold,
+                           kv_recv_start=chunk.kv_recv_start or None,
+                           kv_recv_end=chunk.kv_recv_end or None,
+                           kv_bytes=chunk.kv_recv_bytes, decode_join=chunk.decode_join or None)
+                out.update(_prefill_fields(chunk.prefill))
+                if not out.get("prefill_instance"):
+                    out["prefill_instance"] = chunk.route.prefill
+    except grpc.aio.AioRpcError as e:
+        out["error"] = f"scheduler: {e.code().name}: {e.details()}"
+    except asyncio.CancelledError:
+        out["error"] = "run ended before the request finished"
+        rec.write({**out, "token_times": token_times})
+        raise
+    if out["status"] == "ok" and out["n_tokens"] < req.output_len:
+        out["status"], out["error"] = "failed", f"only {out['n_tokens']} of {req.output_len} tokens"
+    rec.write({**out, "token_times": token_times})
+
+
+async def run(args):
+    rt = common.load_runtime(args.runtime)
+    sched = rt["instances"]["scheduler"]
+    scale = rt["scale"]["time"]
+    df = pd.read_parquet(args.workload)
+    rec = Recorder(args.out)
+    channel = grpc.aio.insecure_channel(f"{sched['ip']}:{sched['grpc_port']}",
+                                        options=common.grpc_options())
+    await asyncio.wait_for(channel.channel_ready(), 10.0)
+    stub = pbg.SchedulerStub(channel)
+    start = max(args.start_at, time.time())
+    tasks = []
+    for row in df.itertuples(index=False):
+        at = start + row.arrival_s / scale
+        delay = at - time.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(
+            one_request(stub, row, at, rec, rt["request_timeout_s"])))
+    rec.write({"ev": "all_sent", "time": time.time()})
+    if tasks:
+        done, pending = await asyncio.wait(tasks, timeout=rt["drain_timeout_s"])
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    rec.write({"ev": "finished", "time": time.time()})
+    rec.close()
+    await channel.close()
+
+
+def main():
+    p = argparse.ArgumentParser(description="PrfaaS testbed open-loop client")
+    p.add_argument("--runtime", required=True)
+    p.add_argument("--name", default="client")
+    p.add_argument("--workload", required=True, help="workload.parquet")
+    p.add_argument("--out", required=True, help="requests.jsonl to append to")
+    p.add_argument("--start-at", type=float, default=0.0, help="Unix time of arrival 0")
+    asyncio.run(run(p.parse_args()))
+
+
+if __name__ == "__main__":
+    main()

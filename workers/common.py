@@ -1,0 +1,68 @@
+"""What every worker process shares: the runtime description, readiness, logging, shutdown.
+
+The runner writes `runtime.json` in the run directory: the instances (name, role, datacenter,
+accelerator, IP, ports), the scheduler's policy and the scaled timing parameters. A worker starts
+its servers, then writes `ready/<name>`; the runner waits for those files (bounded) instead of
+sleeping. SIGTERM stops a worker cleanly (the runner sends it at the end of a run).
+"""
+
+import argparse
+import asyncio
+import json
+import logging
+import pathlib
+import signal
+import time
+
+
+def parse_args(description):
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--runtime", required=True, help="path of the run's runtime.json")
+    p.add_argument("--name", required=True, help="this process's instance name")
+    return p.parse_args()
+
+
+def load_runtime(path):
+    rt = json.loads(pathlib.Path(path).read_text())
+    rt["_dir"] = str(pathlib.Path(path).parent)
+    return rt
+
+
+def setup_logging(name):
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s {name} %(levelname)s %(message)s")
+    return logging.getLogger(name)
+
+
+def mark_ready(rt, name):
+    d = pathlib.Path(rt["_dir"]) / "ready"
+    d.mkdir(exist_ok=True)
+    (d / name).write_text(str(time.time()))
+
+
+def grpc_options():
+    # Many concurrent streams on one channel; no message-size surprises for token chunks.
+    return [("grpc.max_concurrent_streams", 10000),
+            ("grpc.max_receive_message_length", 64 << 20),
+            ("grpc.max_send_message_length", 64 << 20)]
+
+
+async def serve_until_signalled(server, cleanup=None):
+    """Run until SIGTERM/SIGINT, then stop the gRPC server and run `cleanup`."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(grace=0.5)
+    if cleanup is not None:
+        res = cleanup()
+        if asyncio.iscoroutine(res):
+            await res
+
+
+def instance(rt, name):
+    try:
+        return rt["instances"][name]
+    except KeyError:
+        raise SystemExit(f"{name}: not in runtime.json") from None

@@ -1,0 +1,218 @@
+"""Decode worker: one local decode instance, a gRPC `Decode` service plus a KV receiver socket.
+
+The scheduler opens `Decode(request)` (a stream of token chunks) and, concurrently, tells a
+prefill worker to send that request's KV to this worker's KV socket. The request waits (bounded by
+the KV deadline) until its KV has fully arrived, then joins the continuous batch at the next step
+boundary, up to BS_max. Every step emits one token per batched request, stamped with this
+worker's clock; the first token is sent at once, later ones are coalesced into chunks (every
+`flush_s`, and always the last one) so the control plane stays cheap while each token keeps its
+exact time.
+"""
+
+import asyncio
+import collections
+import time
+
+import grpc
+
+from testbed import kvwire
+from testbed.proto import testbed_pb2 as pb
+from testbed.proto import testbed_pb2_grpc as pbg
+from workers import common
+
+
+class Slot:
+    """One request's state on this worker: KV arrival, then tokens."""
+
+    def __init__(self, rid):
+        self.rid = rid
+        self.created = time.monotonic()
+        self.kv_done = asyncio.Event()
+        self.kv_error = ""
+        self.kv_bytes = 0
+        self.kv_first = 0.0
+        self.kv_last = 0.0
+        self.claimed = False
+        self.output_len = 0
+        self.times = []
+        self.token_ids = []
+        self.emitted = 0
+        self.join = 0.0
+        self.wake = asyncio.Event()
+        self.finished = False
+
+
+class DecodeService(pbg.DecodeServicer):
+    def __init__(self, rt, name, engine, log):
+        self.rt, self.name, self.engine, self.log = rt, name, engine, log
+        self.slots = {}
+        self.waiting = collections.deque()
+        self.batch = []
+        self.busy_s = 0.0
+        self.flush_s = max(0.005, 0.05 / rt["scale"]["time"])
+        self.orphan_s = rt["kv_deadline_s"]
+        self.has_work = asyncio.Event()
+        self.receive = getattr(engine, "receive", None)   # the torch engine assembles state
+
+    # ---- KV receiver ----
+    def on_frame(self, rid, seq, flags, payload, t_first, t_last):
+        slot = self.slots.get(rid)
+        if slot is None:
+            slot = self.slots[rid] = Slot(rid)
+        if not slot.kv_first:
+            slot.kv_first = t_first
+        slot.kv_bytes += len(payload)
+        slot.kv_last = t_last
+        if self.receive is not None:
+            self.receive(rid, seq, flags, payload)
+        if flags & kvwire.FLAG_ABORT:
+            slot.kv_error = "KV transfer aborted by the sender"
+            slot.kv_done.set()
+        elif flags & kvwire.FLAG_LAST:
+            slot.kv_done.set()
+
+    def on_kv_error(self, err):
+        self.log.warning("KV connection error: %s", err)
+
+    # ---- gRPC ----
+    async def Decode(self, dreq, context):
+        req = dreq.request
+        slot = self.slots.get(req.id)
+        if slot is None:
+            slot = self.slots[req.id] = Slot(req.id)
+        slot.claimed = True
+        slot.output_len = max(1, req.output_len)
+        try:
+            try:
+                await asyncio.wait_for(slot.kv_done.wait(), dreq.kv_deadline_s)
+            except asyncio.TimeoutError:
+                got = f"{slot.kv_bytes} bytes" if slot.kv_bytes else "nothing"
+                yield self._final(slot, "failed", f"{self.name}: KV not complete after "
+                                  f"{dreq.kv_deadline_s:.3g}s (emulated); received {got}")
+                return
+            if slot.kv_error:
+                yield self._final(slot, "failed", f"{self.name}: {slot.kv_error}")
+                return
+            self.engine.admit(req.id, slot)
+            self.waiting.append(slot)
+            self.has_work.set()
+            while True:
+                await slot.wake.wait()
+                slot.wake.clear()
+                if slot.finished:
+                    yield self._final(slot, "ok", "")
+                    return
+                yield self._chunk(slot)
+        finally:
+            slot.finished = True
+            self.slots.pop(req.id, None)
+            self.engine.release(req.id)
+
+    def _chunk(self, slot):
+        i = slot.emitted
+        slot.emitted = len(slot.times)
+        return pb.TokenChunk(id=slot.rid, first_index=i, times=slot.times[i:],
+                             token_ids=slot.token_ids[i:])
+
+    def _final(self, slot, status, error):
+        c = self._chunk(slot)
+        c.done, c.status, c.error = True, status, error
+        c.kv_recv_start, c.kv_recv_end, c.kv_recv_bytes = slot.kv_first, slot.kv_last, slot.kv_bytes
+        c.decode_instance, c.decode_join = self.name, slot.join
+        return c
+
+    async def Health(self, request, context):
+        return pb.HealthReply(name=self.name, role="decode", queue_depth=len(self.waiting),
+                              active=len(self.batch), busy_s=self.busy_s)
+
+    # ---- continuous batching ----
+    async def step_loop(self):
+        step_s = self.engine.step_s
+        next_tick = time.monotonic()
+        last_flush = {}
+        while True:
+            # Admit waiting requests at the step boundary, up to BS_max.
+            while self.waiting and len(self.batch) < self.engine.bs_max:
+                slot = self.waiting.popleft()
+                if slot.finished:
+                    continue
+                slot.join = time.time()
+                self.batch.append(slot)
+            if not self.batch:
+                self.has_work.clear()
+                try:
+                    await asyncio.wait_for(self.has_work.wait(), 1.0)
+                except asyncio.TimeoutError:
+                    self._reap_orphans()
+                next_tick = time.monotonic()
+                continue
+            next_tick += step_s
+            delay = next_tick - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            self.busy_s += step_s
+            tokens = self.engine.step([s.rid for s in self.batch])
+            now = time.time()
+            keep = []
+            for slot in self.batch:
+                if slot.finished:        # its stream was cancelled
+                    continue
+                slot.times.append(now)
+                if tokens:
+                    slot.token_ids.append(int(tokens.get(slot.rid, 0)))
+                done = len(slot.times) >= slot.output_len
+                first = len(slot.times) == 1
+                if done:
+                    slot.finished = True
+                    slot.wake.set()
+                    continue
+                if first or now - last_flush.get(slot.rid, 0.0) >= self.flush_s:
+                    last_flush[slot.rid] = now
+                    slot.wake.set()
+                keep.append(slot)
+            for s in self.batch:
+                if s.finished:
+                    last_flush.pop(s.rid, None)
+            self.batch = keep
+
+    def _reap_orphans(self):
+        """KV that arrived for a request whose Decode stream never came is freed after a while."""
+        now = time.monotonic()
+        for rid, slot in list(self.slots.items()):
+            if not slot.claimed and now - slot.created > self.orphan_s:
+                self.log.warning("dropping KV of unclaimed request %d", rid)
+                self.slots.pop(rid, None)
+                self.engine.release(rid)
+
+
+def make_engine(rt, inst):
+    from workers.engine_profile import ProfileDecodeEngine
+    return ProfileDecodeEngine(rt, inst)
+
+
+async def main():
+    args = common.parse_args("PrfaaS testbed decode worker")
+    rt = common.load_runtime(args.runtime)
+    inst = common.instance(rt, args.name)
+    log = common.setup_logging(args.name)
+    service = DecodeService(rt, args.name, make_engine(rt, inst), log)
+    kv_server = await kvwire.serve(inst["ip"], inst["kv_port"], service.on_frame,
+                                   service.on_kv_error)
+    server = grpc.aio.server(options=common.grpc_options())
+    pbg.add_DecodeServicer_to_server(service, server)
+    server.add_insecure_port(f"{inst['ip']}:{inst['grpc_port']}")
+    await server.start()
+    loop_task = asyncio.create_task(service.step_loop())
+    common.mark_ready(rt, args.name)
+    log.info("decode worker up on %s:%s, KV on :%s", inst["ip"], inst["grpc_port"],
+             inst["kv_port"])
+
+    def cleanup():
+        loop_task.cancel()
+        kv_server.close()
+
+    await common.serve_until_signalled(server, cleanup)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

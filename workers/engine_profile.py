@@ -1,0 +1,73 @@
+"""The profile engine: an accelerator emulated by its profile.
+
+Prefill waits the profiled `T_prefill(l) / scale.time` and produces `S_kv(l) * scale.bytes` real
+bytes, handed to the sender in `stream_chunks` pieces as the prefill progresses (layer-wise
+pipelining: piece i is ready at (i+1)/n of the compute time). Decode steps take the profiled
+`T_decode / scale.time` whatever the batch size, as in the paper's model.
+"""
+
+import asyncio
+import time
+
+from testbed import profile as profiles
+
+# Payload bytes are sent from one random buffer (memoryview slices): no per-request allocation.
+_BUF = None
+
+
+def _payload(n):
+    global _BUF
+    if _BUF is None or len(_BUF) < n:
+        import os
+        _BUF = memoryview(os.urandom(max(n, 4 << 20)))
+    return _BUF[:n]
+
+
+class ProfilePrefillEngine:
+    def __init__(self, rt, inst):
+        self.profile = profiles.load(rt["profile"])
+        self.accelerator = inst["accelerator"]
+        self.time_scale = rt["scale"]["time"]
+        self.bytes_scale = rt["scale"]["bytes"]
+        self.chunks = max(1, int(self.profile.stream_chunks))
+
+    def compute_s(self, uncached):
+        return self.profile.t_prefill(self.accelerator, max(uncached, 1)) / self.time_scale
+
+    def kv_bytes(self, uncached):
+        return max(1, int(round(self.profile.s_kv(max(uncached, 1)) * self.bytes_scale)))
+
+    async def prefill(self, request, emit):
+        """Emulate one prefill; `emit(seq, payload, last)` is called as each piece is ready."""
+        uncached = request.input_len - request.cached_len
+        t_compute = self.compute_s(uncached)
+        size = self.kv_bytes(uncached)
+        n = min(self.chunks, size)
+        start = time.monotonic()
+        sent = 0
+        for i in range(n):
+            ready_at = start + t_compute * (i + 1) / n
+            delay = ready_at - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            piece = size // n + (1 if i < size % n else 0)
+            emit(i, _payload(piece), i == n - 1)
+            sent += piece
+        return {"kv_bytes": sent}
+
+
+class ProfileDecodeEngine:
+    def __init__(self, rt, inst):
+        self.profile = profiles.load(rt["profile"])
+        self.step_s = rt["decode"]["step_s"] / rt["scale"]["time"]
+        self.bs_max = rt["decode"]["bs_max"]
+
+    def admit(self, request_id, state):
+        pass
+
+    def step(self, request_ids):
+        """One decode step for the batch; the profile engine produces no token ids."""
+        return {}
+
+    def release(self, request_id):
+        pass

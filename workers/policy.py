@@ -1,0 +1,57 @@
+"""Routing policies: which prefill instance and which decode instance serve a request.
+
+`homogeneous`: every prefill on the local PD cluster. `naive`: every prefill on PrfaaS.
+`prfaas`: the paper's length threshold on the *incremental* (uncached) length: longer than
+`threshold` goes to PrfaaS, the rest to local prefill. Within a cluster the instance with the
+least outstanding work (predicted prefill seconds queued) is chosen; decode goes to the instance
+with the fewest requests in flight. An instance whose RPC failed as unreachable is marked down
+and skipped; if a whole cluster is down the other one takes the request (failover to the local
+path, which the paper leaves to deployments).
+"""
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class Instance:
+    name: str
+    role: str            # "prefill" | "decode"
+    dc: str              # "prfaas" | "local"
+    accelerator: str
+    addr: str            # host:grpc_port
+    kv_addr: str = ""    # decode only: host:kv_port
+    outstanding_s: float = 0.0
+    inflight: int = 0
+    down: bool = False
+
+
+class Router:
+    def __init__(self, policy, threshold, instances, predict_s):
+        self.policy = policy
+        self.threshold = threshold
+        self.remote = [i for i in instances if i.role == "prefill" and i.dc == "prfaas"]
+        self.local = [i for i in instances if i.role == "prefill" and i.dc == "local"]
+        self.decode = [i for i in instances if i.role == "decode"]
+        self.predict_s = predict_s          # (instance, uncached_len) -> predicted prefill seconds
+
+    def _want_remote(self, uncached):
+        if self.policy == "naive":
+            return True
+        if self.policy == "homogeneous":
+            return False
+        return uncached > self.threshold
+
+    def route(self, uncached):
+        """(kind, prefill Instance, decode Instance), or raise LookupError if nothing is up."""
+        remote = self._want_remote(uncached)
+        first, second = (self.remote, self.local) if remote else (self.local, self.remote)
+        up = [i for i in first if not i.down] or [i for i in second if not i.down]
+        if not up:
+            raise LookupError("no prefill instance is up")
+        p = min(up, key=lambda i: (i.outstanding_s, i.name))
+        decoders = [d for d in self.decode if not d.down]
+        if not decoders:
+            raise LookupError("no decode instance is up")
+        d = min(decoders, key=lambda i: (i.inflight, i.name))
+        kind = "remote" if p.dc == "prfaas" else "local"
+        return kind, p, d

@@ -1,0 +1,104 @@
+"""Prefill worker: one prefill instance (PrfaaS or local PD), a gRPC `Prefill` service.
+
+Requests queue FIFO; one prefill computes at a time (an instance's throughput is 1/T_prefill).
+As the engine produces KV pieces they are streamed, in order, to the chosen decode worker's KV
+socket while compute goes on; the instance takes the next request as soon as compute ends, and
+the transfer finishes on its own (the paper's transfer-cache blocks). The reply reports compute
+and send times measured here.
+"""
+
+import asyncio
+import time
+
+import grpc
+
+from testbed import kvwire
+from testbed.proto import testbed_pb2 as pb
+from testbed.proto import testbed_pb2_grpc as pbg
+from workers import common
+
+
+class PrefillService(pbg.PrefillServicer):
+    def __init__(self, rt, name, engine, log):
+        self.rt, self.name, self.engine, self.log = rt, name, engine, log
+        self.lock = asyncio.Lock()          # FIFO: asyncio.Lock wakes waiters in order
+        self.pool = kvwire.SenderPool()
+        self.waiting = 0
+        self.active = 0
+        self.busy_s = 0.0
+
+    async def Prefill(self, preq, context):
+        req = preq.request
+        reply = pb.PrefillReply(instance=self.name, queued=time.time(), status="ok")
+        host, port = preq.decode_kv_addr.rsplit(":", 1)
+        queue = asyncio.Queue()
+        send = asyncio.create_task(self._send(req.id, host, int(port), queue, reply))
+        self.waiting += 1
+        try:
+            async with self.lock:
+                self.waiting -= 1
+                self.active = 1
+                reply.start = time.time()
+                try:
+                    await self.engine.prefill(req, lambda seq, data, last:
+                                              queue.put_nowait((seq, data, last)))
+                finally:
+                    reply.end = time.time()
+                    self.busy_s += reply.end - reply.start
+                    self.active = 0
+            await send
+        except asyncio.CancelledError:
+            send.cancel()
+            queue.put_nowait(None)
+            raise
+        except Exception as e:  # a failed transfer fails the request, with the reason
+            send.cancel()
+            reply.status, reply.error = "failed", f"{self.name}: {type(e).__name__}: {e}"
+            self.log.warning("request %d failed: %s", req.id, reply.error)
+        if reply.send_end:
+            reply.overlap_s = max(0.0, min(reply.end, reply.send_end) - reply.send_start)
+        return reply
+
+    async def _send(self, rid, host, port, queue, reply):
+        async with self.pool.connection(host, port) as conn:
+            while True:
+                item = await queue.get()
+                if item is None:
+                    await conn.send(rid, 0, kvwire.FLAG_ABORT, b"")
+                    return
+                seq, data, last = item
+                if not reply.send_start:
+                    reply.send_start = time.time()
+                await conn.send(rid, seq, kvwire.FLAG_LAST if last else 0, data)
+                reply.kv_bytes += len(data)
+                if last:
+                    reply.send_end = time.time()
+                    return
+
+    async def Health(self, request, context):
+        return pb.HealthReply(name=self.name, role="prefill", queue_depth=self.waiting,
+                              active=self.active, busy_s=self.busy_s)
+
+
+def make_engine(rt, inst):
+    from workers.engine_profile import ProfilePrefillEngine
+    return ProfilePrefillEngine(rt, inst)
+
+
+async def main():
+    args = common.parse_args("PrfaaS testbed prefill worker")
+    rt = common.load_runtime(args.runtime)
+    inst = common.instance(rt, args.name)
+    log = common.setup_logging(args.name)
+    service = PrefillService(rt, args.name, make_engine(rt, inst), log)
+    server = grpc.aio.server(options=common.grpc_options())
+    pbg.add_PrefillServicer_to_server(service, server)
+    server.add_insecure_port(f"{inst['ip']}:{inst['grpc_port']}")
+    await server.start()
+    common.mark_ready(rt, args.name)
+    log.info("prefill worker up on %s:%s (%s)", inst["ip"], inst["grpc_port"], inst["accelerator"])
+    await common.serve_until_signalled(server, service.pool.close)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
