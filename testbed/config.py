@@ -118,8 +118,12 @@ class Experiment:
     label: str = spec(optional(string), None, "name of this run in tables (default: the policy)")
 
     def check(self):
-        if (self.requests is None) == (self.duration is None):
-            raise ValueError("give exactly one of 'requests' or 'duration'")
+        if self.requests is not None and self.duration is not None:
+            raise ValueError("give at most one of 'requests' or 'duration'")
+        w = self.workload
+        if self.requests is None and self.duration is None and w.arrival.process != "trace" \
+                and "trace" not in (w.input.dist, w.output.dist):
+            raise ValueError("give 'requests' or 'duration' (only a trace replay may omit both)")
         c, pol = self.clusters, self.scheduler.policy
         if pol == "homogeneous" and c.local.prefill < 1:
             raise ValueError("policy homogeneous needs clusters.local.prefill >= 1")
@@ -222,6 +226,9 @@ def validate(raw, path=None, sweep_point=None):
     """One expanded mapping -> Experiment (raises ConfigError naming file and key)."""
     try:
         exp = build(Experiment, raw)
+        if path is not None:   # a trace path is relative to the experiment file
+            exp = dataclasses.replace(
+                exp, workload=exp.workload.resolve_paths(pathlib.Path(path).parent))
     except ConfigError as e:
         raise ConfigError(str(e), path=path) from None
     prof = profiles.load(exp.model.profile)

@@ -188,6 +188,8 @@ def analyse(run_dir, exp):
     ts = pd.read_csv(d / "timeseries.csv") if (d / "timeseries.csv").exists() else None
     meta = json.loads((d / "metadata.json").read_text()) if (d / "metadata.json").exists() else {}
     summary = summarize(df, exp, ts, meta.get("wan_counters"))
+    from testbed.workload import summarize as workload_stats
+    summary["workload"] = workload_stats(workload)
     summary["run_dir"] = str(d)
     fid = meta.get("link_fidelity") or {}
     summary["link_warnings"] = fid.get("warnings", [])

@@ -21,7 +21,7 @@ def _mininet():
     except ImportError as e:
         raise NetworkError(f"Mininet is not importable ({e}); run `sudo make deps` (Debian "
                            "package mininet, used from a venv made with --system-site-packages)")
-    setLogLevel(os.environ.get("TESTBED_MININET_LOG", "warning"))
+    setLogLevel(os.environ.get("TESTBED_MININET_LOG", "error"))
     return Mininet, LinuxBridge
 
 
@@ -62,6 +62,12 @@ class Network:
         for src, dst, info in self.topo.links(sort=True, withKeys=False, withInfo=True):
             self.net.addLink(**info)
         self.net.build()
+        # The bridge ports are veth ends in the root namespace: deleting one deletes its peer,
+        # even when the peer's namespace lingers (sockets keep a dead namespace alive a while).
+        for name in self.topo.switches():
+            for intf in self.net[name].intfList():
+                if intf.name != "lo":
+                    self.registry.add_link(intf.name)
         self.net.start()
         router = self.host("wan")
         out = router.cmd("sysctl -qw net.ipv4.ip_forward=1 && cat /proc/sys/net/ipv4/ip_forward")

@@ -1,0 +1,116 @@
+"""Describe: validation errors, variants and sweeps, scale conversion (no root)."""
+
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from testbed import config
+from testbed.errors import ConfigError
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+QUICKSTART = ROOT / "experiments" / "quickstart.yaml"
+BASE = textwrap.dedent("""\
+    name: t
+    requests: 10
+    scale: {time: 10, bytes: 1e-3}
+    clusters:
+      prfaas: {instances: 1}
+      local: {instances: 2, prefill: 1, decode: 1}
+    network:
+      wan: {rate: 100Gbit, delay: 5ms}
+    workload:
+      arrival: {process: poisson, rate: 1/s}
+      input: {dist: fixed, tokens: 1K}
+      output: {dist: fixed, tokens: 16}
+    """)
+
+
+def write(tmp_path, text):
+    p = tmp_path / "exp.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_quickstart_expands_to_three_policies():
+    runs = config.load_experiment(QUICKSTART)
+    assert [r.label for r in runs] == ["homogeneous", "naive", "prfaas"]
+    homo = runs[0]
+    assert homo.clusters.local.instances == 6 and homo.clusters.prfaas.instances == 0
+    assert runs[2].scheduler.threshold == round(19.4 * 1024)
+
+
+def test_scale_conversion(tmp_path):
+    exp = config.load_experiment(write(tmp_path, BASE))[0]
+    d = exp.emulated_direction("kv")
+    assert d["rate"] == pytest.approx(100e9 * 1e-3 * 10)     # rate * bytes * time
+    assert d["delay"] == pytest.approx(5e-3 / 10)             # delay / time
+
+
+def test_per_direction_override(tmp_path):
+    text = BASE.replace("wan: {rate: 100Gbit, delay: 5ms}",
+                        "wan: {rate: 100Gbit, delay: 5ms, request: {rate: 10Gbit}}")
+    exp = config.load_experiment(write(tmp_path, text))[0]
+    assert exp.emulated_direction("request")["rate"] == pytest.approx(10e9 * 1e-2)
+    assert exp.emulated_direction("kv")["rate"] == pytest.approx(100e9 * 1e-2)
+
+
+@pytest.mark.parametrize("change,key,expected", [
+    (("requests: 10", "requests: 10\nbogus: 1"), "bogus", "unknown key"),
+    (("rate: 100Gbit", "rate: 100 apples"), "network.wan.rate", "expected a rate"),
+    (("tokens: 1K", "tokens: lots"), "workload.input.tokens", "expected a token count"),
+    (("prefill: 1, decode: 1", "prefill: 1, decode: 2"), "clusters.local", "must equal"),
+    (("scale: {time: 10, bytes: 1e-3}", "scale: {time: 100, bytes: 1e-2}"), "scale",
+     "above what this machine can shape"),
+    (("requests: 10", "requests: ten"), "requests", "expected an integer"),
+])
+def test_bad_input_names_file_key_and_expectation(tmp_path, change, key, expected):
+    p = write(tmp_path, BASE.replace(*change))
+    with pytest.raises(ConfigError) as e:
+        config.load_experiment(p)
+    msg = str(e.value)
+    assert str(p) in msg and key in msg and expected in msg
+    assert e.value.exit_code == 2
+
+
+def test_variants_and_sweep_cross(tmp_path):
+    text = BASE + textwrap.dedent("""\
+        variants:
+          - {scheduler.policy: naive, clusters.local.prefill: 0, clusters.local.decode: 2}
+          - {scheduler.policy: prfaas}
+        sweep:
+          network.wan.delay: [1ms, 10ms]
+        """)
+    runs = config.load_experiment(write(tmp_path, text))
+    assert len(runs) == 4
+    assert {r.network.wan.delay for r in runs} == {1e-3, 10e-3}
+    assert len({r.label for r in runs}) == 4
+
+
+def test_set_override(tmp_path):
+    runs = config.load_experiment(write(tmp_path, BASE), ["scheduler.threshold=32K",
+                                                          "workload.arrival.rate=2/s"])
+    assert runs[0].scheduler.threshold == 32768
+    assert runs[0].workload.arrival.rate == 2.0
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="no such experiment file"):
+        config.load_experiment("/nonexistent/x.yaml")
+
+
+def test_unsafe_yaml_is_rejected(tmp_path):
+    p = write(tmp_path, BASE + "x: !!python/object/apply:os.system ['true']\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        config.load_experiment(p)
+
+
+def test_cli_bad_input_exits_2_with_one_line(tmp_path):
+    p = write(tmp_path, BASE.replace("rate: 100Gbit", "rate: 100 apples"))
+    r = subprocess.run([sys.executable, "-m", "testbed.cli", "run", str(p)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "network.wan.rate" in lines[0] and str(p) in lines[0]

@@ -1,0 +1,87 @@
+"""Analyse: metric definitions on hand-made records (no root)."""
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from testbed import config, metrics
+
+QUICK = "experiments/quickstart.yaml"
+
+
+@pytest.fixture
+def exp():
+    return config.load_experiment(QUICK)[2]          # prfaas, scale.time = 10
+
+
+def workload(n):
+    return pd.DataFrame({"id": np.arange(n), "arrival_s": np.arange(n, dtype=float),
+                         "input_len": [1000] * n, "output_len": [5] * n})
+
+
+def done(rid, send, first, last, n=5, route="remote", kv=1000, status="ok"):
+    return {"ev": "done", "id": rid, "send_time": send, "first_token": first, "last_token": last,
+            "n_tokens": n, "status": status, "error": "" if status == "ok" else "boom",
+            "route": route, "kv_bytes": kv, "kv_bytes_sent": kv, "prefill_start": send + 0.01,
+            "prefill_end": send + 0.05, "kv_recv_start": send + 0.02, "kv_recv_end": send + 0.06,
+            "token_times": list(np.linspace(first, last, n))}
+
+
+def test_ttft_tpot_e2el_follow_vllm_definitions(exp):
+    sent = {0: {"id": 0, "send_time": 100.0, "lateness_s": 0.001}}
+    d = {0: done(0, 100.0, 100.2, 100.6)}
+    df = metrics.build_requests(workload(1), sent, d, time_scale=10)
+    r = df.iloc[0]
+    assert r.ttft_ms == pytest.approx(2000.0)                 # 0.2 s emulated x 10
+    assert r.e2el_ms == pytest.approx(6000.0)
+    assert r.tpot_ms == pytest.approx((6000 - 2000) / 4)      # (E2EL - TTFT) / (n - 1)
+    assert r.mean_itl_ms == pytest.approx(1000.0)
+    assert r.prefill_ms == pytest.approx(400.0)
+
+
+def test_missing_requests_are_kept_as_failed(exp):
+    sent = {0: {"id": 0, "send_time": 1.0}, 1: {"id": 1, "send_time": 2.0}}
+    d = {0: done(0, 1.0, 1.1, 1.2)}
+    df = metrics.build_requests(workload(3), sent, d, time_scale=10)
+    assert list(df.status) == ["ok", "failed", "failed"]
+    assert "no reply" in df.error[1] and "never sent" in df.error[2]
+
+
+def test_summary(exp):
+    d = {i: done(i, 10.0 + i, 10.0 + i + 0.1 * (i + 1), 10.0 + i + 1.0,
+                 route="remote" if i % 2 else "local") for i in range(4)}
+    d[3]["status"] = "failed"
+    sent = {i: {"id": i, "send_time": 10.0 + i} for i in range(4)}
+    df = metrics.build_requests(workload(4), sent, d, time_scale=10)
+    ts = pd.DataFrame({"time": [9.0, 11.0, 13.0, 15.0], "kv_tx_bytes": [0, 1000, 3000, 4000],
+                       "request_tx_bytes": [0, 10, 20, 30]})
+    s = metrics.summarize(df, exp, ts)
+    assert s["completed"] == 3 and s["failed"] == 1
+    assert s["mean_ttft_ms"] == pytest.approx(np.mean([1000, 2000, 3000]))
+    assert s["median_ttft_ms"] == pytest.approx(2000)
+    assert s["duration_s"] == pytest.approx((13.0 - 10.0) * 10)
+    assert s["request_throughput"] == pytest.approx(3 / 30.0)
+    assert s["offload_fraction"] == pytest.approx(0.5)
+    # Kernel counters between the first send (t=10 -> sample 9) and last completion (13).
+    assert s["wan_bytes_measured"] == 3000
+    real_gbps = 3000 * 8 / (13.0 - 9.0) / (1e-3 * 10) / 1e9
+    assert s["egress_mean_gbps"] == pytest.approx(real_gbps)
+    assert s["kv_bytes_sent_remote"] == 2000
+    json.dumps(s)          # summary.json must serialise
+
+
+def test_records_survive_a_cut_line(tmp_path):
+    p = tmp_path / "requests.jsonl"
+    p.write_text(json.dumps({"ev": "sent", "id": 0, "send_time": 1.0}) + "\n"
+                 + '{"ev":"done","id":0,"sta')
+    sent, d = metrics.read_records(p)
+    assert 0 in sent and not d
+
+
+def test_table_prints_every_run(exp):
+    s = {"label": "prfaas", "completed": 3, "failed": 0, "request_throughput": 1.0,
+         "mean_ttft_ms": 10.0, "prediction": {"lambda_max": 1.5}}
+    out = metrics.table([s, dict(s, label="naive", prediction=None)])
+    assert "prfaas" in out and "naive" in out and "1.500" in out

@@ -1,0 +1,165 @@
+"""End to end over the emulated network (root): measured facts, failures, Ctrl-C, leftovers.
+
+Each test runs the real `testbed run` command on tests/data/tiny.yaml (1 PrfaaS prefill, 1 local
+prefill, 1 decode, a shaped WAN) and asserts on what was measured: request records written by the
+client, bytes counted by the kernel on the WAN router, and what is left on the machine after.
+"""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pandas as pd
+import pytest
+
+pytestmark = [pytest.mark.root, pytest.mark.slow]
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TINY = ROOT / "tests" / "data" / "tiny.yaml"
+STATE_DIR = pathlib.Path("/run/prfaas-testbed")
+
+
+def tb_cmd(*args):
+    return [sys.executable, "-m", "testbed.cli", *args]
+
+
+def leftovers(run_dir):
+    """Namespaces' shells, interfaces, processes and state files of the run still present."""
+    meta = json.loads((run_dir / "metadata.json").read_text())
+    prefix = f"tb{meta['run_id']}"
+    found = []
+    if (STATE_DIR / f"{meta['run_id']}.json").exists():
+        found.append("state file")
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    found += [ln.split(":")[1].strip() for ln in links.splitlines() if f": {prefix}" in ln]
+    for p in pathlib.Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if str(run_dir) in cmd or f"mininet:{prefix}" in cmd:
+            found.append(f"pid {p.name}: {cmd[:80]}")
+    return found
+
+
+def test_tiny_run_measured_facts(tmp_path):
+    out = tmp_path / "run"
+    r = subprocess.run(tb_cmd("run", str(TINY), "--out", str(out), "--no-progress"),
+                       capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == str(out)
+    df = pd.read_parquet(out / "requests.parquet")
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(df) == 12 and (df.status == "ok").all(), df[df.status != "ok"].error.tolist()
+    assert summary["completed"] == 12
+    # TTFT (client clock) includes the prefill (prefill worker's clock).
+    assert (df.ttft_ms > df.prefill_ms).all()
+    remote = df[df.route == "remote"]
+    assert len(remote) > 0
+    # Every KV byte the remote prefill sent crossed the router: the kernel counted at least that
+    # many in the KV direction, plus headers and control traffic (within 15%).
+    sent = remote.kv_bytes_sent.sum()
+    counted = summary["wan_bytes_measured"]
+    assert sent <= counted <= 1.15 * sent, (sent, counted)
+    assert (remote.kv_bytes == remote.kv_bytes_sent).all()   # received == sent
+    # The run measured its own link.
+    meta = json.loads((out / "metadata.json").read_text())
+    assert meta["link_fidelity"]["measured"]["rtt_p50_ms"] > 0
+    assert (out / "timeseries.csv").exists() and (out / "figures" / "ttft_cdf.png").exists()
+    assert leftovers(out) == []
+
+
+def _wait_for(path, timeout_s):
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.05)
+
+
+def _pid_of(run_dir, name):
+    for p in pathlib.Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                cmd = (p / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"--name" in cmd and cmd[cmd.index(b"--name") + 1] == name.encode() \
+                    and any(str(run_dir).encode() in c for c in cmd):
+                return int(p.name)
+    return None
+
+
+def test_killed_worker_fails_its_requests_and_leaves_nothing(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen(tb_cmd("run", str(TINY), "--out", str(out), "--no-progress",
+                                    "--no-probe", "--set", "requests=40",
+                                    "--set", "scheduler.policy=naive",
+                                    "--set", "clusters.local.prefill=0",
+                                    "--set", "clusters.local.decode=2",
+                                    "--set", "clusters.prfaas.instances=2"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    _wait_for(out / "requests.jsonl", 60)
+    time.sleep(0.5)
+    pid = _pid_of(out, "rp0")
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    stdout, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == 0, stderr[-3000:]
+    df = pd.read_parquet(out / "requests.parquet")
+    assert len(df) == 40                                  # no request vanished
+    failed = df[df.status != "ok"]
+    assert (failed.error.str.len() > 0).all()
+    assert failed.error.str.contains("rp0").all(), failed.error.tolist()
+    assert (df.status == "ok").sum() > 0                  # rp1 took over
+    assert "worker_died" in (out / "events.csv").read_text()
+    assert leftovers(out) == []
+
+
+def test_ctrl_c_keeps_measurements_and_leaves_nothing(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen(tb_cmd("run", str(TINY), "--out", str(out), "--no-progress",
+                                    "--no-probe", "--set", "requests=200"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            start_new_session=True)
+    _wait_for(out / "requests.jsonl", 60)
+    time.sleep(1.0)
+    os.kill(proc.pid, signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-2000:]
+    assert len(stderr.strip().splitlines()) <= 2 and "interrupted" in stderr
+    df = pd.read_parquet(out / "requests.parquet")
+    assert len(df) == 200
+    assert (df.status == "ok").sum() > 0
+    assert leftovers(out) == []
+
+
+def test_clean_removes_what_a_killed_run_left(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen(tb_cmd("run", str(TINY), "--out", str(out), "--no-progress",
+                                    "--no-probe", "--set", "requests=200"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
+                            start_new_session=True)
+    _wait_for(out / "requests.jsonl", 60)
+    runtime = json.loads((out / "runtime.json").read_text())
+    assert runtime["instances"]
+    os.kill(proc.pid, signal.SIGKILL)                     # no teardown at all
+    proc.wait(timeout=10)
+    state = [json.loads(p.read_text()) for p in STATE_DIR.glob("*.json")]
+    ours = [s for s in state if s["owner_pid"] == proc.pid]
+    assert ours, "the run left no state file to clean from"
+    r = subprocess.run(tb_cmd("clean"), capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    prefix = f"tb{ours[0]['run_id']}"
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    assert f": {prefix}" not in links
+    alive = [p["pid"] for p in ours[0]["processes"]
+             if pathlib.Path(f"/proc/{p['pid']}").exists()
+             and int((pathlib.Path(f"/proc/{p['pid']}/stat").read_text().rsplit(")", 1)[1]
+                      .split()[19])) == p["start"]]
+    assert alive == []
