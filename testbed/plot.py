@@ -1,8 +1,8 @@
 """Plot: figures drawn from run directories only (Pantheon habit: analysis reads the run dir).
 
 `STYLE` is the one registry of label, colour and marker per policy, used by every figure.
-`run_figures(top)` draws `figures/ttft_cdf.png` (and .pdf) for a run directory: one line per run
-found below it (a single run, or every variant of an experiment).
+`run_figures(top)` draws `figures/ttft_cdf.png` and `figures/egress.png` (and PDFs) for a run
+directory: one line per run found below it (a single run, or every variant of an experiment).
 """
 
 import json
@@ -76,6 +76,44 @@ def ttft_cdf(top, out_dir):
     return paths[0]
 
 
+def egress_timeline(top, out_dir):
+    """KV-direction WAN egress over time (kernel counters, real-world units), one line per run."""
+    frames = []
+    for d in find_runs(top):
+        ts_path = d / "timeseries.csv"
+        if not ts_path.exists():
+            continue
+        s = json.loads((d / "summary.json").read_text())
+        ts = pd.read_csv(ts_path)
+        if len(ts) < 3:
+            continue
+        scale = s.get("scale_time") or 1.0
+        # Smooth over ~1 s of real-world time so the line shows load, not packet trains.
+        per_s = 1.0 / max(1e-9, ts.t_s.diff().median() * scale)
+        window = max(1, int(round(per_s)))
+        frames.append(pd.DataFrame({
+            "time (s, real-world)": ts.t_real_s,
+            "KV egress (Gbit/s, real-world)": ts.kv_egress_gbps.rolling(window, min_periods=1).mean(),
+            "run": _label(s), "policy": s.get("policy")}))
+    if not frames:
+        return None
+    df = pd.concat(frames, ignore_index=True)
+    sns.set_theme(style="whitegrid", context="paper")
+    fig, ax = plt.subplots(figsize=(6.5, 3.2))
+    sns.lineplot(data=df, x="time (s, real-world)", y="KV egress (Gbit/s, real-world)",
+                 hue="run", ax=ax, linewidth=1.0)
+    ax.set_title("WAN egress, PrfaaS -> local (kernel counters)")
+    fig.tight_layout()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / "egress.png", out_dir / "egress.pdf"]
+    for p in paths:
+        fig.savefig(p, dpi=150)
+    plt.close(fig)
+    return paths[0]
+
+
 def run_figures(top):
+    """Every figure of a run directory (or an experiment's top directory), as PNG and PDF."""
     top = pathlib.Path(top)
-    return [p for p in [ttft_cdf(top, top / "figures")] if p is not None]
+    out = top / "figures"
+    return [p for p in (ttft_cdf(top, out), egress_timeline(top, out)) if p is not None]

@@ -1,0 +1,22 @@
+"""`testbed plot RUN_DIR`: (re)draw a run directory's figures from what it holds, nothing else."""
+
+import pathlib
+
+from testbed import plot
+from testbed.errors import ConfigError
+
+
+def register(sub):
+    p = sub.add_parser("plot", help="draw the figures of a run directory")
+    p.add_argument("run_dir", help="a run directory (or an experiment's top directory)")
+    p.set_defaults(func=main)
+
+
+def main(args):
+    d = pathlib.Path(args.run_dir)
+    if not plot.find_runs(d):
+        raise ConfigError("no summary.json here or one level below: not a run directory",
+                          path=str(d))
+    for path in plot.run_figures(d):
+        print(path)
+    return 0
