@@ -89,7 +89,12 @@ def two_host_link(params, backend="userspace", registry=None, seed=0):
         _address(path[dst], f"{dst}0", f"{d_net}.2", f"{d_net}.1")
         _address(path[router], f"{router}a", f"{s_net}.1")
         _address(path[router], f"{router}b", f"{d_net}.1")
-        _forwarding(path[router])
+        _sysctl(path[router], "net.ipv4.ip_forward=1")
+        for end in (src, dst):
+            # TCP buffers beyond the default 6 MB: 1 Gbit/s x 40 ms is 5 MB in flight, and the
+            # default caps the window below that (measured 0.80-0.86 of the rate at 1G, 20 ms)
+            _sysctl(path[end], "net.ipv4.tcp_rmem=4096 131072 67108864",
+                    "net.ipv4.tcp_wmem=4096 16384 67108864")
         wan = shaping.Wan(path[router], {"kv": f"{router}b", "request": f"{router}a"}, params,
                           backend=backend, seed=seed, registry=reg)
         wan.start()
@@ -100,13 +105,13 @@ def two_host_link(params, backend="userspace", registry=None, seed=0):
             reg.close()
 
 
-def _forwarding(ns_path):
-    """net.ipv4.ip_forward=1 inside the router namespace only (sysctls are per namespace)."""
+def _sysctl(ns_path, *settings):
+    """Set per-namespace sysctls (ip_forward, tcp_rmem/wmem) inside `ns_path` only."""
     import subprocess
-    r = subprocess.run(["nsenter", f"--net={ns_path}", "sysctl", "-qw", "net.ipv4.ip_forward=1"],
+    r = subprocess.run(["nsenter", f"--net={ns_path}", "sysctl", "-qw", *settings],
                        capture_output=True, text=True)
     if r.returncode != 0:
-        raise NetworkError(f"enabling forwarding in {ns_path}: {r.stderr.strip()}")
+        raise NetworkError(f"sysctl {' '.join(settings)} in {ns_path}: {r.stderr.strip()}")
 
 
 def direction_params(rate, delay, jitter, loss, queue, jitter_dist="normal"):

@@ -136,8 +136,10 @@ def _tcp_sink(port, duration_s):
     conn, _ = srv.accept()
     conn.settimeout(5)
     buf = bytearray(1 << 20)
-    first = mark = None
-    total = counted = 0
+    first = mark = last = None
+    total = 0
+    # Bytes are counted by the kernel as they arrive (tcp_info.tcpi_bytes_received), not as this
+    # process reads them: on a busy CPU the reader lags and read-side counts overstate the rate.
     try:
         while True:
             n = conn.recv_into(buf)
@@ -147,15 +149,20 @@ def _tcp_sink(port, duration_s):
             first = first or now
             total += n
             if now - first >= WARMUP_S:
-                if mark is None:
-                    mark = now
-                else:
-                    counted += n
-                last = now
+                sample = (now, _bytes_received(conn))
+                mark = mark or sample
+                last = sample
     except socket.timeout:
         pass
-    span = (last - mark) if mark is not None and counted else 0.0
-    print(json.dumps({"bytes": total, "counted_bytes": counted, "span_s": span}), flush=True)
+    ok = mark is not None and last[0] > mark[0]
+    print(json.dumps({"bytes": total, "counted_bytes": last[1] - mark[1] if ok else 0,
+                      "span_s": last[0] - mark[0] if ok else 0.0}), flush=True)
+
+
+def _bytes_received(conn):
+    """tcpi_bytes_received (u64 at offset 128 of struct tcp_info, Linux >= 4.1)."""
+    info = conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 192)
+    return struct.unpack_from("Q", info, 128)[0]
 
 
 def _tcp_source(ip, port, duration_s):

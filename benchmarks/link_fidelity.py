@@ -1,0 +1,118 @@
+"""Link fidelity sweep: configured vs measured WAN, side by side, on one backend.
+
+Sweeps rate {10M, 100M, 1G} x delay {0, 5, 20 ms} x jitter {0, 2 ms} x loss {0, 1%} over a link
+built alone (`testbed.commands.linktest.two_host_link`, the same `Wan` a run uses) and measures
+each with `testbed.net.probe.measure_link`. Prints one row per point with the ratios the issue's
+targets are stated in; not part of the test suite's pass/fail.
+
+    sudo .venv/bin/python benchmarks/link_fidelity.py [--quick] [--backend userspace] [--json F]
+
+Targets: goodput / rate >= 0.93 at 0 loss (TCP payload; its share of a 1514-byte frame is 0.956);
+RTT p50 within max(0.3 ms, 5%) of 2 x delay; one-way jitter sd within 30% of configured;
+loss within 25% relative over >= 20,000 packets; no reordering.
+"""
+
+import argparse
+import itertools
+import json
+import os
+import pathlib
+import signal
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+from testbed.commands.linktest import two_host_link  # noqa: E402
+from testbed.net import shaping  # noqa: E402
+from testbed.net.probe import measure_link  # noqa: E402
+
+RATES = (10e6, 100e6, 1e9)
+DELAYS = (0.0, 0.005, 0.020)
+JITTERS = (0.0, 0.002)
+LOSSES = (0.0, 0.01)
+
+
+def points(quick):
+    if quick:
+        return [(r, d, j, l) for r, d, j, l in itertools.product(RATES, DELAYS, JITTERS, LOSSES)
+                if (j == 0 and l == 0) or (r == 100e6 and d == 0.005)]
+    return list(itertools.product(RATES, DELAYS, JITTERS, LOSSES))
+
+
+def verdicts(cfg, m):
+    """Which targets a point meets (None = not applicable)."""
+    rate, delay, jitter, loss = cfg
+    rtt = 2 * delay * 1e3
+    return {
+        "goodput": (m["goodput_bps"] / rate >= 0.93) if loss == 0 else None,
+        "rtt": abs(m["rtt_p50_ms"] - rtt) <= max(0.3, 0.05 * rtt),
+        "jitter": (abs(m["jitter_ms"] / (jitter * 1e3) - 1) <= 0.30) if jitter else None,
+        "loss": (abs(m["loss"] / loss - 1) <= 0.25) if loss else None,
+        "order": m["reordered"] == 0,
+    }
+
+
+def run_point(cfg, backend, duration_s, loss_packets):
+    rate, delay, jitter, loss = cfg
+    d = shaping.check_params({"rate": rate, "delay": delay, "jitter": jitter, "loss": loss},
+                             "bench")
+    with two_host_link({"kv": d, "request": d}, backend=backend) as link:
+        r = measure_link(link.src, link.dst, link.dst_ip, d, duration_s=duration_s,
+                         loss_packets=loss_packets)
+        r["backend"] = link.wan.backend
+    return r
+
+
+def fmt_row(cfg, m, v):
+    rate, delay, jitter, loss = cfg
+    mark = {True: " ", False: "*", None: " "}
+    jit = f"{m['jitter_ms'] / (jitter * 1e3):.2f}" if jitter else f"({m['jitter_ms']:.2f}ms)"
+    lss = f"{m['loss'] / loss:.2f}" if loss else "-"
+    return (f"| {rate / 1e6:>5g}M | {delay * 1e3:>3g} | {jitter * 1e3:>1g} | {loss:>4.0%} "
+            f"| {m['goodput_bps'] / rate:.3f}{mark[v['goodput']]} "
+            f"| {2 * delay * 1e3:>5.1f} | {m['rtt_p50_ms']:>6.2f}{mark[v['rtt']]} "
+            f"| {m['rtt_p99_ms']:>6.2f} | {jit:>8}{mark[v['jitter']]} "
+            f"| {lss:>5}{mark[v['loss']]} | {m['reordered']:>3}{mark[v['order']]} |")
+
+
+HEADER = ("| rate | delay ms | jitter ms | loss | goodput/rate | 2xdelay ms | RTT p50 ms "
+          "| RTT p99 ms | jitter sd meas/conf | loss meas/conf | reordered |\n"
+          "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="rates x delays, plus jitter/loss at "
+                                                         "100M 5ms; 1 s of TCP, 5000 loss packets")
+    ap.add_argument("--backend", default="userspace", choices=("userspace", "netem", "auto"))
+    ap.add_argument("--json", help="also write every result to this file")
+    args = ap.parse_args(argv)
+    if os.geteuid() != 0:
+        sys.exit("link_fidelity: needs root (namespaces, tc)")
+    # SIGTERM unwinds like Ctrl-C, so the current link's `finally` removes its namespaces
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    duration_s, loss_packets = (1.0, 5000) if args.quick else (2.0, 20000)
+    print(f"backend {args.backend}; {duration_s:g} s bulk TCP per point; {loss_packets} UDP "
+          f"packets where loss is set; load average at start {os.getloadavg()[0]:.2f} "
+          f"on {os.cpu_count()} CPUs")
+    print("goodput is TCP payload (0.956 of the rate at most); * = misses its target\n")
+    print(HEADER)
+    results, misses = [], 0
+    t0 = time.monotonic()
+    for cfg in points(args.quick):
+        r = run_point(cfg, args.backend, duration_s, loss_packets)
+        v = verdicts(cfg, r["measured"])
+        misses += sum(1 for x in v.values() if x is False)
+        print(fmt_row(cfg, r["measured"], v), flush=True)
+        results.append({"rate": cfg[0], "delay": cfg[1], "jitter": cfg[2], "loss": cfg[3],
+                        **r, "verdicts": v})
+    print(f"\n{len(results)} points, {misses} target misses, {time.monotonic() - t0:.0f} s, "
+          f"load average at end {os.getloadavg()[0]:.2f}")
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
