@@ -17,12 +17,12 @@ import itertools
 import json
 import os
 import pathlib
-import signal
 import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
+from testbed import lifecycle  # noqa: E402
 from testbed.commands.linktest import two_host_link  # noqa: E402
 from testbed.net import shaping  # noqa: E402
 from testbed.net.probe import measure_link  # noqa: E402
@@ -91,7 +91,7 @@ def main(argv=None):
     if os.geteuid() != 0:
         sys.exit("link_fidelity: needs root (namespaces, tc)")
     # SIGTERM unwinds like Ctrl-C, so the current link's `finally` removes its namespaces
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    lifecycle.sigterm_unwinds()
     duration_s, loss_packets = (1.0, 5000) if args.quick else (2.0, 20000)
     print(f"backend {args.backend}; {duration_s:g} s bulk TCP per point; {loss_packets} UDP "
           f"packets where loss is set; load average at start {os.getloadavg()[0]:.2f} "

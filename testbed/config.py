@@ -46,11 +46,29 @@ class ScaleSpec:
                          "torch engine: divide prompt lengths by this (tiny model, long traces)")
 
 
+def _torch_config(value):
+    """The torch engine's model shape, checked against the model's own config class."""
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a mapping of model config keys, got {value!r}")
+    from workers.model.config import HybridConfig   # imports torch: only when the key is given
+    try:
+        HybridConfig.from_dict(value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(str(e)) from None
+    return dict(value)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelSpec:
     profile: str = spec(string, "kimi-linear-1t", "accelerator profile, testbed/profiles/NAME.yaml")
-    engine: str = spec(choice("profile"), "profile",
-                       "profile: workers wait the profiled time and send profiled KV bytes")
+    engine: str = spec(choice("profile", "torch"), "profile",
+                       "profile: workers wait the profiled time and send profiled KV bytes | "
+                       "torch: a real tiny KDA+MLA hybrid computes and ships its real state")
+    device: str = spec(choice("auto", "cpu", "cuda"), "auto",
+                       "torch engine: where the model runs (auto = cuda when available)")
+    torch: dict = spec(_torch_config, factory=dict,
+                       doc="torch engine: model shape (HybridConfig keys: n_layers, d_model, ratio "
+                           "'3:1', vocab, kda_heads, mla_latent, dtype float32|bfloat16, ...)")
     decode_step: float = spec(optional(units.duration_s), None,
                               "T_decode per decode step (real-world); default from the profile")
     bs_max: int = spec(optional(integer(1)), None, "BS_max, largest decode batch; default from profile")
@@ -139,16 +157,62 @@ class Experiment:
         return self.label or self.scheduler.policy
 
     def emulated_direction(self, name):
-        """The WAN link parameters of one direction, scaled to emulation units."""
+        """The WAN link parameters of one direction, scaled to emulation units.
+
+        A queue given in bytes is scaled by `scale.bytes`, which keeps its drain time (queue /
+        rate) in step with everything else; a queue in packets is taken as emulated packets.
+        """
         d = self.network.wan.direction(name)
         s = self.scale
         d["rate"] = d["rate"] * s.bytes * s.time
         d["delay"] = d["delay"] / s.time
         d["jitter"] = d["jitter"] / s.time
+        if d["queue"] and "bytes" in d["queue"]:
+            d["queue"] = {"bytes": int(d["queue"]["bytes"] * s.bytes)}
         return d
+
+    def emulated_changes(self, trace_rows=()):
+        """Scheduled link changes in emulation units, sorted: [(t_s, direction|None, changes)].
+
+        `trace_rows` are the rate trace's (t_s, rate_bps) rows, real-world.
+        """
+        s = self.scale
+        out = []
+        for c in self.network.wan.changes:
+            ch = {k: getattr(c, k) for k in ("rate", "delay", "jitter", "loss", "up")
+                  if getattr(c, k) is not None}
+            if "rate" in ch:
+                ch["rate"] *= s.bytes * s.time
+            for k in ("delay", "jitter"):
+                if k in ch:
+                    ch[k] /= s.time
+            out.append((c.at / s.time, None if c.direction == "both" else c.direction, ch))
+        trace = self.network.wan.rate_trace
+        for t, rate in trace_rows:
+            d = None if trace is None or trace.direction == "both" else trace.direction
+            out.append((t / s.time, d, {"rate": rate * s.bytes * s.time}))
+        return sorted(out, key=lambda x: x[0])
+
+
+MIN_EMULATED_QUEUE_BYTES = 64 * 1024     # one TSO burst: a smaller drop-tail queue drops most
 
 
 def _check_scale(exp, path):
+    rates = [(c.rate, "network.wan.changes") for c in exp.network.wan.changes if c.rate]
+    for rate_real, key in rates:
+        rate = rate_real * exp.scale.bytes * exp.scale.time
+        if rate > MAX_EMULATED_RATE_BPS:
+            raise ConfigError(f"rate {units.fmt_rate(rate_real)} scales to {units.fmt_rate(rate)} "
+                              f"emulated, above {units.fmt_rate(MAX_EMULATED_RATE_BPS)}",
+                              path=path, key=key)
+    for direction in ("kv", "request"):
+        q = exp.emulated_direction(direction)["queue"]
+        if q and "bytes" in q and q["bytes"] < MIN_EMULATED_QUEUE_BYTES:
+            real = exp.network.wan.direction(direction)["queue"]["bytes"]
+            raise ConfigError(
+                f"queue {real} bytes x scale.bytes {exp.scale.bytes:g} = {q['bytes']} emulated "
+                f"bytes, less than one 64 KiB TSO burst; raise scale.bytes or give the queue in "
+                f"packets (emulated packets, not scaled)", path=path, key="network.wan.queue")
     for direction in ("kv", "request"):
         rate = exp.emulated_direction(direction)["rate"]
         if rate > MAX_EMULATED_RATE_BPS:
@@ -162,6 +226,19 @@ def _check_scale(exp, path):
             raise ConfigError(
                 f"emulated WAN rate {units.fmt_rate(rate)} is below 8 kbit/s; raise scale.bytes",
                 path=path, key="scale")
+
+
+def _resolve_rate_trace(exp, base):
+    trace = exp.network.wan.rate_trace
+    if trace is None:
+        return exp
+    p = pathlib.Path(trace.path).expanduser()
+    for cand in ([p] if p.is_absolute() else [base / p, pathlib.Path.cwd() / p]):
+        if cand.is_file():
+            wan = dataclasses.replace(exp.network.wan, rate_trace=dataclasses.replace(
+                trace, path=str(cand.resolve())))
+            return dataclasses.replace(exp, network=dataclasses.replace(exp.network, wan=wan))
+    raise ConfigError(f"no such rate trace file {trace.path!r}", key="network.wan.rate_trace.path")
 
 
 def set_dotted(d, dotted, value, path=None):
@@ -226,9 +303,10 @@ def validate(raw, path=None, sweep_point=None):
     """One expanded mapping -> Experiment (raises ConfigError naming file and key)."""
     try:
         exp = build(Experiment, raw)
-        if path is not None:   # a trace path is relative to the experiment file
-            exp = dataclasses.replace(
-                exp, workload=exp.workload.resolve_paths(pathlib.Path(path).parent))
+        if path is not None:   # trace paths are relative to the experiment file
+            base = pathlib.Path(path).parent
+            exp = dataclasses.replace(exp, workload=exp.workload.resolve_paths(base))
+            exp = _resolve_rate_trace(exp, base)
     except ConfigError as e:
         raise ConfigError(str(e), path=path) from None
     prof = profiles.load(exp.model.profile)

@@ -23,6 +23,25 @@ import time
 STATE_DIR = pathlib.Path(os.environ.get("TESTBED_STATE_DIR", "/run/prfaas-testbed"))
 
 
+def sigterm_unwinds():
+    """Make SIGTERM tear down like Ctrl-C (KeyboardInterrupt) in this process only.
+
+    pyroute2 forks helper processes for namespaces; a fork inherits Python signal handlers, and a
+    handler that raised there would unwind a copy of the caller's stack in the child, running its
+    `finally` teardown (removing the namespaces the parent still uses). Forks get the default.
+    """
+    main_pid = os.getpid()
+
+    def handler(signum, frame):
+        if os.getpid() != main_pid:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def proc_start_time(pid):
     """Kernel start time of `pid` (clock ticks since boot), or None if it is gone."""
     try:

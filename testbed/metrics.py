@@ -167,10 +167,10 @@ def egress(ts, t0, t1, time_scale, bytes_scale):
 
 def predicted(exp):
     """The planner's prediction for this run's configuration, when the planner is available."""
-    try:
-        from testbed import plan
-    except ImportError:
-        return None
+    if exp.model.engine != "profile":
+        return {"note": "the planner models profiled accelerators; the torch engine's timing "
+                        "is its own (no prediction)"}
+    from testbed import plan
     try:
         return plan.predict(exp)
     except Exception as e:  # a prediction must never lose a measured run

@@ -83,6 +83,7 @@ def runtime_for(exp, net):
         "name": exp.name, "label": exp.label, "seed": exp.seed,
         "scale": {"time": t, "bytes": exp.scale.bytes, "tokens": exp.scale.tokens},
         "profile": exp.model.profile, "engine": exp.model.engine,
+        "device": exp.model.device, "torch": {"seed": exp.seed, **exp.model.torch},
         "decode": {"step_s": prof_decode if prof_decode is not None else prof.decode_step_s,
                    "bs_max": exp.model.bs_max or prof.bs_max},
         "scheduler": {"policy": exp.scheduler.policy, "threshold": exp.scheduler.threshold},
@@ -251,6 +252,20 @@ class Run:
             paths["probe_remote"], paths["probe_local"], net.ip("probe_local"),
             configured=self.exp.emulated_direction("kv"))
 
+    def _link_schedule(self, net, events):
+        from testbed.net.schedule import LinkSchedule
+        from testbed.net.shaping import load_trace
+
+        trace = self.exp.network.wan.rate_trace
+        rows = load_trace(trace.path) if trace is not None else []
+        if trace is not None and trace.loop and rows:
+            # Repeat the trace to cover the longest the run may last.
+            period, horizon = rows[-1][0], self.exp.run.drain_timeout * 4
+            if period > 0:
+                n = int(horizon / period) + 1
+                rows = [(t + k * period, r) for k in range(n) for t, r in rows]
+        return LinkSchedule(net.wan, self.exp.emulated_changes(rows), events)
+
     def _drive(self, net, rt, workload, events):
         records = self.dir / "requests.jsonl"
         start_at = time.time() + 0.5
@@ -259,6 +274,7 @@ class Run:
                     ["--workload", str(self.dir / "workload.parquet"), "--out", str(records),
                      "--start-at", f"{start_at:.6f}"])
         events("client_started", requests=len(workload))
+        schedule = self._link_schedule(net, events).start(start_at)
         last_arrival = float(workload.arrival_s.max()) if len(workload) else 0.0
         bound = start_at + last_arrival / self.exp.scale.time + rt["drain_timeout_s"] + 30.0
         progress = Progress(records, len(workload), self.exp.label, self.progress)
@@ -282,6 +298,7 @@ class Run:
                 time.sleep(0.1)
             progress.poll()
         finally:
+            schedule.stop()
             progress.close()
         events("client_finished", code=client.returncode)
         self.meta["dead_workers"] = sorted(dead)

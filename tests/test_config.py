@@ -114,3 +114,29 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path):
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "network.wan.rate" in lines[0] and str(p) in lines[0]
+
+
+def test_link_changes_and_rate_trace_are_scaled(tmp_path):
+    (tmp_path / "bw.csv").write_text("time,rate\n0s,100Gbit\n60s,20Gbit\n")
+    text = BASE.replace("wan: {rate: 100Gbit, delay: 5ms}", textwrap.dedent("""\
+        wan:
+            rate: 100Gbit
+            delay: 5ms
+            rate_trace: {path: bw.csv, direction: kv}
+            changes: [{at: 30s, up: false}, {at: 40s, up: true, delay: 20ms}]"""))
+    exp = config.load_experiment(write(tmp_path, text))[0]
+    from testbed.net.shaping import load_trace
+    items = exp.emulated_changes(load_trace(exp.network.wan.rate_trace.path))
+    assert [round(t, 6) for t, _, _ in items] == [0.0, 3.0, 4.0, 6.0]     # real / scale.time
+    assert items[1] == (3.0, None, {"up": False})
+    assert items[2][2] == {"up": True, "delay": pytest.approx(2e-3)}
+    assert items[3] == (6.0, "kv", {"rate": pytest.approx(20e9 * 1e-2)})
+
+
+def test_queue_bytes_scale_and_too_small_a_queue_is_rejected(tmp_path):
+    exp = config.load_experiment(write(tmp_path, BASE.replace(
+        "delay: 5ms}", "delay: 5ms, queue: 64MiB}")))[0]
+    assert exp.emulated_direction("kv")["queue"] == {"bytes": int(64 * 2**20 * 1e-3)}
+    with pytest.raises(ConfigError, match="TSO burst"):
+        config.load_experiment(write(tmp_path, BASE.replace("delay: 5ms}",
+                                                            "delay: 5ms, queue: 1MiB}")))

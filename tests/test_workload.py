@@ -457,5 +457,5 @@ def test_shipped_mooncake_experiment(traces_dir):
     df = generate(exp.workload, exp.seed, requests=exp.requests, duration_s=exp.duration,
                   base_dir=path.parent)
     assert 300 <= len(df) <= 400
-    assert df.arrival_s.max() < exp.duration
+    assert df.arrival_s.max() < 300.0           # 120 s of trace at 0.4x
     assert summarize(df)["prefix_hit_share"] > 0.05

@@ -53,6 +53,10 @@ class DecodeService(pbg.DecodeServicer):
         self.orphan_s = rt["kv_deadline_s"]
         self.has_work = asyncio.Event()
         self.receive = getattr(engine, "receive", None)   # the torch engine assembles state
+        self.engine_error = getattr(engine, "error", lambda rid: None)
+        # A computing engine steps in a thread (the loop keeps receiving KV meanwhile) and
+        # emits, at each step, the token fed in: the first is the one prefill predicted.
+        self.emit_step = getattr(engine, "aemit_step", None)
 
     # ---- KV receiver ----
     def on_frame(self, rid, seq, flags, payload, t_first, t_last):
@@ -90,10 +94,15 @@ class DecodeService(pbg.DecodeServicer):
                 yield self._final(slot, "failed", f"{self.name}: KV not complete after "
                                   f"{dreq.kv_deadline_s:.3g}s (emulated); received {got}")
                 return
-            if slot.kv_error:
-                yield self._final(slot, "failed", f"{self.name}: {slot.kv_error}")
+            error = slot.kv_error or (self.engine_error(req.id) or "")
+            if not error:
+                try:
+                    self.engine.admit(req.id, slot)
+                except Exception as e:   # a corrupt or incomplete state fails the request
+                    error = f"state rejected: {e}"
+            if error:
+                yield self._final(slot, "failed", f"{self.name}: {error}")
                 return
-            self.engine.admit(req.id, slot)
             self.waiting.append(slot)
             self.has_work.set()
             while True:
@@ -150,9 +159,11 @@ class DecodeService(pbg.DecodeServicer):
             delay = next_tick - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
-            self.busy_s += step_s
-            tokens = self.engine.step([s.rid for s in self.batch])
+            t_step = time.monotonic()
+            ids = [s.rid for s in self.batch]
+            tokens = await self.emit_step(ids) if self.emit_step else self.engine.step(ids)
             now = time.time()
+            self.busy_s += max(step_s, time.monotonic() - t_step)
             keep = []
             for slot in self.batch:
                 if slot.finished:        # its stream was cancelled
@@ -186,6 +197,10 @@ class DecodeService(pbg.DecodeServicer):
 
 
 def make_engine(rt, inst):
+    if rt.get("engine") == "torch":
+        from workers.engine_torch import TorchDecodeEngine
+        return TorchDecodeEngine(rt["torch"], rt["device"], bs_max=rt["decode"]["bs_max"],
+                                 threads=1)
     from workers.engine_profile import ProfileDecodeEngine
     return ProfileDecodeEngine(rt, inst)
 

@@ -225,6 +225,20 @@ class TorchDecodeEngine:
             self.live[r][1] = t
         return dict(zip(rids, nxt))
 
+    def emit_step(self, request_ids):
+        """One decode step, returning the token each request *emits* at it: the token it feeds
+        in (the first is the one its prefill predicted) while the step computes the next one.
+        This is what the decode worker streams, so a request's output starts with prefill's
+        token, as in PD-disaggregated serving."""
+        emitted = {r: self.live[r][1] for r in request_ids if r in self.live}
+        self.step(list(emitted))
+        return emitted
+
+    async def aemit_step(self, request_ids):
+        """`emit_step` in the engine's thread, so the event loop keeps receiving meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.emit_step,
+                                                                list(request_ids))
+
     async def astep(self, request_ids):
         """`step` in the engine's thread, so the event loop keeps receiving meanwhile."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, self.step,

@@ -80,7 +80,22 @@ class PrefillService(pbg.PrefillServicer):
                               active=self.active, busy_s=self.busy_s)
 
 
+class TorchPrefill:
+    """The torch engine behind the profile engine's `prefill(request, emit)` form."""
+
+    def __init__(self, rt):
+        from workers.engine_torch import TorchPrefillEngine
+        self.engine = TorchPrefillEngine(rt["torch"], rt["device"], seed=rt["seed"],
+                                         tokens_scale=rt["scale"]["tokens"], threads=1)
+
+    async def prefill(self, request, emit):
+        from workers.engine_torch import emit_sender
+        return await self.engine.prefill(request, emit_sender(emit))
+
+
 def make_engine(rt, inst):
+    if rt.get("engine") == "torch":
+        return TorchPrefill(rt)
     from workers.engine_profile import ProfilePrefillEngine
     return ProfilePrefillEngine(rt, inst)
 

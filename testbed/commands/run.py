@@ -3,11 +3,9 @@
 The run directory's path is the last line of standard output, so scripts can capture it.
 """
 
-import os
-import signal
 import sys
 
-from testbed import metrics
+from testbed import lifecycle, metrics
 
 
 def register(sub):
@@ -23,25 +21,10 @@ def register(sub):
     p.set_defaults(func=main)
 
 
-_MAIN_PID = os.getpid()
-
-
-def _sigterm(signum, frame):
-    """SIGTERM tears the run down like Ctrl-C, in this process only: forked helpers (pyroute2
-    spawns some) must not unwind a copy of the runner's stack."""
-    if os.getpid() != _MAIN_PID:
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-        return
-    raise KeyboardInterrupt
-
-
 def main(args):
     from testbed import run
 
-    global _MAIN_PID
-    _MAIN_PID = os.getpid()
-    signal.signal(signal.SIGTERM, _sigterm)
+    lifecycle.sigterm_unwinds()
     top, summaries = run.execute(args.file, args.overrides, out=args.out,
                                  probe=not args.no_probe, cli=args.cli,
                                  progress=not args.no_progress and sys.stderr.isatty())

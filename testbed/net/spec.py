@@ -9,7 +9,7 @@ Direction names follow what crosses the link: `kv` is PrfaaS -> local (KV caches
 import dataclasses
 
 from testbed import units
-from testbed.schema import choice, optional, section, spec, boolean
+from testbed.schema import boolean, choice, list_of, optional, section, spec, string
 
 
 def _queue(value):
@@ -38,6 +38,33 @@ class DirectionSpec:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class ChangeSpec:
+    """One scheduled change of the live link (failure injection, degradation)."""
+
+    at: float = spec(units.duration_s, doc="when, real-world time after the first arrival, e.g. 30s")
+    direction: str = spec(choice("kv", "request", "both"), "both", "which direction changes")
+    rate: float = spec(optional(units.rate_bps), None, "new rate")
+    delay: float = spec(optional(units.duration_s), None, "new one-way delay")
+    jitter: float = spec(optional(units.duration_s), None, "new jitter")
+    loss: float = spec(optional(units.probability), None, "new loss probability")
+    up: bool = spec(optional(boolean), None, "false cuts the link, true restores it")
+
+    def check(self):
+        if all(getattr(self, k) is None for k in ("rate", "delay", "jitter", "loss", "up")):
+            raise ValueError("a change needs at least one of rate, delay, jitter, loss, up")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RateTraceSpec:
+    """A bandwidth trace (CSV of time,rate in real-world units) replayed during the run."""
+
+    path: str = spec(string, doc="CSV file with rows time,rate (e.g. 0s,100Gbit); relative "
+                                 "paths resolve against the experiment file's folder")
+    direction: str = spec(choice("kv", "request", "both"), "kv", "which direction follows it")
+    loop: bool = spec(boolean, False, "start over at the end (period = last row's time)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class WanSpec:
     rate: float = spec(units.rate_bps, 100e9, "link rate in each direction (real-world), e.g. 100Gbit")
     delay: float = spec(units.duration_s, 0.0, "one-way propagation delay (real-world), e.g. 5ms")
@@ -56,6 +83,10 @@ class WanSpec:
                              doc="overrides for the PrfaaS -> local direction (KV cache)")
     request: DirectionSpec = spec(section(DirectionSpec), factory=DirectionSpec,
                                   doc="overrides for the local -> PrfaaS direction (requests, ACKs)")
+    changes: tuple = spec(list_of(section(ChangeSpec)), (),
+                          "scheduled link changes: [{at: 30s, up: false}, {at: 40s, up: true}]")
+    rate_trace: RateTraceSpec = spec(optional(section(RateTraceSpec)), None,
+                                     "a time,rate CSV replayed on the link during the run")
 
     def direction(self, name):
         """Resolved link parameters of one direction ('kv' or 'request') as a dict."""
