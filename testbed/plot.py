@@ -1,8 +1,8 @@
 """Plot: figures drawn from run directories only (Pantheon habit: analysis reads the run dir).
 
 `STYLE` is the one registry of label, colour and marker per policy, used by every figure.
-`run_figures(top)` draws `figures/ttft_cdf.png` and `figures/egress.png` (and PDFs) for a run
-directory: one line per run found below it (a single run, or every variant of an experiment).
+`run_figures(top)` draws `figures/ttft_cdf.png`, `figures/egress.png` and
+`figures/ttft_timeline.png` (and PDFs) for a run directory: one line per run found below it (a single run, or every variant of an experiment).
 """
 
 import json
@@ -112,8 +112,65 @@ def egress_timeline(top, out_dir):
     return paths[0]
 
 
+def _down_spans(ts, scale):
+    """(start, end) real-world times where the KV direction of the link was down."""
+    down = ts.kv_up.to_numpy() == 0
+    t = ts.t_real_s.to_numpy()
+    spans, start = [], None
+    for i, d in enumerate(down):
+        if d and start is None:
+            start = t[i]
+        elif not d and start is not None:
+            spans.append((start, t[i]))
+            start = None
+    if start is not None:
+        spans.append((start, t[-1]))
+    return spans
+
+
+def ttft_timeline(top, out_dir):
+    """TTFT of each request against its arrival time; link-down periods shaded."""
+    runs = find_runs(top)
+    frames, spans = [], []
+    for d in runs:
+        s = json.loads((d / "summary.json").read_text())
+        df = pd.read_parquet(d / "requests.parquet")
+        ok = df[df.status == "ok"]
+        if not len(ok):
+            continue
+        frames.append(pd.DataFrame({"arrival (s, real-world)": ok.arrival_s,
+                                    "TTFT (ms, real-world)": ok.ttft_ms, "run": _label(s)}))
+        ts_path = d / "timeseries.csv"
+        if ts_path.exists():
+            ts = pd.read_csv(ts_path)
+            meta = json.loads((d / "metadata.json").read_text())
+            # timeseries starts before the first arrival: shift to the arrival clock
+            t0 = (meta.get("client_start_at", ts.time.iloc[0]) - ts.time.iloc[0])
+            scale = s.get("scale_time") or 1.0
+            spans += [(a - t0 * scale, b - t0 * scale) for a, b in _down_spans(ts, scale)]
+    if not frames:
+        return None
+    df = pd.concat(frames, ignore_index=True)
+    sns.set_theme(style="whitegrid", context="paper")
+    fig, ax = plt.subplots(figsize=(6.5, 3.2))
+    for a, b in sorted(set(spans)):
+        ax.axvspan(a, b, color="0.85", zorder=0)
+    sns.scatterplot(data=df, x="arrival (s, real-world)", y="TTFT (ms, real-world)", hue="run",
+                    s=12, ax=ax, linewidth=0)
+    ax.set_yscale("log")
+    ax.set_title("TTFT by arrival time" + (" (grey: WAN down)" if spans else ""))
+    fig.tight_layout()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / "ttft_timeline.png", out_dir / "ttft_timeline.pdf"]
+    for p in paths:
+        fig.savefig(p, dpi=150)
+    plt.close(fig)
+    return paths[0]
+
+
 def run_figures(top):
     """Every figure of a run directory (or an experiment's top directory), as PNG and PDF."""
     top = pathlib.Path(top)
     out = top / "figures"
-    return [p for p in (ttft_cdf(top, out), egress_timeline(top, out)) if p is not None]
+    figures = (ttft_cdf(top, out), egress_timeline(top, out), ttft_timeline(top, out))
+    return [p for p in figures if p is not None]
