@@ -27,8 +27,8 @@ from testbed import profile as profiles
 from testbed import units
 from testbed.errors import ConfigError
 from testbed.net.spec import NetworkSpec
-from testbed.schema import (build, choice, integer, optional, positive, section, spec, string,
-                            to_dict)
+from testbed.schema import (boolean, build, choice, integer, optional, positive, section, spec,
+                            string, to_dict)
 from testbed.workload.spec import WorkloadSpec
 
 # The emulated WAN must stay within what one 2-core machine can shape and carry.
@@ -102,10 +102,25 @@ class ClustersSpec:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class FailoverSpec:
+    enabled: bool = spec(boolean, False,
+                         "health-check prefill instances; route around those that do not answer")
+    interval: float = spec(positive(units.duration_s), 1.0,
+                           "time between health checks of each prefill instance (real-world)")
+    timeout: float = spec(positive(units.duration_s), 0.5,
+                          "an instance that has not answered within this (real-world) is down")
+    max_local: int = spec(optional(units.tokens), None,
+                          "while PrfaaS is down, prefill locally only requests up to this long; "
+                          "longer ones still go to PrfaaS and wait for it (null: all go local)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class SchedulerSpec:
     policy: str = spec(choice("homogeneous", "naive", "prfaas"), "prfaas",
                        "homogeneous: all local | naive: all prefill on PrfaaS | prfaas: threshold")
     threshold: int = spec(units.tokens, 19866, "prfaas: offload requests longer than this (tokens)")
+    failover: FailoverSpec = spec(section(FailoverSpec), factory=FailoverSpec,
+                                  doc="fall back to the other cluster when instances stop answering")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -6,7 +6,9 @@
 least outstanding work (predicted prefill seconds queued) is chosen; decode goes to the instance
 with the fewest requests in flight. An instance whose RPC failed as unreachable is marked down
 and skipped; if a whole cluster is down the other one takes the request (failover to the local
-path, which the paper leaves to deployments).
+path, which the paper leaves to deployments), except that with `max_local` requests longer
+than it keep going to PrfaaS and wait for it (local prefill of very long prompts can take longer
+than an outage).
 """
 
 import dataclasses
@@ -26,9 +28,10 @@ class Instance:
 
 
 class Router:
-    def __init__(self, policy, threshold, instances, predict_s):
+    def __init__(self, policy, threshold, instances, predict_s, max_local=None):
         self.policy = policy
         self.threshold = threshold
+        self.max_local = max_local          # failover: longest request prefilled locally
         self.remote = [i for i in instances if i.role == "prefill" and i.dc == "prfaas"]
         self.local = [i for i in instances if i.role == "prefill" and i.dc == "local"]
         self.decode = [i for i in instances if i.role == "decode"]
@@ -46,6 +49,9 @@ class Router:
         remote = self._want_remote(uncached)
         first, second = (self.remote, self.local) if remote else (self.local, self.remote)
         up = [i for i in first if not i.down] or [i for i in second if not i.down]
+        if remote and self.max_local is not None and uncached > self.max_local and \
+                not any(not i.down for i in self.remote) and self.remote:
+            up = self.remote        # too long for local prefill: wait for PrfaaS to come back
         if not up:
             raise LookupError("no prefill instance is up")
         p = min(up, key=lambda i: (i.outstanding_s, i.name))

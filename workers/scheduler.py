@@ -32,7 +32,8 @@ class SchedulerService(pbg.SchedulerServicer):
                      for n, i in rt["instances"].items() if i["role"] in ("prefill", "decode")]
         self.router = Router(rt["scheduler"]["policy"], rt["scheduler"]["threshold"], instances,
                              lambda inst, l: prof.t_prefill(inst.accelerator, max(l, 1))
-                             / self.time_scale)
+                             / self.time_scale,
+                             max_local=rt["scheduler"].get("failover_max_local"))
         opts = common.grpc_options()
         self.prefill_stub = {i.name: pbg.PrefillStub(grpc.aio.insecure_channel(i.addr, options=opts))
                              for i in instances if i.role == "prefill"}
@@ -133,6 +134,29 @@ class SchedulerService(pbg.SchedulerServicer):
             if not next_chunk.done():
                 next_chunk.cancel()
 
+    async def health_loop(self):
+        """Failover: ask every prefill instance for its health; mark down those that do not
+        answer in time, up again those that do. Routing skips down instances and falls back to
+        the other cluster (the local path when PrfaaS or the WAN fails)."""
+        sched = self.rt["scheduler"]
+        interval, timeout = sched["health_interval_s"], sched["health_timeout_s"]
+        insts = self.router.remote + self.router.local
+
+        async def check(inst):
+            try:
+                await self.prefill_stub[inst.name].Health(pb.Empty(), timeout=timeout)
+                ok = True
+            except grpc.aio.AioRpcError:
+                ok = False
+            if ok == inst.down:
+                inst.down = not ok
+                self.stats.failovers += 1
+                self.log.warning("health: %s is %s", inst.name, "up" if ok else "DOWN")
+
+        while True:
+            await asyncio.gather(*(check(i) for i in insts))
+            await asyncio.sleep(interval)
+
     async def Stats(self, request, context):
         return self.stats
 
@@ -151,10 +175,11 @@ async def main():
     pbg.add_SchedulerServicer_to_server(service, server)
     server.add_insecure_port(f"{inst['ip']}:{inst['grpc_port']}")
     await server.start()
+    health = asyncio.create_task(service.health_loop()) if rt["scheduler"]["failover"] else None
     common.mark_ready(rt, args.name)
     log.info("scheduler up on %s:%s, policy %s", inst["ip"], inst["grpc_port"],
              rt["scheduler"]["policy"])
-    await common.serve_until_signalled(server)
+    await common.serve_until_signalled(server, health.cancel if health else None)
 
 
 if __name__ == "__main__":
