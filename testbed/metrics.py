@@ -94,6 +94,30 @@ def build_requests(workload, sent, done, time_scale):
     return df
 
 
+def tokens_table(df, time_scale):
+    """One row per output token: its time at the decode worker and at the client (Unix s, the
+    emulated timeline) and the inter-token latency at each (real-world ms). The client receives
+    tokens in chunks (the first alone, then every few ms), so its times step per chunk."""
+    ids, idx, dec, cli = [], [], [], []
+    for rid, t_dec, t_cli in zip(df.id, df.get("token_times", [None] * len(df)),
+                                 df.get("client_times", [None] * len(df))):
+        if not isinstance(t_dec, list):
+            continue
+        n = len(t_dec)
+        ids += [rid] * n
+        idx += range(n)
+        dec += t_dec
+        cli += t_cli if isinstance(t_cli, list) and len(t_cli) == n else [np.nan] * n
+    out = pd.DataFrame({"id": np.asarray(ids, dtype=np.int64), "index": np.asarray(idx, dtype=np.int64),
+                        "decode_time": np.asarray(dec, dtype=float),
+                        "client_time": np.asarray(cli, dtype=float)})
+    ms = 1e3 * time_scale
+    first = out["index"] == 0
+    out["itl_decode_ms"] = out.groupby("id").decode_time.diff().where(~first) * ms
+    out["itl_client_ms"] = out.groupby("id").client_time.diff().where(~first) * ms
+    return out
+
+
 def _pct(series, q):
     s = series.dropna()
     return float(np.percentile(s, q)) if len(s) else float("nan")
@@ -183,8 +207,9 @@ def analyse(run_dir, exp):
     workload = pd.read_parquet(d / "workload.parquet")
     sent, done = read_records(d / "requests.jsonl")
     df = build_requests(workload, sent, done, exp.scale.time)
-    df.drop(columns=["token_times"], errors="ignore").to_parquet(d / "requests.parquet",
-                                                                 index=False)
+    tokens_table(df, exp.scale.time).to_parquet(d / "tokens.parquet", index=False)
+    df.drop(columns=["token_times", "client_times"], errors="ignore").to_parquet(
+        d / "requests.parquet", index=False)
     ts = pd.read_csv(d / "timeseries.csv") if (d / "timeseries.csv").exists() else None
     meta = json.loads((d / "metadata.json").read_text()) if (d / "metadata.json").exists() else {}
     summary = summarize(df, exp, ts, meta.get("wan_counters"))

@@ -85,3 +85,13 @@ def test_table_prints_every_run(exp):
          "mean_ttft_ms": 10.0, "prediction": {"lambda_max": 1.5}}
     out = metrics.table([s, dict(s, label="naive", prediction=None)])
     assert "prfaas" in out and "naive" in out and "1.500" in out
+
+
+def test_tokens_table_has_both_clocks(exp):
+    d = done(0, 100.0, 100.2, 100.6)
+    d["client_times"] = [100.2, 100.45, 100.45, 100.45, 100.6]
+    df = metrics.build_requests(workload(1), {}, {0: d}, time_scale=10)
+    t = metrics.tokens_table(df, 10)
+    assert list(t["index"]) == [0, 1, 2, 3, 4]
+    assert t.itl_decode_ms.iloc[1:].tolist() == pytest.approx([1000.0] * 4)
+    assert t.itl_client_ms.iloc[1:].tolist() == pytest.approx([2500.0, 0.0, 0.0, 1500.0])

@@ -163,3 +163,28 @@ def test_clean_removes_what_a_killed_run_left(tmp_path):
              and int((pathlib.Path(f"/proc/{p['pid']}/stat").read_text().rsplit(")", 1)[1]
                       .split()[19])) == p["start"]]
     assert alive == []
+
+
+def test_torch_engine_ships_real_state_across_the_wan(tmp_path):
+    from workers.model.config import HybridConfig
+    from workers.model.hybrid import state_bytes
+
+    out = tmp_path / "run"
+    r = subprocess.run(tb_cmd("run", str(ROOT / "tests" / "data" / "torch_tiny.yaml"), "--out",
+                              str(out), "--no-progress", "--no-probe"),
+                       capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    df = pd.read_parquet(out / "requests.parquet")
+    assert (df.status == "ok").all(), df.error.tolist()
+    assert (df.n_tokens == 8).all()
+    cfg = HybridConfig(n_layers=4, d_model=64)
+    # Each request's wire bytes hold at least its real state (plus headers and the trailer).
+    for row in df.itertuples():
+        assert row.kv_bytes_sent >= state_bytes(cfg, row.input_len)
+        assert row.kv_bytes == row.kv_bytes_sent
+    counted = json.loads((out / "summary.json").read_text())["wan_bytes_measured"]
+    sent = df.kv_bytes_sent.sum()
+    assert sent <= counted <= 1.15 * sent, (sent, counted)
+    tokens = pd.read_parquet(out / "tokens.parquet")
+    assert len(tokens) == 6 * 8 and (tokens.client_time >= tokens.decode_time).all()
+    assert leftovers(out) == []

@@ -52,7 +52,7 @@ async def one_request(stub, row, scheduled, rec, timeout_s):
                "lateness_s": send - scheduled})
     out = {"ev": "done", "id": req.id, "send_time": send, "first_token": None,
            "last_token": None, "n_tokens": 0, "status": "failed", "error": ""}
-    token_times = []
+    token_times, client_times = [], []
     try:
         call = stub.Submit(req, timeout=timeout_s)
         async for chunk in call:
@@ -63,6 +63,7 @@ async def one_request(stub, row, scheduled, rec, timeout_s):
                 out["last_token"] = now
                 out["n_tokens"] += len(chunk.times)
                 token_times.extend(chunk.times)
+                client_times.extend([now] * len(chunk.times))
             if chunk.done:
                 out["status"], out["error"] = chunk.status or "failed", chunk.error
                 out.update(route=chunk.route.kind, decode_instance=chunk.route.decode or
@@ -77,11 +78,11 @@ async def one_request(stub, row, scheduled, rec, timeout_s):
         out["error"] = f"scheduler: {e.code().name}: {e.details()}"
     except asyncio.CancelledError:
         out["error"] = "run ended before the request finished"
-        rec.write({**out, "token_times": token_times})
+        rec.write({**out, "token_times": token_times, "client_times": client_times})
         raise
     if out["status"] == "ok" and out["n_tokens"] < req.output_len:
         out["status"], out["error"] = "failed", f"only {out['n_tokens']} of {req.output_len} tokens"
-    rec.write({**out, "token_times": token_times})
+    rec.write({**out, "token_times": token_times, "client_times": client_times})
 
 
 async def run(args):
