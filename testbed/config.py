@@ -129,6 +129,10 @@ class RunSpec:
                                 "after the last send, wait at most this long (real-world) for replies")
     request_timeout: float = spec(units.duration_s, 600.0,
                                   "a request not finished after this long (real-world) fails")
+    token_flush: float = spec(positive(units.duration_s), 0.5,
+                              "decode workers send tokens after the first in chunks this often "
+                              "(real-world); first and last tokens go at once, every token keeps "
+                              "its own time stamp")
     kv_deadline: float = spec(units.duration_s, 300.0,
                               "a KV transfer not finished this long (real-world) after prefill fails")
 

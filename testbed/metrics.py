@@ -151,8 +151,67 @@ def summarize(df, exp, timeseries=None, counters=None):
         out["wan_bytes_counted"] = counters.get("kv", {}).get("tx_bytes")
     errors = df.error[df.status != "ok"].dropna().value_counts()
     out["failure_reasons"] = {str(k): int(v) for k, v in errors.head(5).items()}
+    out["steady_throughput"] = steady_throughput(ok.last_token, T)
+    out["emulation"] = emulation_fidelity(ok, exp)
     out["prediction"] = predicted(exp)
     return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in out.items()}
+
+
+def steady_throughput(completions, time_scale, lo=0.1, hi=0.9):
+    """Completions per real-world second between the 10th and 90th percentile completion.
+
+    `request_throughput` divides by the whole span, ramp-up (the first TTFT) and the last
+    request's decode included; this middle window is what a saturated system sustains (its
+    capacity) and what an unsaturated one is offered.
+    """
+    t = np.sort(completions.dropna().to_numpy())
+    if len(t) < 10:
+        return float("nan")
+    a, b = t[int(lo * (len(t) - 1))], t[int(hi * (len(t) - 1))]
+    n = int(hi * (len(t) - 1)) - int(lo * (len(t) - 1))
+    return n / ((b - a) * time_scale) if b > a else float("nan")
+
+
+def emulation_fidelity(ok, exp, tolerance=0.05):
+    """Did the emulated accelerators keep their profiled times on this machine?
+
+    Compares what the workers measured with what the profile asked for: mean decode step (ITL
+    at the decode worker) vs T_decode, and prefill compute time vs T_prefill(l); and how long
+    first tokens took from the decode worker to the client (the testbed's own control plane).
+    A CPU too busy for the chosen `scale.time` shows here first; the warning says so.
+    """
+    if exp.model.engine != "profile" or not len(ok):
+        return {}
+    from testbed import profile as profiles
+
+    prof = profiles.load(exp.model.profile)
+    step_ms = (exp.model.decode_step or prof.decode_step_s) * 1e3
+    out = {"decode_step_ratio": float(ok.mean_itl_ms.mean() / step_ms), "warnings": []}
+    accel = {"remote": exp.clusters.prfaas.accelerator, "local": exp.clusters.local.accelerator}
+    ratios = []
+    for route, acc in accel.items():
+        sub = ok[(ok.route == route) & ok.prefill_ms.notna()]
+        if len(sub):
+            want = np.asarray(prof.t_prefill(acc, sub.input_len.to_numpy())) * 1e3
+            ratios.append(sub.prefill_ms.to_numpy() / want)
+    if ratios:
+        out["prefill_ratio"] = float(np.median(np.concatenate(ratios)))
+    lag = [(f - t[0]) for f, t in zip(ok.first_token, ok.get("token_times", [None] * len(ok)))
+           if isinstance(t, list) and t and np.isfinite(f)]
+    if lag:
+        out["first_token_lag_ms"] = float(np.median(lag)) * 1e3 * exp.scale.time
+        if out["first_token_lag_ms"] > 50:
+            out["warnings"].append(
+                f"first tokens reached the client {out['first_token_lag_ms']:.0f} ms (median, "
+                f"real-world) after the decode worker made them: the control plane is CPU-bound "
+                f"at scale.time {exp.scale.time:g}; TTFT includes that lag")
+    for key, what in (("decode_step_ratio", "decode steps"), ("prefill_ratio", "prefills")):
+        r = out.get(key)
+        if r is not None and abs(r - 1) > tolerance:
+            out["warnings"].append(
+                f"{what} took {r:.2f}x their profiled time: this machine could not keep up "
+                f"at scale.time {exp.scale.time:g}; lower it for exact timing")
+    return out
 
 
 def egress(ts, t0, t1, time_scale, bytes_scale):
@@ -218,6 +277,8 @@ def analyse(run_dir, exp):
     summary["run_dir"] = str(d)
     fid = meta.get("link_fidelity") or {}
     summary["link_warnings"] = fid.get("warnings", [])
+    summary["warnings"] = summary["link_warnings"] + (summary.get("emulation") or {}).get(
+        "warnings", [])
     (d / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 
@@ -235,6 +296,7 @@ def table(summaries):
             ("p99_ttft_ms", "p99", "{:.0f}"), ("mean_tpot_ms", "TPOT", "{:.1f}"),
             ("egress_mean_gbps", "egress Gb/s", "{:.2f}"),
             ("offload_fraction", "offload", "{:.2f}")]
+    cols.insert(4, ("steady_throughput", "steady", "{:.3f}"))
     header = [c[1] for c in cols] + ["predicted req/s"]
     body = []
     for s in summaries:

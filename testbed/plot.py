@@ -22,6 +22,16 @@ STYLE = {
 }
 
 
+def _save(fig, out_dir, stem):
+    """Write `stem`.png and .pdf into out_dir; returns the PNG's path."""
+    fig.tight_layout()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for ext in ("pdf", "png"):
+        fig.savefig(out_dir / f"{stem}.{ext}", dpi=150)
+    plt.close(fig)
+    return out_dir / f"{stem}.png"
+
+
 def find_runs(top):
     """Run directories at or below `top` (those holding a summary.json), sorted."""
     top = pathlib.Path(top)
@@ -67,13 +77,7 @@ def ttft_cdf(top, out_dir):
     ax.set_xlabel("TTFT (ms, real-world)")
     ax.set_ylabel("fraction of requests")
     ax.set_title("Time to first token")
-    fig.tight_layout()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = [out_dir / "ttft_cdf.png", out_dir / "ttft_cdf.pdf"]
-    for p in paths:
-        fig.savefig(p, dpi=150)
-    plt.close(fig)
-    return paths[0]
+    return _save(fig, out_dir, "ttft_cdf")
 
 
 def egress_timeline(top, out_dir):
@@ -103,13 +107,7 @@ def egress_timeline(top, out_dir):
     sns.lineplot(data=df, x="time (s, real-world)", y="KV egress (Gbit/s, real-world)",
                  hue="run", ax=ax, linewidth=1.0)
     ax.set_title("WAN egress, PrfaaS -> local (kernel counters)")
-    fig.tight_layout()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = [out_dir / "egress.png", out_dir / "egress.pdf"]
-    for p in paths:
-        fig.savefig(p, dpi=150)
-    plt.close(fig)
-    return paths[0]
+    return _save(fig, out_dir, "egress")
 
 
 def _down_spans(ts, scale):
@@ -159,13 +157,7 @@ def ttft_timeline(top, out_dir):
                     s=12, ax=ax, linewidth=0)
     ax.set_yscale("log")
     ax.set_title("TTFT by arrival time" + (" (grey: WAN down)" if spans else ""))
-    fig.tight_layout()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = [out_dir / "ttft_timeline.png", out_dir / "ttft_timeline.pdf"]
-    for p in paths:
-        fig.savefig(p, dpi=150)
-    plt.close(fig)
-    return paths[0]
+    return _save(fig, out_dir, "ttft_timeline")
 
 
 def run_figures(top):

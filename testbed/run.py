@@ -92,6 +92,7 @@ def runtime_for(exp, net):
                       "health_timeout_s": exp.scheduler.failover.timeout / t,
                       "failover_max_local": exp.scheduler.failover.max_local},
         "kv_deadline_s": exp.run.kv_deadline / t,
+        "token_flush_s": exp.run.token_flush / t,
         "request_timeout_s": exp.run.request_timeout / t,
         "drain_timeout_s": exp.run.drain_timeout / t,
         "instances": inst,

@@ -49,7 +49,9 @@ class DecodeService(pbg.DecodeServicer):
         self.waiting = collections.deque()
         self.batch = []
         self.busy_s = 0.0
-        self.flush_s = max(0.005, 0.05 / rt["scale"]["time"])
+        # Tokens after the first go out in chunks every `token_flush_s` (emulated): each token
+        # keeps its own time stamp; fewer messages keep the control plane off the CPU's limit.
+        self.flush_s = rt.get("token_flush_s", 0.05)
         self.orphan_s = rt["kv_deadline_s"]
         self.has_work = asyncio.Event()
         self.receive = getattr(engine, "receive", None)   # the torch engine assembles state

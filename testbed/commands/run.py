@@ -31,7 +31,7 @@ def main(args):
     print()
     print(metrics.table(summaries))
     for s in summaries:
-        for w in s.get("link_warnings") or []:
+        for w in s.get("warnings") or []:
             print(f"warning ({s['label']}): {w}")
         if s.get("failed"):
             print(f"note ({s['label']}): {s['failed']} failed: {s.get('failure_reasons')}")
