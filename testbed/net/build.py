@@ -113,8 +113,17 @@ class Network:
         return proc
 
     def cli(self):
+        """The Mininet CLI on the running network (its output needs Mininet's 'output' level)."""
         from mininet.cli import CLI
-        CLI(self.net)
+        from mininet.log import setLogLevel
+        setLogLevel("output")
+        roles = ", ".join(f"{role}={name}" for role, name in sorted(self.topo.roles.items()))
+        print(f"*** workers are up; nodes: {roles}\n*** e.g. `{self.topo.roles['client']} ping "
+              f"-c3 {self.topo.ips['probe_remote']}` crosses the WAN; `exit` starts the requests")
+        try:
+            CLI(self.net)
+        finally:
+            setLogLevel(os.environ.get("TESTBED_MININET_LOG", "error"))
 
     def stop(self):
         if self.wan is not None:
