@@ -7,9 +7,12 @@ targets are stated in; not part of the test suite's pass/fail.
 
     sudo .venv/bin/python benchmarks/link_fidelity.py [--quick] [--backend userspace] [--json F]
 
-Targets: goodput / rate >= 0.93 at 0 loss (TCP payload; its share of a 1514-byte frame is 0.956);
+Targets: goodput / rate >= 0.93 at 0 loss (TCP payload delivered, tcpi_delivered x MSS at the
+sender: `probe.GOODPUT_BASIS`; its share of a 1514-byte frame is 0.956);
 RTT p50 within max(0.3 ms, 5%) of 2 x delay; one-way jitter sd within 30% of configured;
-loss within 25% relative over >= 20,000 packets; no reordering.
+loss within 25% relative over >= 20,000 packets; no reordering. After the sweep, a few burst-loss
+points (Gilbert chain in the delay line) compare measured loss and mean burst length with the
+configured ones (--no-burst skips them).
 """
 
 import argparse
@@ -25,12 +28,16 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from testbed import lifecycle  # noqa: E402
 from testbed.commands.linktest import two_host_link  # noqa: E402
 from testbed.net import shaping  # noqa: E402
-from testbed.net.probe import measure_link  # noqa: E402
+from testbed.net.probe import GOODPUT_BASIS, measure_link  # noqa: E402
 
 RATES = (10e6, 100e6, 1e9)
 DELAYS = (0.0, 0.005, 0.020)
 JITTERS = (0.0, 0.002)
 LOSSES = (0.0, 0.01)
+# (rate, delay, loss, mean burst): burst loss from the delay line's Gilbert chain
+BURST_POINTS = ((100e6, 0.005, 0.01, 1.0), (100e6, 0.005, 0.01, 4.0), (100e6, 0.005, 0.05, 4.0),
+                (100e6, 0.020, 0.02, 8.0))
+BURST_PACKETS = 100_000   # >= 250 bursts per point: ~9% sampling sd on loss, ~6% on burst length
 
 
 def points(quick):
@@ -53,10 +60,10 @@ def verdicts(cfg, m):
     }
 
 
-def run_point(cfg, backend, duration_s, loss_packets):
+def run_point(cfg, backend, duration_s, loss_packets, loss_burst=None):
     rate, delay, jitter, loss = cfg
-    d = shaping.check_params({"rate": rate, "delay": delay, "jitter": jitter, "loss": loss},
-                             "bench")
+    d = shaping.check_params({"rate": rate, "delay": delay, "jitter": jitter, "loss": loss,
+                              "loss_burst": loss_burst}, "bench")
     with two_host_link({"kv": d, "request": d}, backend=backend) as link:
         r = measure_link(link.src, link.dst, link.dst_ip, d, duration_s=duration_s,
                          loss_packets=loss_packets)
@@ -76,6 +83,33 @@ def fmt_row(cfg, m, v):
             f"| {lss:>5}{mark[v['loss']]} | {m['reordered']:>3}{mark[v['order']]} |")
 
 
+def fmt_reorder(m):
+    """Where reordered packets came from: kind, and how long after the overtaking one."""
+    ex = m.get("reorder_examples") or []
+    late = [e["late_us"] for e in ex]
+    kinds = sorted({e["kind"] for e in ex})
+    return (f"  reordered {m['reordered']}: {'/'.join(kinds)}, late by "
+            f"{min(late):.0f}-{max(late):.0f} us" if late else "")
+
+
+BURST_HEADER = ("| rate | delay ms | loss | burst pkts | loss meas/conf | burst meas | "
+                "goodput/rate | reordered |\n|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+
+def burst_rows(backend, duration_s):
+    """The burst-loss points: (row text, misses, result)."""
+    for rate, delay, loss, burst in BURST_POINTS:
+        r = run_point((rate, delay, 0.0, loss), backend, duration_s, BURST_PACKETS, burst)
+        m = r["measured"]
+        ok_loss = abs(m["loss"] / loss - 1) <= 0.25
+        ok_burst = m["loss_burst"] is not None and abs(m["loss_burst"] / burst - 1) <= 0.25
+        mark = {True: " ", False: "*"}
+        row = (f"| {rate / 1e6:>5g}M | {delay * 1e3:>3g} | {loss:>4.0%} | {burst:>4g} "
+               f"| {m['loss'] / loss:.2f}{mark[ok_loss]} | {m['loss_burst'] or 0:.2f}"
+               f"{mark[ok_burst]} | {m['goodput_bps'] / rate:.3f} | {m['reordered']:>3} |")
+        yield row, (not ok_loss) + (not ok_burst), {"loss_burst": burst, **r}
+
+
 HEADER = ("| rate | delay ms | jitter ms | loss | goodput/rate | 2xdelay ms | RTT p50 ms "
           "| RTT p99 ms | jitter sd meas/conf | loss meas/conf | reordered |\n"
           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -87,6 +121,7 @@ def main(argv=None):
                                                          "100M 5ms; 1 s of TCP, 5000 loss packets")
     ap.add_argument("--backend", default="userspace", choices=("userspace", "netem", "auto"))
     ap.add_argument("--json", help="also write every result to this file")
+    ap.add_argument("--no-burst", action="store_true", help="skip the burst-loss points")
     args = ap.parse_args(argv)
     if os.geteuid() != 0:
         sys.exit("link_fidelity: needs root (namespaces, tc)")
@@ -96,7 +131,7 @@ def main(argv=None):
     print(f"backend {args.backend}; {duration_s:g} s bulk TCP per point; {loss_packets} UDP "
           f"packets where loss is set; load average at start {os.getloadavg()[0]:.2f} "
           f"on {os.cpu_count()} CPUs")
-    print("goodput is TCP payload (0.956 of the rate at most); * = misses its target\n")
+    print(f"goodput: {GOODPUT_BASIS}; * = misses its target\n")
     print(HEADER)
     results, misses = [], 0
     t0 = time.monotonic()
@@ -104,11 +139,22 @@ def main(argv=None):
         r = run_point(cfg, args.backend, duration_s, loss_packets)
         v = verdicts(cfg, r["measured"])
         misses += sum(1 for x in v.values() if x is False)
-        print(fmt_row(cfg, r["measured"], v), flush=True)
+        print(fmt_row(cfg, r["measured"], v) + fmt_reorder(r["measured"]), flush=True)
         results.append({"rate": cfg[0], "delay": cfg[1], "jitter": cfg[2], "loss": cfg[3],
                         **r, "verdicts": v})
     print(f"\n{len(results)} points, {misses} target misses, {time.monotonic() - t0:.0f} s, "
           f"load average at end {os.getloadavg()[0]:.2f}")
+    if not args.no_burst:
+        print(f"\nburst loss (Gilbert chain in the delay line), {BURST_PACKETS} UDP packets per "
+              f"point; burst = mean run of consecutive losses; targets 25% for both\n")
+        print(BURST_HEADER)
+        bmiss = 0
+        for row, miss, r in burst_rows(args.backend, duration_s):
+            bmiss += miss
+            print(row, flush=True)
+            results.append({"burst_point": True, **r})
+        print(f"\n{len(BURST_POINTS)} burst points, {bmiss} target misses, load average at end "
+              f"{os.getloadavg()[0]:.2f}")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=1, default=str))
     return 0

@@ -91,3 +91,64 @@ def test_load_trace(tmp_path):
     f.write_text("time,rate\n2,1Mbit\n1,1Mbit\n")
     with pytest.raises(ConfigError, match="non-decreasing"):
         shaping.load_trace(f)
+
+
+def test_gilbert_chain_parameters():
+    p_gb, p_bg = shaping.gilbert(0.01, 4)
+    assert p_bg == 0.25
+    assert p_gb / (p_gb + p_bg) == pytest.approx(0.01)   # stationary share of the bad state
+
+
+@pytest.mark.parametrize("bad", [{"loss_burst": 0.5}, {"loss_burst": "many"},
+                                 {"loss": 0.6, "loss_burst": 1}, {"loss": 1, "loss_burst": 4}])
+def test_check_params_rejects_bad_bursts(bad):
+    with pytest.raises(ConfigError, match="network.wan.kv.loss_burst"):
+        shaping.check_params({"rate": 1e6, "loss": 0.01, **bad}, "kv")
+
+
+def test_burst_loss_goes_to_the_delay_line_not_iptables():
+    p = shaping.check_params({"rate": 1e6, "loss": 0.02, "loss_burst": 5}, "kv")
+    assert shaping.burst_loss(p) and shaping._needs_delayline(p)
+    assert shaping.Wan._iptables_loss(p) == 0.0
+    args = shaping.DelayLine._args(p)
+    assert [float(x) for x in args[4:]] == pytest.approx([0.02 * 0.2 / 0.98, 0.2, 0, 1])
+    plain = shaping.check_params({"rate": 1e6, "loss": 0.02}, "kv")
+    assert not shaping._needs_delayline(plain) and shaping.Wan._iptables_loss(plain) == 0.02
+    assert [float(x) for x in shaping.DelayLine._args(plain)[4:]] == [0, 1, 0, 1]
+
+
+def test_loss_burst_passes_through_the_experiment_config():
+    from testbed.net.spec import WanSpec
+    from testbed.schema import build
+    w = build(WanSpec, {"loss": "1%", "loss_burst": 4, "request": {"loss_burst": 2}})
+    assert w.direction("kv")["loss_burst"] == 4 and w.direction("request")["loss_burst"] == 2
+    assert shaping.check_params({**w.direction("kv"), "rate": 1e6})["loss_burst"] == 4
+
+
+def _simulate(*args):
+    import shutil
+    import subprocess
+    if not shutil.which("gcc"):
+        pytest.skip("gcc missing: cannot build the delay line")
+    try:
+        binary = shaping.delayline_binary()
+    except Exception as e:   # libnetfilter-queue-dev missing
+        pytest.skip(f"delay line does not build here: {e}")
+    out = subprocess.run([str(binary), "--simulate", *map(str, args)], capture_output=True,
+                         text=True, check=True).stdout
+    return {k: int(v) for k, v in (f.split("=") for f in out.split())}
+
+
+@pytest.mark.parametrize("loss,burst", [(0.01, 4), (0.05, 1.5), (0.002, 10)])
+def test_delay_line_loss_chain_stationary_loss_and_burst(loss, burst):
+    """The C chain itself (tb-delayline --simulate), over 20 million packets."""
+    p_gb, p_bg = shaping.gilbert(loss, burst)
+    r = _simulate(20_000_000, p_gb, p_bg, 0, 1, 7)
+    # >= 4000 bursts of geometric length (CV <= 1): the lost count's relative sd is at most
+    # sqrt(2 / 4000) = 2.2% and the mean burst's 1.6%, so 10% is more than 4 sigma for both
+    assert r["lost"] / r["packets"] == pytest.approx(loss, rel=0.10)
+    assert r["lost"] / r["bursts"] == pytest.approx(burst, rel=0.10)
+
+
+def test_delay_line_loss_chain_off_drops_nothing():
+    assert _simulate(100_000, 0, 1, 0, 1, 3)["lost"] == 0

@@ -44,7 +44,7 @@ def _nfqueue_available(ns_path):
     except Exception as e:
         return False, str(e)
     p = subprocess.Popen(["nsenter", f"--net={ns_path}", str(binary), "7", "16", "0", "0",
-                          "normal", "0", "1"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          "normal", "0", "0", "1", "0", "1", "1"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     try:
         out, err = p.communicate("", timeout=5)   # empty stdin: binds, says ready, exits

@@ -114,7 +114,7 @@ def _sysctl(ns_path, *settings):
         raise NetworkError(f"sysctl {' '.join(settings)} in {ns_path}: {r.stderr.strip()}")
 
 
-def direction_params(rate, delay, jitter, loss, queue, jitter_dist="normal"):
+def direction_params(rate, delay, jitter, loss, queue, jitter_dist="normal", loss_burst=None):
     """One symmetric direction dict from command-line strings (units as in the YAML)."""
     from testbed.net.spec import _queue
     try:
@@ -122,7 +122,8 @@ def direction_params(rate, delay, jitter, loss, queue, jitter_dist="normal"):
     except ValueError as e:
         raise ConfigError(str(e), key="--queue") from None
     return shaping.check_params({"rate": rate, "delay": delay, "jitter": jitter, "loss": loss,
-                                 "queue": q, "jitter_dist": jitter_dist}, "linktest")
+                                 "queue": q, "jitter_dist": jitter_dist,
+                                 "loss_burst": loss_burst}, "linktest")
 
 
 def register(sub):
@@ -132,6 +133,8 @@ def register(sub):
     p.add_argument("--delay", default="5ms", help="one-way delay (default 5ms)")
     p.add_argument("--jitter", default="0ms", help="one-way delay std dev (default 0)")
     p.add_argument("--loss", default="0", help="random loss, e.g. 1%% (default 0)")
+    p.add_argument("--loss-burst", default=None,
+                   help="mean loss burst in packets (Gilbert model; default: independent)")
     p.add_argument("--queue", default=None, help="drop-tail queue, bytes or '100p' (default BDP)")
     p.add_argument("--backend", default="auto", choices=("auto", "netem", "userspace"))
     p.add_argument("--duration", type=float, default=2.0, help="seconds of bulk TCP (default 2)")
@@ -142,7 +145,8 @@ def register(sub):
 def main(args):
     if os.geteuid() != 0:
         raise PrivilegeError("testbed linktest builds namespaces and qdiscs: use sudo")
-    d = direction_params(args.rate, args.delay, args.jitter, args.loss, args.queue)
+    d = direction_params(args.rate, args.delay, args.jitter, args.loss, args.queue,
+                         loss_burst=args.loss_burst)
     with two_host_link({"kv": d, "request": d}, backend=args.backend) as link:
         result = measure_link(link.src, link.dst, link.dst_ip, d, duration_s=args.duration)
         backend, reason = link.wan.backend, link.wan.backend_reason
@@ -168,9 +172,12 @@ def format_result(out):
             ("loss", f"{e['loss']:.3%}",
              "-" if m["loss"] is None else f"{m['loss']:.3%}",
              f"{m['loss_packets']} packets" if m["loss"] is not None else ""),
+            ("loss burst (packets)", "-" if not e.get("loss_burst") else f"{e['loss_burst']:g}",
+             "-" if not m.get("loss_burst") else f"{m['loss_burst']:.2f}", "mean run"),
             ("reordered", "0", str(m["reordered"]), "")]
     lines = [f"backend: {out['backend']} ({out['backend_reason']})",
              f"{'':22} {'configured':>16} {'measured':>16}"]
     lines += [f"{a:22} {b:>16} {c_:>16}  {d}" for a, b, c_, d in rows]
+    lines.append(f"goodput: {m['goodput_basis']}")
     lines += [f"warning: {w}" for w in out["warnings"]]
     return "\n".join(lines)

@@ -10,12 +10,22 @@
  *     (due = max(own due, previous due)), so jitter does not reorder a TCP flow.
  *   - Bounded: at most LIMIT packets are held (and the kernel queue is capped at LIMIT); beyond
  *     that a packet is dropped and counted.
+ *   - Burst loss (optional): a Gilbert-Elliott chain drops packets before they are held. Per
+ *     packet the chain first moves (good -> bad with P_GB, bad -> good with P_BG), then drops
+ *     with LOSS_GOOD or LOSS_BAD of the new state; P_GB = 0 turns it off. Stationary loss is
+ *     pi_bad LOSS_BAD + (1 - pi_bad) LOSS_GOOD with pi_bad = P_GB / (P_GB + P_BG); with
+ *     LOSS_GOOD 0 and LOSS_BAD 1 (Gilbert) a loss burst lasts 1 / P_BG packets on average.
+ *     With the GSO flag a 64 KiB TSO burst is one packet here, as it is for iptables.
  *   - Control on stdin, one line each, answered on stdout:
- *       set DELAY_US JITTER_US DIST REORDER  -> ok
- *       stats                                -> held=N passed=N dropped=N
+ *       set DELAY_US JITTER_US DIST REORDER P_GB P_BG LOSS_GOOD LOSS_BAD  -> ok
+ *       stats                              -> held=N passed=N dropped=N lost=N
  *     End of stdin (the parent died or closed it) stops the program; held packets are accepted.
  *
- * usage: tb-delayline QUEUE_NUM LIMIT DELAY_US JITTER_US normal|pareto|uniform REORDER SEED
+ * usage: tb-delayline QUEUE_NUM LIMIT DELAY_US JITTER_US normal|pareto|uniform REORDER
+ *                     P_GB P_BG LOSS_GOOD LOSS_BAD SEED
+ *        tb-delayline --simulate N P_GB P_BG LOSS_GOOD LOSS_BAD SEED
+ *            runs the loss chain alone over N packets (no NFQUEUE, no root) and prints
+ *            "packets=N lost=L bursts=B" (a burst is a run of consecutive losses): for tests.
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -43,7 +53,9 @@ struct held { uint64_t due_ns; uint64_t seq; uint32_t id; };
 
 static struct held *heap;          /* min-heap on (due_ns, seq) */
 static size_t heap_n, limit;
-static uint64_t seq, passed, dropped, last_due_ns;
+static uint64_t seq, passed, dropped, lost, last_due_ns;
+static double ge_p_gb, ge_p_bg, ge_loss_good, ge_loss_bad;   /* Gilbert-Elliott loss chain */
+static int ge_bad;
 static int64_t delay_ns, jitter_ns;
 static int reorder, dist;          /* dist: 0 normal, 1 pareto, 2 uniform */
 static uint64_t rng_state;
@@ -77,6 +89,29 @@ static double jitter_sample(void)
         return xm / cbrt(uniform01()) - 1.5 * xm;
     }
     return sqrt(-2 * log(uniform01())) * cos(2 * M_PI * uniform01()) * s;   /* Box-Muller */
+}
+
+/* One step of the Gilbert-Elliott chain: 1 = drop this packet. */
+static int ge_drop(void)
+{
+    if (ge_p_gb <= 0 && !ge_bad)
+        return 0;
+    ge_bad = ge_bad ? (uniform01() >= ge_p_bg) : (uniform01() < ge_p_gb);
+    return uniform01() < (ge_bad ? ge_loss_bad : ge_loss_good);
+}
+
+static int set_ge(double p_gb, double p_bg, double loss_good, double loss_bad)
+{
+    if (!(p_gb >= 0 && p_gb <= 1 && p_bg > 0 && p_bg <= 1 && loss_good >= 0 && loss_good <= 1
+          && loss_bad >= 0 && loss_bad <= 1))
+        return -1;
+    ge_p_gb = p_gb;
+    ge_p_bg = p_bg;
+    ge_loss_good = loss_good;
+    ge_loss_bad = loss_bad;
+    if (p_gb <= 0)
+        ge_bad = 0;
+    return 0;
 }
 
 static int before(const struct held *a, const struct held *b)
@@ -119,6 +154,11 @@ static int on_packet(struct nfq_q_handle *q, struct nfgenmsg *msg, struct nfq_da
 {
     struct nfqnl_msg_packet_hdr *ph = nfq_get_msg_packet_hdr(nfa);
     uint32_t id = ntohl(ph->packet_id);
+    if (ge_drop()) {
+        nfq_set_verdict(q, id, NF_DROP, 0, NULL);
+        lost++;
+        return 0;
+    }
     if (heap_n >= limit) {
         nfq_set_verdict(q, id, NF_DROP, 0, NULL);
         dropped++;
@@ -166,27 +206,57 @@ static void control(char *line)
     long long d, j;
     char ds[16];
     int r;
-    if (sscanf(line, "set %lld %lld %15s %d", &d, &j, ds, &r) == 4 && d >= 0 && j >= 0
-        && parse_dist(ds) >= 0) {
+    double gb, bg, lg, lb;
+    if (sscanf(line, "set %lld %lld %15s %d %lf %lf %lf %lf", &d, &j, ds, &r, &gb, &bg, &lg,
+               &lb) == 8 && d >= 0 && j >= 0 && parse_dist(ds) >= 0
+        && set_ge(gb, bg, lg, lb) == 0) {
         delay_ns = d * 1000;
         jitter_ns = j * 1000;
         dist = parse_dist(ds);
         reorder = r != 0;
         printf("ok\n");
     } else if (!strncmp(line, "stats", 5)) {
-        printf("held=%zu passed=%llu dropped=%llu\n", heap_n, (unsigned long long)passed,
-               (unsigned long long)dropped);
+        printf("held=%zu passed=%llu dropped=%llu lost=%llu\n", heap_n,
+               (unsigned long long)passed, (unsigned long long)dropped, (unsigned long long)lost);
     } else {
         printf("error unknown command\n");
     }
     fflush(stdout);
 }
 
+static void seed_rng(const char *s)
+{
+    rng_state = strtoull(s, NULL, 10) * 0x9E3779B97F4A7C15ull + 0x2545F4914F6CDD1Dull;
+}
+
+/* --simulate N P_GB P_BG LOSS_GOOD LOSS_BAD SEED: the loss chain alone, for tests. */
+static int simulate(char **argv)
+{
+    unsigned long long n = strtoull(argv[2], NULL, 10), drops = 0, bursts = 0;
+    if (set_ge(atof(argv[3]), atof(argv[4]), atof(argv[5]), atof(argv[6])) < 0) {
+        fprintf(stderr, "simulate: probabilities out of range\n");
+        return 2;
+    }
+    seed_rng(argv[7]);
+    int prev = 0;
+    for (unsigned long long i = 0; i < n; i++) {
+        int d = ge_drop();
+        drops += d;
+        bursts += d && !prev;
+        prev = d;
+    }
+    printf("packets=%llu lost=%llu bursts=%llu\n", n, drops, bursts);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
-    if (argc != 8 || parse_dist(argv[5]) < 0) {
+    if (argc == 8 && !strcmp(argv[1], "--simulate"))
+        return simulate(argv);
+    if (argc != 12 || parse_dist(argv[5]) < 0
+        || set_ge(atof(argv[7]), atof(argv[8]), atof(argv[9]), atof(argv[10])) < 0) {
         fprintf(stderr, "usage: %s QUEUE_NUM LIMIT DELAY_US JITTER_US normal|pareto|uniform "
-                "REORDER SEED\n", argv[0]);
+                "REORDER P_GB P_BG LOSS_GOOD LOSS_BAD SEED\n", argv[0]);
         return 2;
     }
     int qnum = atoi(argv[1]);
@@ -195,7 +265,7 @@ int main(int argc, char **argv)
     jitter_ns = atoll(argv[4]) * 1000;
     dist = parse_dist(argv[5]);
     reorder = atoi(argv[6]) != 0;
-    rng_state = strtoull(argv[7], NULL, 10) * 0x9E3779B97F4A7C15ull + 0x2545F4914F6CDD1Dull;
+    seed_rng(argv[11]);
     if (limit < 1)
         limit = 1;
     heap = calloc(limit, sizeof *heap);

@@ -6,11 +6,20 @@ link built alone. It measures, it never reads back what the shaper was told:
 
 - RTT percentiles and one-way delay jitter from >= 100 UDP probes echoed by the far side. Both
   namespaces share the host's CLOCK_MONOTONIC, so one-way delays are exact, not halved RTTs.
-- goodput: TCP payload bits/s of a bulk transfer over `duration_s`, excluding a warm-up, counted
-  by the receiver (the TCP payload of a 1514-byte frame is 1448 bytes, 0.956 of the link rate).
+- goodput: TCP payload bits/s of a bulk transfer over `duration_s` after a warm-up: segments the
+  receiver got (acknowledged or SACKed; `tcpi_delivered` x MSS of the sender's socket), sampled by
+  the sender every 10 ms while its send buffer keeps the link saturated; the rate is the slope.
+  The TCP payload of a 1514-byte frame is 1448 bytes, so at most 0.956 of the link rate.
+  Not the receiver's in-order counter: after a loss, data already received waits in the
+  out-of-order queue until the hole is filled, so a window that opens during a recovery counts
+  bytes that crossed the link before it (measured: 0.97-0.99 of the rate while the router's HTB
+  counters showed exactly 1.000 of it).
 - loss: when loss is configured, a paced UDP train of `loss_packets` one way (below half the link
-  rate, so the bottleneck queue never drops), counted at the receiver.
-- reordering: forward probes and train packets arriving below the highest sequence seen.
+  rate, so the bottleneck queue never drops), counted at the receiver; also the mean length of
+  the runs of consecutive missing packets (`loss_burst`, 1 / (1 - loss) for independent loss).
+- reordering: forward probes and train packets arriving below the highest sequence seen; the
+  first few are kept with how late they came (`reorder_examples`), to tell a delay-line reorder
+  (milliseconds) from one of the kernel's per-CPU receive queues (microseconds).
 
 Each side runs as `nsenter --net=PATH python -m testbed.net.probe ROLE ...`, a child of this
 process that prints one JSON line; every wait on it is bounded.
@@ -36,6 +45,11 @@ PROBES, PROBE_INTERVAL_S = 200, 0.005
 HDR = struct.Struct("!cIq")     # kind ('p' probe, 't' train, 'e' end), seq, send time ns
 TRAIN_PAYLOAD = 100
 DEVIATION_WARN = 0.10
+REORDER_EXAMPLES = 20
+SAMPLE_S = 0.01                 # goodput: the sender samples tcpi_delivered every 10 ms
+GOODPUT_BASIS = ("TCP payload delivered (ACKed or SACKed) per second: slope of tcpi_delivered "
+                 "x MSS sampled by the sender every 10 ms; at most 1448/1514 = 0.956 of the "
+                 "layer-2 rate")
 
 
 # ---------------------------------------------------------------- roles run inside a namespace
@@ -50,6 +64,9 @@ def _udp_server(port, timeout_s):
     reordered = {"p": 0, "t": 0}
     top = {"p": -1, "t": -1}
     owd_ns = []
+    train_seqs = []
+    examples = []   # (kind, seq, highest seq seen, ns after the highest one arrived)
+    top_at = {"p": 0, "t": 0}
     deadline = time.monotonic() + timeout_s
     stop = []
     # SIGTERM: the client is done but 'e' never came (link down); report what arrived
@@ -68,13 +85,30 @@ def _udp_server(port, timeout_s):
         if kind == "e":
             break
         got[kind] += 1
+        if kind == "t":
+            train_seqs.append(seq)
         if seq < top[kind]:
             reordered[kind] += 1
-        top[kind] = max(top[kind], seq)
+            if len(examples) < REORDER_EXAMPLES:
+                examples.append((kind, seq, top[kind], now - top_at[kind]))
+        elif seq > top[kind]:
+            top[kind], top_at[kind] = seq, now
         if kind == "p":
             owd_ns.append(now - sent)
             s.sendto(data[:HDR.size] + struct.pack("!q", now), addr)
-    print(json.dumps({"got": got, "reordered": reordered, "owd_ns": owd_ns}), flush=True)
+    print(json.dumps({"got": got, "reordered": reordered, "owd_ns": owd_ns,
+                      "reorder_examples": examples, "loss_runs": _loss_runs(train_seqs)}),
+          flush=True)
+
+
+def _loss_runs(seqs):
+    """Runs of consecutive missing sequence numbers below the highest one received."""
+    seen = sorted(set(seqs))
+    runs, expect = 0, 0
+    for q in seen:
+        runs += q > expect
+        expect = q + 1
+    return runs
 
 
 def _udp_client(ip, port, probes, interval_s, train, train_pps):
@@ -93,7 +127,7 @@ def _udp_client(ip, port, probes, interval_s, train, train_pps):
     for seq in range(train):
         if seq % 16 == 0:
             _pace(t0 + seq / train_pps)
-        s.send(HDR.pack(b"t", seq, 0) + pad)
+        s.send(HDR.pack(b"t", seq, time.monotonic_ns()) + pad)
     time.sleep(0.05)
     for _ in range(5):   # 'e' may itself be lost; once it arrives the server is gone (ICMP)
         try:
@@ -126,7 +160,7 @@ def _drain_echoes(s, rtt_ns, rev_ns, wait_s, stop_at=None):
 
 
 def _tcp_sink(port, duration_s):
-    """Accept one connection; report payload bytes received after the warm-up, and over what."""
+    """Accept one connection, read it to the end; report the payload bytes received."""
     srv = socket.socket()
     srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     srv.bind(("0.0.0.0", port))
@@ -136,45 +170,82 @@ def _tcp_sink(port, duration_s):
     conn, _ = srv.accept()
     conn.settimeout(5)
     buf = bytearray(1 << 20)
-    first = mark = last = None
     total = 0
-    # Bytes are counted by the kernel as they arrive (tcp_info.tcpi_bytes_received), not as this
-    # process reads them: on a busy CPU the reader lags and read-side counts overstate the rate.
     try:
         while True:
             n = conn.recv_into(buf)
             if n == 0:
                 break
-            now = time.monotonic()
-            first = first or now
             total += n
-            if now - first >= WARMUP_S:
-                sample = (now, _bytes_received(conn))
-                mark = mark or sample
-                last = sample
     except socket.timeout:
         pass
-    ok = mark is not None and last[0] > mark[0]
-    print(json.dumps({"bytes": total, "counted_bytes": last[1] - mark[1] if ok else 0,
-                      "span_s": last[0] - mark[0] if ok else 0.0}), flush=True)
+    print(json.dumps({"bytes": total, "bytes_received": _tcp_info(conn)["bytes_received"]}),
+          flush=True)
 
 
-def _bytes_received(conn):
-    """tcpi_bytes_received (u64 at offset 128 of struct tcp_info, Linux >= 4.1)."""
-    info = conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 192)
-    return struct.unpack_from("Q", info, 128)[0]
+def _tcp_info(conn):
+    """The struct tcp_info fields the probe uses (offsets of Linux's uapi linux/tcp.h)."""
+    info = conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 232)
+    out = {"snd_mss": struct.unpack_from("I", info, 16)[0],
+           "bytes_received": struct.unpack_from("Q", info, 128)[0]}
+    if len(info) >= 196:   # tcpi_delivered: Linux >= 4.18
+        out["delivered"] = struct.unpack_from("I", info, 192)[0]
+    return out
+
+
+def _delivered_sample(conn):
+    """(monotonic time, payload bytes the receiver has got: delivered segments x MSS)."""
+    t = time.monotonic()
+    info = _tcp_info(conn)
+    if "delivered" not in info:
+        raise SystemExit("tcp_info has no tcpi_delivered (Linux < 4.18): cannot measure goodput")
+    return t, info["delivered"] * info["snd_mss"]
 
 
 def _tcp_source(ip, port, duration_s):
+    """Keep the socket's send buffer full for WARMUP_S + duration_s; report the delivered rate.
+
+    Samples of (time, delivered bytes) are taken every SAMPLE_S by the sender while it still has
+    data queued, so the link is saturated over the whole window (no start-up, no drain at the
+    end). The rate is their least-squares slope: delivered grows in steps (one per ACK, one
+    HTB burst at a time), and two end points alone misread a 1 s window at 10 Mbit/s by
+    up to 0.3%."""
     s = socket.create_connection((ip, port), timeout=5)
-    chunk = b"\0" * (1 << 20)
-    end = time.monotonic() + WARMUP_S + duration_s
-    sent = 0
-    s.settimeout(max(5.0, duration_s))
-    while time.monotonic() < end:
-        sent += s.send(chunk)
+    s.setblocking(False)
+    chunk = memoryview(b"\0" * (1 << 20))
+    t0 = time.monotonic()
+    t_next, t_end = t0 + WARMUP_S, t0 + WARMUP_S + duration_s
+    samples, sent = [], 0
+    while True:
+        now = time.monotonic()
+        if now >= t_next:
+            samples.append(_delivered_sample(s))
+            t_next += SAMPLE_S
+        if now >= t_end:
+            break
+        # wake up when writable, or at the next sample time at the latest
+        _, w, _ = select.select([], [s], [], max(0.0, min(t_next, t_end) - now))
+        if w:
+            try:
+                sent += s.send(chunk)
+            except BlockingIOError:
+                pass
+    samples.append(_delivered_sample(s))
+    s.setblocking(True)
     s.close()
-    print(json.dumps({"sent": sent}), flush=True)
+    print(json.dumps({"sent": sent, "window_bytes": samples[-1][1] - samples[0][1],
+                      "window_s": samples[-1][0] - samples[0][0],
+                      "rate_Bps": _slope(samples), "samples": len(samples)}), flush=True)
+
+
+def _slope(points):
+    """Least-squares slope of y over x for [(x, y), ...]; 0.0 with fewer than two points."""
+    if len(points) < 2:
+        return 0.0
+    mx = sum(x for x, _ in points) / len(points)
+    my = sum(y for _, y in points) / len(points)
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    return sum((x - mx) * (y - my) for x, y in points) / sxx if sxx > 0 else 0.0
 
 
 # ---------------------------------------------------------------- orchestration
@@ -238,17 +309,21 @@ def measure_udp(src, dst, dst_ip, probes=PROBES, train=0, train_pps=1000.0):
 
 
 def measure_goodput(src, dst, dst_ip, duration_s):
+    """TCP payload goodput (bit/s) of src -> dst; see GOODPUT_BASIS and the module docstring."""
     sink = _spawn(dst, "tcp-sink", TCP_PORT, duration_s)
     try:
         _wait_ready(sink, "tcp sink")
         source = _spawn(src, "tcp-source", dst_ip, TCP_PORT, duration_s)
-        _result(source, "tcp source", duration_s + WARMUP_S + 15)
-        r = _result(sink, "tcp sink", 10)
+        r = _result(source, "tcp source", duration_s + WARMUP_S + 15)
+        rx = _result(sink, "tcp sink", 30)   # it reads what the source's buffer still held
     finally:
         if sink.poll() is None:
             sink.kill()
             sink.communicate()
-    return 8 * r["counted_bytes"] / r["span_s"] if r["span_s"] > 0 else 0.0
+    if rx["bytes"] < r["window_bytes"]:
+        raise NetworkError(f"probe tcp sink read {rx['bytes']} bytes, fewer than the "
+                           f"{r['window_bytes']} the sender counted as delivered")
+    return 8 * r["rate_Bps"]
 
 
 def _expected(configured):
@@ -257,7 +332,8 @@ def _expected(configured):
     return {"goodput_bps": fwd["rate"],
             "rtt_ms": 1e3 * (fwd.get("delay", 0.0) + rev.get("delay", 0.0)),
             "jitter_ms": 1e3 * fwd.get("jitter", 0.0),
-            "loss": fwd.get("loss", 0.0)}
+            "loss": fwd.get("loss", 0.0),
+            "loss_burst": fwd.get("loss_burst") if fwd.get("loss", 0.0) > 0 else None}
 
 
 def measure_link(src_ns_path, dst_ns_path, dst_ip, configured, duration_s=2.0,
@@ -267,8 +343,9 @@ def measure_link(src_ns_path, dst_ns_path, dst_ip, configured, duration_s=2.0,
     configured: the forward direction's emulated parameters {rate (bit/s), delay (s), jitter (s),
     loss}, optionally with a "reverse" dict of the same keys (else the link is symmetric).
     Returns {"configured", "measured": {goodput_bps, rtt_p50_ms, rtt_p99_ms, jitter_ms, loss,
-    reordered}, "deviation", "warnings"}. `goodput_bps` is TCP payload; `jitter_ms` is the
-    standard deviation of the one-way delay; `loss` is None unless loss is configured.
+    loss_burst, reordered, ...}, "deviation", "warnings"}. `goodput_bps` is TCP payload delivered
+    (GOODPUT_BASIS); `jitter_ms` is the standard deviation of the one-way delay; `loss` and
+    `loss_burst` (mean run of consecutive losses) are None unless loss is configured.
     """
     exp = _expected(configured)
     want_loss = exp["loss"] > 0
@@ -285,15 +362,28 @@ def measure_link(src_ns_path, dst_ns_path, dst_ip, configured, duration_s=2.0,
         "rtt_p99_ms": _percentile(rtt_ms, 0.99),
         "jitter_ms": statistics.pstdev(owd_ms) if len(owd_ms) > 1 else float("nan"),
         "loss": (1 - s["got"]["t"] / train) if want_loss else None,
+        "loss_burst": _mean_burst(train, s["got"]["t"], s.get("loss_runs", 0)) if want_loss
+        else None,
         "reordered": s["reordered"]["p"] + s["reordered"]["t"],
+        "reorder_examples": [{"kind": "probe" if k == "p" else "train", "seq": q,
+                              "after_seq": top, "late_us": round(ns / 1e3, 1)}
+                             for k, q, top, ns in s.get("reorder_examples", [])],
+        "goodput_basis": GOODPUT_BASIS,
         "probes": len(rtt_ms),
         "loss_packets": train,
     }
     deviation, warnings = compare(exp, measured)
     return {"configured": {**{k: configured.get(k) for k in
-                              ("rate", "delay", "jitter", "loss", "queue")},
+                              ("rate", "delay", "jitter", "loss", "loss_burst", "queue")},
                            "expected": exp},
             "measured": measured, "deviation": deviation, "warnings": warnings}
+
+
+def _mean_burst(sent, got, runs):
+    """Mean run of consecutive lost train packets (losses after the last received one count in
+    the last run), or None when nothing was lost."""
+    lost = sent - got
+    return lost / max(runs, 1) if lost > 0 else None
 
 
 def compare(exp, measured):
@@ -309,6 +399,8 @@ def compare(exp, measured):
         dev["jitter"] = measured["jitter_ms"] / exp["jitter_ms"] - 1
     if exp["loss"] > 0 and measured["loss"] is not None:
         dev["loss"] = measured["loss"] / exp["loss"] - 1
+    if exp.get("loss_burst") and measured.get("loss_burst"):
+        dev["loss_burst"] = measured["loss_burst"] / exp["loss_burst"] - 1
     for k, v in dev.items():
         if abs(v) > DEVIATION_WARN:
             warn.append(f"{k} deviates {v:+.0%} from configured")

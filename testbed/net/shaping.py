@@ -9,13 +9,14 @@ back-pressuring the sender's socket.
     kv       PrfaaS -> local, leaves through ifaces["kv"]       (toward the local PD cluster)
     request  local -> PrfaaS, leaves through ifaces["request"]  (toward the PrfaaS cluster)
 
-Per direction the model is: random loss, then a delay line (delay + jitter, FIFO unless
+Per direction the model is: random loss (independent, or in bursts from a Gilbert chain when
+`loss_burst` is set), then a delay line (delay + jitter, FIFO unless
 `reorder`), then the bottleneck: an HTB class at `rate` whose child is a drop-tail queue of
 `queue` bytes or packets (default one bandwidth-delay product). Two backends build it:
 
 - `netem`: HTB class + netem child (delay, jitter, loss, limit); everything over netlink.
 - `userspace` (kernels without netem, such as these machines): HTB class + bfifo/pfifo child;
-  loss by an iptables `statistic` rule in the router namespace; delay and jitter by
+  loss by an iptables `statistic` rule in the router namespace; delay, jitter and burst loss by
   `tb-delayline` (delayline.c), a C program holding NFQUEUE verdicts on a microsecond timer. It
   runs as a supervised child per direction, registered with the run's `Registry`, and exits on
   its own when this process goes away (its control pipe closes).
@@ -55,7 +56,7 @@ MIN_QUEUE_BYTES = 96 * 1024
 MAX_NFQUEUE_PACKETS = 65536
 HTB_HANDLE, CLASS_HANDLE, LEAF_HANDLE = 0x10000, 0x10010, 0x100000   # 1:  1:10  10:
 TC_H_ROOT = 0xFFFFFFFF
-SETTABLE = ("rate", "delay", "jitter", "loss", "up", "queue")
+SETTABLE = ("rate", "delay", "jitter", "loss", "loss_burst", "up", "queue")
 DELAYLINE_SRC = pathlib.Path(__file__).with_name("delayline.c")
 
 
@@ -101,6 +102,21 @@ def delayline_capacity(p):
     return int(min(max(4 * in_flight + 1024, 4096), MAX_NFQUEUE_PACKETS))
 
 
+def gilbert(loss, burst):
+    """(p_gb, p_bg) of a Gilbert chain (good state never drops, bad state always does) whose
+    stationary loss is `loss` and whose loss bursts last `burst` packets on average.
+
+    Bursts are geometric: each bad packet stays bad with 1 - p_bg, so the mean is 1 / p_bg; the
+    bad state's share is p_gb / (p_gb + p_bg) = loss."""
+    p_bg = 1.0 / burst
+    return loss * p_bg / (1.0 - loss), p_bg
+
+
+def burst_loss(p):
+    """True when `p` asks for Gilbert burst loss (a loss_burst and a loss above 0)."""
+    return p.get("loss_burst") is not None and p["loss"] > 0
+
+
 def check_params(p, direction="wan"):
     """A validated copy of one direction's emulated parameters (see Experiment.emulated_direction).
 
@@ -134,6 +150,19 @@ def check_params(p, direction="wan"):
                           key=f"{key}.jitter_dist")
     out["up"] = bool(out["up"])
     out["reorder"] = bool(out["reorder"])
+    if out["loss_burst"] is not None:
+        try:
+            out["loss_burst"] = float(units.number(out["loss_burst"]))
+        except (TypeError, ValueError) as e:
+            raise ConfigError(str(e), key=f"{key}.loss_burst") from None
+        if out["loss_burst"] < 1:
+            raise ConfigError(f"expected a mean burst of at least 1 packet, got "
+                              f"{out['loss_burst']:g}", key=f"{key}.loss_burst")
+        if out["loss"] > 0 and (out["loss"] >= 1
+                                or gilbert(out["loss"], out["loss_burst"])[0] > 1):
+            raise ConfigError(f"loss {out['loss']:g} with bursts of {out['loss_burst']:g} "
+                              f"packets needs a good->bad probability above 1; use longer bursts",
+                              key=f"{key}.loss_burst")
     return out
 
 
@@ -240,8 +269,9 @@ def _first_error(stderr):
 class DelayLine:
     """One `tb-delayline` child holding NFQUEUE `queue_num` verdicts in the router namespace.
 
-    Control is a line protocol on its stdin ('set DELAY_US JITTER_US DIST REORDER'), each line
-    acknowledged on stdout; stdin closing (this process died) makes it exit.
+    Control is a line protocol on its stdin ('set DELAY_US JITTER_US DIST REORDER P_GB P_BG
+    LOSS_GOOD LOSS_BAD'), each line acknowledged on stdout; stdin closing (this process died)
+    makes it exit. The last four are the Gilbert-Elliott loss chain (all 0 but P_BG: off).
     """
 
     READY_TIMEOUT_S = 3.0   # compile is done before; binding a queue takes milliseconds
@@ -274,8 +304,10 @@ class DelayLine:
 
     @staticmethod
     def _args(p):
+        p_gb, p_bg = gilbert(p["loss"], p["loss_burst"]) if burst_loss(p) else (0.0, 1.0)
         return [str(int(round(p["delay"] * 1e6))), str(int(round(p["jitter"] * 1e6))),
-                p["jitter_dist"], "1" if p["reorder"] else "0"]
+                p["jitter_dist"], "1" if p["reorder"] else "0",
+                f"{p_gb:.9g}", f"{p_bg:.9g}", "0", "1"]
 
     def _read_line(self, timeout_s):
         r, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
@@ -296,7 +328,7 @@ class DelayLine:
                 raise NetworkError(f"delay line on NFQUEUE {self.queue_num} answered {ack!r}")
 
     def counters(self):
-        """{'held', 'passed', 'dropped'} from the delay line itself, or {} when it is gone."""
+        """{'held', 'passed', 'dropped', 'lost'} from the delay line itself, or {} when gone."""
         with self._lock:
             if not self.alive():
                 return {}
@@ -365,8 +397,9 @@ class Firewall:
             self.registry.add_undo_command(
                 self._undo_argv("iptables", "-D", "FORWARD", "-o", iface, "-j", c))
 
-    def sync(self, direction, up, loss, loss_burst=None):
-        """Rewrite the direction's chain: DROP all when down, else drop with probability `loss`."""
+    def sync(self, direction, up, loss):
+        """Rewrite the direction's chain: DROP all when down, else drop with probability `loss`
+        (0 when the delay line drops instead, for burst loss)."""
         c = self.chain(direction)
         rules = [f":{c} - [0:0]"]      # declaring a user chain under -n flushes it, atomically
         if not up:
@@ -403,6 +436,10 @@ class Firewall:
             self._run(["iptables", "-F", c], check=False)
             self._run(["iptables", "-X", c], check=False)
             del self.installed[direction]
+
+
+def _needs_delayline(p):
+    return p["delay"] > 0 or p["jitter"] > 0 or burst_loss(p)
 
 
 # ---------------------------------------------------------------- the link
@@ -503,7 +540,8 @@ class Wan:
         kind, limit = queue_limit(p["queue"], p["rate"], self._rtt_s())
         return {"rate_bps": p["rate"], "burst_bytes": htb_burst_bytes(p["rate"]),
                 "queue": f"{limit}{'B' if kind == 'bfifo' else 'p'}", "delay_s": p["delay"],
-                "jitter_s": p["jitter"], "loss": p["loss"], "up": p["up"]}
+                "jitter_s": p["jitter"], "loss": p["loss"], "loss_burst": p["loss_burst"],
+                "up": p["up"]}
 
     def _install(self, d):
         idx, p = self._index[d], self.params[d]
@@ -515,9 +553,14 @@ class Wan:
         self._set_leaf(d, "add")
         if self.backend == "userspace":
             self._firewall.install(d, self.ifaces[d])
-            self._firewall.sync(d, p["up"], p["loss"])
-            if p["delay"] > 0 or p["jitter"] > 0:
+            self._firewall.sync(d, p["up"], self._iptables_loss(p))
+            if _needs_delayline(p):
                 self._ensure_delayline(d)
+
+    @staticmethod
+    def _iptables_loss(p):
+        """Independent loss is iptables' job; burst loss is the delay line's."""
+        return 0.0 if burst_loss(p) else p["loss"]
 
     def _set_class(self, d, command):
         rate = self.params[d]["rate"]
@@ -531,6 +574,12 @@ class Wan:
         p = self.params[d]
         idx, name = self._index[d], self.ifaces[d]
         if self.backend == "netem":
+            if burst_loss(p):
+                # pyroute2 0.9.7 cannot encode TCA_NETEM_LOSS (netem's gemodel); refuse rather
+                # than silently emulating independent loss
+                raise ConfigError("burst loss (loss_burst) needs the userspace backend here: "
+                                  "pyroute2 cannot encode netem's gemodel",
+                                  key=f"network.wan.{d}.loss_burst")
             limit = queue_packets(p["queue"], p["rate"], self._rtt_s())
             loss = 100.0 if not p["up"] else p["loss"] * 100
             # netem: times in microseconds, loss in percent, limit in packets
@@ -590,15 +639,15 @@ class Wan:
         if "rate" in changed:
             self._set_class(d, "change-class")
         if self.backend == "netem":
-            if changed & {"delay", "jitter", "loss", "up", "queue", "rate"}:
+            if changed & {"delay", "jitter", "loss", "loss_burst", "up", "queue", "rate"}:
                 self._set_leaf(d, "change")
             return
         if "queue" in changed or (p["queue"] is None and changed & {"rate", "delay"}):
             self._set_leaf(d, "replace")     # the default queue follows the BDP
-        if changed & {"loss", "up"}:
-            self._firewall.sync(d, p["up"], p["loss"])
-        if changed & {"delay", "jitter"} and (p["delay"] > 0 or p["jitter"] > 0
-                                              or d in self._delaylines):
+        if changed & {"loss", "loss_burst", "up"}:
+            self._firewall.sync(d, p["up"], self._iptables_loss(p))
+        if changed & {"delay", "jitter", "loss", "loss_burst"} and (
+                _needs_delayline(p) or d in self._delaylines):
             self._ensure_delayline(d)
 
     # -- counters

@@ -25,6 +25,14 @@ def _queue(value):
     return {"bytes": int(b)}
 
 
+def _burst(value):
+    """Mean loss burst length in packets, at least 1 (packets, so not scaled)."""
+    n = units.number(value)
+    if n < 1:
+        raise ValueError(f"expected a mean burst of at least 1 packet, got {value!r}")
+    return float(n)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DirectionSpec:
     """Per-direction overrides; unset keys fall back to the `network.wan` values."""
@@ -33,6 +41,8 @@ class DirectionSpec:
     delay: float = spec(optional(units.duration_s), None, "one-way propagation delay, e.g. 5ms")
     jitter: float = spec(optional(units.duration_s), None, "delay variation (std dev), e.g. 1ms")
     loss: float = spec(optional(units.probability), None, "random loss probability, e.g. 0.1%")
+    loss_burst: float = spec(optional(_burst), None,
+                             "mean loss burst in packets (Gilbert model), e.g. 4")
     queue: dict = spec(optional(_queue), None, "bottleneck drop-tail queue: bytes or '100p'")
     up: bool = spec(optional(boolean), None, "false starts the link down")
 
@@ -74,6 +84,9 @@ class WanSpec:
     reorder: bool = spec(boolean, False,
                          "let jittered packets overtake each other (false keeps FIFO order)")
     loss: float = spec(units.probability, 0.0, "random loss probability, e.g. 0.1%")
+    loss_burst: float = spec(optional(_burst), None,
+                             "losses come in bursts of this many packets on average (Gilbert "
+                             "model, stationary loss = loss); null = independent losses")
     queue: dict = spec(optional(_queue), None,
                        "bottleneck drop-tail queue (bytes, or '100p' packets); default one BDP")
     up: bool = spec(boolean, True, "false starts the link down")
@@ -92,7 +105,7 @@ class WanSpec:
         """Resolved link parameters of one direction ('kv' or 'request') as a dict."""
         over = getattr(self, name)
         out = {}
-        for key in ("rate", "delay", "jitter", "loss", "queue", "up"):
+        for key in ("rate", "delay", "jitter", "loss", "loss_burst", "queue", "up"):
             v = getattr(over, key)
             out[key] = getattr(self, key) if v is None else v
         out["jitter_dist"] = self.jitter_dist
