@@ -77,7 +77,7 @@ def fmt_row(cfg, m, v):
     jit = f"{m['jitter_ms'] / (jitter * 1e3):.2f}" if jitter else f"({m['jitter_ms']:.2f}ms)"
     lss = f"{m['loss'] / loss:.2f}" if loss else "-"
     return (f"| {rate / 1e6:>5g}M | {delay * 1e3:>3g} | {jitter * 1e3:>1g} | {loss:>4.0%} "
-            f"| {m['goodput_bps'] / rate:.3f}{mark[v['goodput']]} "
+            f"| {m['goodput_bps'] / rate:.4f}{mark[v['goodput']]} "
             f"| {2 * delay * 1e3:>5.1f} | {m['rtt_p50_ms']:>6.2f}{mark[v['rtt']]} "
             f"| {m['rtt_p99_ms']:>6.2f} | {jit:>8}{mark[v['jitter']]} "
             f"| {lss:>5}{mark[v['loss']]} | {m['reordered']:>3}{mark[v['order']]} |")
@@ -100,19 +100,42 @@ def burst_rows(backend, duration_s):
     """The burst-loss points: (row text, misses, result)."""
     for rate, delay, loss, burst in BURST_POINTS:
         r = run_point((rate, delay, 0.0, loss), backend, duration_s, BURST_PACKETS, burst)
-        m = r["measured"]
-        ok_loss = abs(m["loss"] / loss - 1) <= 0.25
-        ok_burst = m["loss_burst"] is not None and abs(m["loss_burst"] / burst - 1) <= 0.25
-        mark = {True: " ", False: "*"}
-        row = (f"| {rate / 1e6:>5g}M | {delay * 1e3:>3g} | {loss:>4.0%} | {burst:>4g} "
-               f"| {m['loss'] / loss:.2f}{mark[ok_loss]} | {m['loss_burst'] or 0:.2f}"
-               f"{mark[ok_burst]} | {m['goodput_bps'] / rate:.3f} | {m['reordered']:>3} |")
-        yield row, (not ok_loss) + (not ok_burst), {"loss_burst": burst, **r}
+        row, miss = fmt_burst(rate, delay, loss, burst, r["measured"])
+        yield row, miss, {"loss_burst": burst, **r}
+
+
+def fmt_burst(rate, delay, loss, burst, m):
+    """(row, misses) of one burst-loss point."""
+    ok_loss = abs(m["loss"] / loss - 1) <= 0.25
+    ok_burst = m["loss_burst"] is not None and abs(m["loss_burst"] / burst - 1) <= 0.25
+    mark = {True: " ", False: "*"}
+    row = (f"| {rate / 1e6:>5g}M | {delay * 1e3:>3g} | {loss:>4.0%} | {burst:>4g} "
+           f"| {m['loss'] / loss:.2f}{mark[ok_loss]} | {m['loss_burst'] or 0:.2f}"
+           f"{mark[ok_burst]} | {m['goodput_bps'] / rate:.4f} | {m['reordered']:>3} |")
+    return row, (not ok_loss) + (not ok_burst)
 
 
 HEADER = ("| rate | delay ms | jitter ms | loss | goodput/rate | 2xdelay ms | RTT p50 ms "
           "| RTT p99 ms | jitter sd meas/conf | loss meas/conf | reordered |\n"
           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+
+def print_saved(results):
+    """The tables of a saved run, from its JSON alone."""
+    print(HEADER)
+    for r in results:
+        if r.get("burst_point"):
+            continue
+        cfg = (r["rate"], r["delay"], r["jitter"], r["loss"])
+        print(fmt_row(cfg, r["measured"], verdicts(cfg, r["measured"]))
+              + fmt_reorder(r["measured"]))
+    bursts = [r for r in results if r.get("burst_point")]
+    if bursts:
+        print("\n" + BURST_HEADER)
+        for r in bursts:
+            print(fmt_burst(r["configured"]["rate"], r["configured"]["delay"],
+                            r["configured"]["loss"], r["loss_burst"], r["measured"])[0])
+    return 0
 
 
 def main(argv=None):
@@ -122,7 +145,11 @@ def main(argv=None):
     ap.add_argument("--backend", default="userspace", choices=("userspace", "netem", "auto"))
     ap.add_argument("--json", help="also write every result to this file")
     ap.add_argument("--no-burst", action="store_true", help="skip the burst-loss points")
+    ap.add_argument("--table", metavar="JSON", help="print the tables of a saved --json run "
+                                                    "again (no root, measures nothing)")
     args = ap.parse_args(argv)
+    if args.table:
+        return print_saved(json.loads(pathlib.Path(args.table).read_text()))
     if os.geteuid() != 0:
         sys.exit("link_fidelity: needs root (namespaces, tc)")
     # SIGTERM unwinds like Ctrl-C, so the current link's `finally` removes its namespaces

@@ -152,3 +152,11 @@ def test_delay_line_loss_chain_stationary_loss_and_burst(loss, burst):
 
 def test_delay_line_loss_chain_off_drops_nothing():
     assert _simulate(100_000, 0, 1, 0, 1, 3)["lost"] == 0
+
+
+def test_netem_backend_refuses_burst_loss_before_building_anything():
+    p = {"rate": 1e6, "loss": 0.01, "loss_burst": 3}
+    w = shaping.Wan("/nonexistent", {"kv": "a", "request": "b"}, {"kv": p, "request": p},
+                    backend="netem")
+    with pytest.raises(ConfigError, match="loss_burst"):
+        w.start()    # raised before the namespace is opened (it does not exist)

@@ -475,6 +475,8 @@ class Wan:
     def start(self):
         """Install both directions; on any failure, remove what was installed and raise."""
         self._pick_backend()
+        for d in DIRECTIONS:   # before anything is built
+            self._check_backend_supports(d, self.params[d])
         _register_fifo_plugins()
         self._ns = _open_netns(self.netns_path)
         try:
@@ -574,12 +576,6 @@ class Wan:
         p = self.params[d]
         idx, name = self._index[d], self.ifaces[d]
         if self.backend == "netem":
-            if burst_loss(p):
-                # pyroute2 0.9.7 cannot encode TCA_NETEM_LOSS (netem's gemodel); refuse rather
-                # than silently emulating independent loss
-                raise ConfigError("burst loss (loss_burst) needs the userspace backend here: "
-                                  "pyroute2 cannot encode netem's gemodel",
-                                  key=f"network.wan.{d}.loss_burst")
             limit = queue_packets(p["queue"], p["rate"], self._rtt_s())
             loss = 100.0 if not p["up"] else p["loss"] * 100
             # netem: times in microseconds, loss in percent, limit in packets
@@ -594,6 +590,14 @@ class Wan:
             _netlink_call(f"{command} {kind} 10: limit {limit} on {name}", self._ns.tc,
                           command, kind, index=idx, handle=LEAF_HANDLE, parent=CLASS_HANDLE,
                           limit=limit)
+
+    def _check_backend_supports(self, d, p):
+        if self.backend == "netem" and burst_loss(p):
+            # pyroute2 0.9.7 cannot encode TCA_NETEM_LOSS (netem's gemodel); refuse rather than
+            # silently emulating independent loss
+            raise ConfigError("burst loss (loss_burst) needs the userspace backend here: "
+                              "pyroute2 cannot encode netem's gemodel",
+                              key=f"network.wan.{d}.loss_burst")
 
     def _ensure_delayline(self, d):
         dl = self._delaylines.get(d)
@@ -625,6 +629,8 @@ class Wan:
             if self._ns is None:
                 raise NetworkError("Wan.set() before start() or after stop()")
             new = {d: check_params({**self.params[d], **changes}, d) for d in dirs}
+            for d in dirs:
+                self._check_backend_supports(d, new[d])
             for d in dirs:
                 self._apply(d, new[d])
         took = time.monotonic() - t0
