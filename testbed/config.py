@@ -247,13 +247,47 @@ def _check_scale(exp, path):
                 path=path, key="scale")
 
 
+def read_rate_trace(path):
+    """Rows (t_s, rate_bps), real-world, of a bandwidth trace CSV: `time,rate` per line with units
+    ('60s,20Gbit'); '#' comments and one header line allowed; times must not decrease."""
+    rows, header_seen = [], False
+    with open(path, newline="") as f:
+        for n, line in enumerate(f, 1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            cells = [c.strip() for c in line.split(",")]
+            try:
+                if len(cells) != 2:
+                    raise ValueError(f"expected 2 columns, got {len(cells)}")
+                t, r = units.duration_s(cells[0]), units.rate_bps(cells[1])
+            except ValueError as e:
+                if not rows and not header_seen:
+                    header_seen = True       # the header line
+                    continue
+                raise ConfigError(f"line {n}: expected time,rate ({e})", path=str(path)) from None
+            if rows and t < rows[-1][0]:
+                raise ConfigError(f"line {n}: time goes backwards", path=str(path))
+            rows.append((t, r))
+    if not rows:
+        raise ConfigError("no time,rate rows", path=str(path))
+    return rows
+
+
 def _resolve_rate_trace(exp, base):
+    """Make the rate trace's path absolute and check the file parses (before anything starts)."""
     trace = exp.network.wan.rate_trace
     if trace is None:
         return exp
     p = pathlib.Path(trace.path).expanduser()
     for cand in ([p] if p.is_absolute() else [base / p, pathlib.Path.cwd() / p]):
         if cand.is_file():
+            rows = read_rate_trace(cand)
+            peak = max(r for _, r in rows) * exp.scale.bytes * exp.scale.time
+            if peak > MAX_EMULATED_RATE_BPS:
+                raise ConfigError(f"peak rate scales to {units.fmt_rate(peak)} emulated, above "
+                                  f"{units.fmt_rate(MAX_EMULATED_RATE_BPS)}",
+                                  key="network.wan.rate_trace")
             wan = dataclasses.replace(exp.network.wan, rate_trace=dataclasses.replace(
                 trace, path=str(cand.resolve())))
             return dataclasses.replace(exp, network=dataclasses.replace(exp.network, wan=wan))

@@ -161,7 +161,7 @@ class Run:
         registry = lifecycle.Registry(secrets.token_hex(2))
         events = EventLog(d / "events.csv")
         self.meta["run_id"] = registry.run_id
-        interrupted = False
+        interrupted, error = False, None
         counters = {}
         try:
             from testbed.net.build import Network
@@ -183,6 +183,9 @@ class Run:
         except KeyboardInterrupt:
             interrupted = True
             events("interrupted")
+        except Exception as e:      # torn down below; what was measured is still analysed
+            error = e
+            events("error", error=f"{type(e).__name__}: {e}")
         finally:
             errors = registry.close()
             self.meta["end_time"] = time.time()
@@ -193,6 +196,8 @@ class Run:
         summary = metrics.analyse(d, exp)
         if interrupted:
             raise RunInterrupted(f"interrupted; what was measured is in {d}")
+        if error is not None:
+            raise error
         return summary
 
     def _describe_network(self, net):
@@ -259,10 +264,9 @@ class Run:
 
     def _link_schedule(self, net, events):
         from testbed.net.schedule import LinkSchedule
-        from testbed.net.shaping import load_trace
 
         trace = self.exp.network.wan.rate_trace
-        rows = load_trace(trace.path) if trace is not None else []
+        rows = config.read_rate_trace(trace.path) if trace is not None else []
         if trace is not None and trace.loop and rows:
             # Repeat the trace to cover the longest the run may last.
             period, horizon = rows[-1][0], self.exp.run.drain_timeout * 4

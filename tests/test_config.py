@@ -117,7 +117,7 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path):
 
 
 def test_link_changes_and_rate_trace_are_scaled(tmp_path):
-    (tmp_path / "bw.csv").write_text("time,rate\n0s,100Gbit\n60s,20Gbit\n")
+    (tmp_path / "bw.csv").write_text("# comment\ntime,rate\n0s,100Gbit\n60s,20Gbit\n")
     text = BASE.replace("wan: {rate: 100Gbit, delay: 5ms}", textwrap.dedent("""\
         wan:
             rate: 100Gbit
@@ -125,8 +125,7 @@ def test_link_changes_and_rate_trace_are_scaled(tmp_path):
             rate_trace: {path: bw.csv, direction: kv}
             changes: [{at: 30s, up: false}, {at: 40s, up: true, delay: 20ms}]"""))
     exp = config.load_experiment(write(tmp_path, text))[0]
-    from testbed.net.shaping import load_trace
-    items = exp.emulated_changes(load_trace(exp.network.wan.rate_trace.path))
+    items = exp.emulated_changes(config.read_rate_trace(exp.network.wan.rate_trace.path))
     assert [round(t, 6) for t, _, _ in items] == [0.0, 3.0, 4.0, 6.0]     # real / scale.time
     assert items[1] == (3.0, None, {"up": False})
     assert items[2][2] == {"up": True, "delay": pytest.approx(2e-3)}
@@ -140,3 +139,14 @@ def test_queue_bytes_scale_and_too_small_a_queue_is_rejected(tmp_path):
     with pytest.raises(ConfigError, match="TSO burst"):
         config.load_experiment(write(tmp_path, BASE.replace("delay: 5ms}",
                                                             "delay: 5ms, queue: 1MiB}")))
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("time,rate\n0s,fast\n", "line 2"), ("0s,1Gbit\n5s,2Gbit,3\n", "line 2"),
+    ("10s,1Gbit\n5s,1Gbit\n", "backwards"), ("# nothing\n", "no time,rate rows")])
+def test_bad_rate_trace_is_caught_before_anything_runs(tmp_path, text, expected):
+    (tmp_path / "bw.csv").write_text(text)
+    p = write(tmp_path, BASE.replace("wan: {rate: 100Gbit, delay: 5ms}",
+                                     "wan: {rate: 100Gbit, rate_trace: {path: bw.csv}}"))
+    with pytest.raises(ConfigError, match=expected):
+        config.load_experiment(p)
