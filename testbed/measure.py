@@ -1,7 +1,8 @@
 """Measure: what the kernel counted, sampled while the run goes on; and the run's event log.
 
 `CounterSampler` polls the WAN model's kernel counters (`Wan.stats()`: bytes and packets sent by
-each router egress interface, queue backlog, drops, link state) at `hz` (default 20 Hz) in a
+each router egress interface, queue backlog, drops, link state, and the configured link rate in
+force, `*_link_gbps`, for comparison) at `hz` (default 20 Hz) in a
 thread and writes `timeseries.csv`. Rates are differences of kernel byte counters, never what the
 workers say they sent. Real-world columns are converted back with the run's scale
 (rate / (scale.bytes * scale.time), time * scale.time).
@@ -40,7 +41,7 @@ class CounterSampler:
     COLUMNS = ["time", "t_s", "t_real_s"] + [
         f"{d}_{k}" for d in DIRECTIONS for k in (
             "tx_bytes", "tx_packets", "rate_bps", "egress_gbps", "backlog_bytes",
-            "backlog_packets", "drops", "up")]
+            "backlog_packets", "drops", "up", "link_gbps")]
 
     def __init__(self, wan, path, time_scale, bytes_scale, hz=20.0):
         self.wan = wan
@@ -76,7 +77,8 @@ class CounterSampler:
                 rate = (s["tx_bytes"] - prev[1][d]["tx_bytes"]) * 8 / dt if dt > 0 else 0.0
             row += [s["tx_bytes"], s["tx_packets"], f"{rate:.1f}",
                     f"{rate * self.to_real / 1e9:.6f}", s["backlog_bytes"],
-                    s.get("backlog_packets", 0), s["drops"], int(bool(s["up"]))]
+                    s.get("backlog_packets", 0), s["drops"], int(bool(s["up"])),
+                    f"{s.get('rate_bps', 0) * self.to_real / 1e9:.6f}"]
         self.w.writerow(row)
         return (now, stats)
 

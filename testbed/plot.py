@@ -80,9 +80,17 @@ def ttft_cdf(top, out_dir):
     return _save(fig, out_dir, "ttft_cdf")
 
 
+def _arrival_clock(d, ts, scale):
+    """Real-world seconds since the first arrival for each timeseries row of run dir `d`."""
+    meta = json.loads((d / "metadata.json").read_text()) if (d / "metadata.json").exists() else {}
+    start = meta.get("client_start_at", ts.time.iloc[0])
+    return (ts.time - start) * scale
+
+
 def egress_timeline(top, out_dir):
-    """KV-direction WAN egress over time (kernel counters, real-world units), one line per run."""
-    frames = []
+    """KV-direction WAN egress over time (kernel counters, real-world units), one line per run;
+    the configured link rate in force as a dashed line."""
+    frames, link = [], None
     for d in find_runs(top):
         ts_path = d / "timeseries.csv"
         if not ts_path.exists():
@@ -95,22 +103,30 @@ def egress_timeline(top, out_dir):
         # Smooth over ~1 s of real-world time so the line shows load, not packet trains.
         per_s = 1.0 / max(1e-9, ts.t_s.diff().median() * scale)
         window = max(1, int(round(per_s)))
+        t = _arrival_clock(d, ts, scale)
         frames.append(pd.DataFrame({
-            "time (s, real-world)": ts.t_real_s,
+            "time since first arrival (s, real-world)": t,
             "KV egress (Gbit/s, real-world)": ts.kv_egress_gbps.rolling(window, min_periods=1).mean(),
             "run": _label(s), "policy": s.get("policy")}))
+        if link is None and "kv_link_gbps" in ts:
+            link = (t, ts.kv_link_gbps * ts.kv_up)
     if not frames:
         return None
     df = pd.concat(frames, ignore_index=True)
     sns.set_theme(style="whitegrid", context="paper")
     fig, ax = plt.subplots(figsize=(6.5, 3.2))
-    sns.lineplot(data=df, x="time (s, real-world)", y="KV egress (Gbit/s, real-world)",
-                 hue="run", ax=ax, linewidth=1.0)
+    sns.lineplot(data=df, x="time since first arrival (s, real-world)",
+                 y="KV egress (Gbit/s, real-world)", hue="run", ax=ax, linewidth=1.0)
+    if link is not None:
+        top_y = df["KV egress (Gbit/s, real-world)"].max()
+        shown = link[1].clip(upper=max(top_y * 1.5, 1e-9))    # a 100 Gbit/s line would flatten the rest
+        ax.plot(link[0], shown, "k--", linewidth=0.8, label="link rate (clipped)")
+        ax.legend()
     ax.set_title("WAN egress, PrfaaS -> local (kernel counters)")
     return _save(fig, out_dir, "egress")
 
 
-def _down_spans(ts, scale):
+def _down_spans(ts):
     """(start, end) real-world times where the KV direction of the link was down."""
     down = ts.kv_up.to_numpy() == 0
     t = ts.t_real_s.to_numpy()
@@ -141,11 +157,8 @@ def ttft_timeline(top, out_dir):
         ts_path = d / "timeseries.csv"
         if ts_path.exists():
             ts = pd.read_csv(ts_path)
-            meta = json.loads((d / "metadata.json").read_text())
-            # timeseries starts before the first arrival: shift to the arrival clock
-            t0 = (meta.get("client_start_at", ts.time.iloc[0]) - ts.time.iloc[0])
-            scale = s.get("scale_time") or 1.0
-            spans += [(a - t0 * scale, b - t0 * scale) for a, b in _down_spans(ts, scale)]
+            ts["t_real_s"] = _arrival_clock(d, ts, s.get("scale_time") or 1.0)
+            spans += _down_spans(ts)
     if not frames:
         return None
     df = pd.concat(frames, ignore_index=True)
