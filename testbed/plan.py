@@ -14,6 +14,17 @@ A stage that receives no traffic (p = 0 for PrfaaS, p = 1 for PD prefill) does n
 Lambda_max. Homogeneous PD is the model with p = 0 and local instances only; naive heterogeneous
 is p = 1 with every local instance decoding.
 
+Latency mode (`latency=`, `testbed plan --latency`): what a stage throughput divides by.
+- `paper` (default, the formulas above): the latency AT the conditional mean length,
+  T_prefill(l_long) and T_prefill(l_short); reproduces the paper's headline numbers.
+- `expected`: the conditional mean latency, E[T_prefill(L) | L > t] and E[T_prefill(L) | L <= t]
+  (and E[S_kv(L) | L > t] for the egress terms). An instance serving a stream of requests spends
+  E[T] per request, so N / E[T] is its capacity; T is convex (quadratic), so by Jensen
+  T(E[L]) <= E[T(L)] and the paper form overestimates every prefill stage. S_kv is linear, so
+  its two forms agree; Theta_pdd is the same in both (decode time is linear in L_out).
+The expectations come from the same probability mass as p and l_long: prefix sums of
+pmf * T(l) over the length grid make every threshold O(1) (`LengthDistribution.expect`).
+
 Where this module sits: it reads only validated `Experiment` objects (`testbed.config`) and
 profiles (`testbed.profile`, the same fits the workers use), so a prediction and an emulated run of
 one file use the same numbers. Everything is real-world: `scale:` does not enter the model.
@@ -49,6 +60,8 @@ from testbed import profile as profiles
 from testbed.errors import ConfigError, TestbedError
 
 POLICIES = ("prfaas", "homogeneous", "naive")
+LATENCY_MODES = ("paper", "expected")
+DEFAULT_LATENCY = "paper"
 STAGES = ("prfaas", "pdp", "pdd")
 GBPS = 1e9                      # the paper's Gbps: 1e9 bit/s
 DEFAULT_STEP_TOKENS = 32        # threshold grid step; the issue asks for <= 100
@@ -58,6 +71,9 @@ ROW_KEYS = ("policy", "threshold", "n_prfaas", "n_p", "n_d", "lambda_max", "thet
             "theta_pdp", "theta_pdd", "offload_fraction", "l_long", "l_short", "egress_gbps",
             "binding", "bound_prfaas", "bound_pdp", "bound_pdd", "prfaas_limit",
             "b_out_min_gbps", "balance")
+# What each latency mode reports of one configuration (the nested `paper` / `expected` dicts).
+MODE_KEYS = ("lambda_max", "theta_prfaas", "theta_pdp", "theta_pdd", "bound_prfaas",
+             "bound_pdp", "bound_pdd", "binding", "egress_gbps")
 
 
 # ---------------------------------------------------------------- the equations (array-valued)
@@ -171,6 +187,21 @@ class LengthDistribution:
             l_long = np.where(p > 0, self._tail_first[i] / p, np.nan)
             l_short = np.where(below > 0, self._first[i] / below, np.nan)
         return p, l_long, l_short
+
+    def expect(self, f, t):
+        """(E[f(L) | L > t], E[f(L) | L <= t]) for threshold(s) t; nan where a side is empty.
+
+        f is evaluated once on every length; prefix sums of pmf * f(l) then give every
+        threshold in O(1), the same way `split` gives l_long and l_short."""
+        w = self.probs * np.asarray(f(self.values), dtype=float)
+        head = np.concatenate(([0.0], np.cumsum(w)))
+        tail = np.concatenate((np.cumsum(w[::-1])[::-1], [0.0]))
+        i = np.searchsorted(self.values, np.asarray(t, dtype=float), side="right")
+        p, below = self._tail[i], self._cum[i]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            above = np.where(p > 0, tail[i] / p, np.nan)
+            under = np.where(below > 0, head[i] / below, np.nan)
+        return above, under
 
 
 def _truncated_lognormal(mu, sigma, lo, hi):
@@ -338,17 +369,65 @@ def inputs_for(exp, lengths=None, b_out_bps=None, base_dir=None):
 
 # ---------------------------------------------------------------- evaluation on grids
 
-def evaluate(inp, n_prfaas, n_p, n_d, p, l_long, l_short):
-    """All stage quantities for (broadcastable arrays of) counts and length statistics."""
-    p = np.asarray(p, dtype=float)
+def check_latency(latency):
+    """The latency mode, or ConfigError (exit code 2) naming the modes there are."""
+    if latency not in LATENCY_MODES:
+        raise ConfigError(f"latency mode must be one of {', '.join(LATENCY_MODES)}, got "
+                          f"{latency!r}", key="latency")
+    return latency
+
+
+def _paper_costs(inp, l_long, l_short):
     # Undefined lengths (an empty side of the threshold) get a placeholder: that stage has no
     # share, so share_bound makes it no bound; its Theta is reported as null later.
     ll = np.where(np.isfinite(l_long), l_long, inp.lengths.mean)
     ls = np.where(np.isfinite(l_short), l_short, inp.lengths.mean)
-    t_remote = inp.t_remote(ll)
-    s_kv_long = inp.s_kv(ll)
+    return {"t_remote": inp.t_remote(ll), "t_local": inp.t_local(ls), "s_kv_long": inp.s_kv(ll)}
+
+
+def _expected_costs(inp, t):
+    d = inp.lengths
+
+    def mean_of(f, side):
+        v = d.expect(f, t)[side]
+        # Same placeholder rule as the paper form: an empty side is no bound.
+        return np.where(np.isfinite(v), v, float(np.sum(d.probs * f(d.values))))
+
+    return {"t_remote": mean_of(inp.t_remote, 0), "t_local": mean_of(inp.t_local, 1),
+            "s_kv_long": mean_of(inp.s_kv, 0)}
+
+
+def split(inp, t, latency=DEFAULT_LATENCY):
+    """Length statistics and per-request stage costs at threshold(s) t, as a dict.
+
+    p, l_long, l_short as `LengthDistribution.split`; the costs the stage throughputs divide by:
+    `t_remote` (one PrfaaS prefill), `t_local` (one PD prefill), `s_kv_long` (the KV bytes one
+    offloaded request sends); `paper`: each at the conditional mean length, `expected`: its
+    conditional mean. t = -inf offloads everything (naive), t = +inf nothing (homogeneous)."""
+    check_latency(latency)
+    t = np.asarray(t, dtype=float)
+    p, l_long, l_short = inp.lengths.split(t)
+    costs = _paper_costs(inp, l_long, l_short) if latency == "paper" else \
+        _expected_costs(inp, t)
+    return dict(costs, p=p, l_long=l_long, l_short=l_short)
+
+
+def _row_vector(sp):
+    """The arrays of `split` over thresholds, shaped for a (splits x thresholds) grid."""
+    return {k: np.asarray(v)[None, :] for k, v in sp.items()}
+
+
+def evaluate(inp, n_prfaas, n_p, n_d, p, l_long, l_short, costs=None):
+    """All stage quantities for (broadcastable arrays of) counts and length statistics.
+
+    `costs` ({t_remote, t_local, s_kv_long}, from `split`) sets what the stage throughputs
+    divide by; without it they are the paper's, at l_long and l_short."""
+    p = np.asarray(p, dtype=float)
+    if costs is None:
+        costs = _paper_costs(inp, l_long, l_short)
+    t_remote, t_local, s_kv_long = costs["t_remote"], costs["t_local"], costs["s_kv_long"]
     theta_prfaas = Theta_prfaas(n_prfaas, t_remote, s_kv_long, inp.b_out_Bps)
-    theta_pdp = Theta_pdp(n_p, inp.t_local(ls))
+    theta_pdp = Theta_pdp(n_p, t_local)
     theta_pdd = Theta_pdd(n_d, inp.bs_max, inp.t_decode_s, inp.l_out)
     bound_prfaas = share_bound(theta_prfaas, p)
     bound_pdp = share_bound(theta_pdp, 1.0 - p)
@@ -428,72 +507,94 @@ def threshold_grid(lengths, step=DEFAULT_STEP_TOKENS):
     return ts if ts.size else np.array([float(lo)])
 
 
-def best_prfaas(inp, n_prfaas, n_local, step=DEFAULT_STEP_TOKENS):
+def best_prfaas(inp, n_prfaas, n_local, step=DEFAULT_STEP_TOKENS, latency=DEFAULT_LATENCY):
     """PrfaaS-PD: exhaustive grid over t x every split N_p + N_d = n_local (both >= 1)."""
     if n_prfaas < 1 or n_local < 2:
         return None
     ts = threshold_grid(inp.lengths, step)
-    p, l_long, l_short = inp.lengths.split(ts)
+    sp = split(inp, ts, latency)
+    g = _row_vector(sp)
     n_p = np.arange(1, n_local, dtype=float)[:, None]         # splits x thresholds
-    q = evaluate(inp, n_prfaas, n_p, n_local - n_p, p[None, :], l_long[None, :],
-                 l_short[None, :])
+    q = evaluate(inp, n_prfaas, n_p, n_local - n_p, g["p"], g["l_long"], g["l_short"], g)
     s, k = _pick(q["lambda_max"], q["egress_Bps"])
     return _row("prfaas", inp, q, (s, k), ts[k], n_prfaas, int(n_p[s, 0]),
-                n_local - int(n_p[s, 0]), l_long[k], l_short[k])
+                n_local - int(n_p[s, 0]), sp["l_long"][k], sp["l_short"][k])
 
 
-def best_homogeneous(inp, n_local):
+def best_homogeneous(inp, n_local, latency=DEFAULT_LATENCY):
     """Homogeneous PD: p = 0, local instances only, best split N_p + N_d = n_local."""
     if n_local < 2:
         return None
     n_p = np.arange(1, n_local, dtype=float)
-    mean = inp.lengths.mean
-    q = evaluate(inp, 0, n_p, n_local - n_p, 0.0, np.nan, mean)
+    sp = split(inp, _policy_threshold("homogeneous", None), latency)
+    q = evaluate(inp, 0, n_p, n_local - n_p, sp["p"], sp["l_long"], sp["l_short"], sp)
     (s,) = _pick(q["lambda_max"], q["egress_Bps"])
     return _row("homogeneous", inp, q, (s,), None, 0, int(n_p[s]), n_local - int(n_p[s]),
-                np.nan, mean)
+                sp["l_long"], sp["l_short"])
 
 
-def naive(inp, n_prfaas, n_local):
+def naive(inp, n_prfaas, n_local, latency=DEFAULT_LATENCY):
     """Naive heterogeneous: p = 1, every prefill on PrfaaS, every local instance decodes."""
     if n_prfaas < 1 or n_local < 1:
         return None
-    mean = inp.lengths.mean
-    q = evaluate(inp, n_prfaas, np.zeros(1), np.full(1, n_local), 1.0, mean, np.nan)
-    return _row("naive", inp, q, (0,), None, n_prfaas, 0, n_local, mean, np.nan)
+    return evaluate_config(inp, "naive", None, n_prfaas, 0, n_local, latency)
+
+
+def _policy_threshold(policy, threshold):
+    """The threshold `split` takes for a policy: homogeneous offloads nothing, naive all."""
+    return {"homogeneous": np.inf, "naive": -np.inf}.get(policy, threshold)
+
+
+def evaluate_config(inp, policy, threshold, n_prfaas, n_p, n_d, latency=DEFAULT_LATENCY):
+    """The reported row of ONE configuration (no search) in one latency mode."""
+    sp = split(inp, _policy_threshold(policy, threshold), latency)
+    q = evaluate(inp, n_prfaas, np.full(1, float(n_p)), np.full(1, float(n_d)), sp["p"],
+                 sp["l_long"], sp["l_short"], sp)
+    return _row(policy, inp, q, (0,), threshold, n_prfaas, n_p, n_d, sp["l_long"],
+                sp["l_short"])
+
+
+def with_both_modes(row, inp, latency):
+    """A row (computed in `latency`) plus both modes' evaluation of its configuration:
+    `lambda_max_paper`, `lambda_max_expected` and the nested dicts `paper`, `expected`."""
+    both = {mode: row if mode == latency else evaluate_config(
+        inp, row["policy"], row["threshold"], row["n_prfaas"], row["n_p"], row["n_d"], mode)
+        for mode in LATENCY_MODES}
+    row["latency"] = latency
+    row.update({f"lambda_max_{mode}": r["lambda_max"] for mode, r in both.items()})
+    row.update({mode: {k: r[k] for k in MODE_KEYS} for mode, r in both.items()})
+    return row
 
 
 # ---------------------------------------------------------------- one experiment as configured
 
-def _configured(exp, inp):
+def _configured(exp, inp, latency=DEFAULT_LATENCY):
     c, pol = exp.clusters, exp.scheduler.policy
-    if pol == "homogeneous":
-        n_prfaas, n_p, t, (p, l_long, l_short) = 0, c.local.prefill, None, \
-            (0.0, np.nan, inp.lengths.mean)
-    elif pol == "naive":
-        n_prfaas, n_p, t, (p, l_long, l_short) = c.prfaas.instances, c.local.prefill, None, \
-            (1.0, inp.lengths.mean, np.nan)
-    else:
-        t = exp.scheduler.threshold
-        n_prfaas, n_p = c.prfaas.instances, c.local.prefill
-        p, l_long, l_short = (float(v) for v in inp.lengths.split(t))
-    q = evaluate(inp, n_prfaas, np.full(1, float(n_p)), np.full(1, float(c.local.decode)),
-                 p, l_long, l_short)
-    return _row(pol, inp, q, (0,), t, n_prfaas, n_p, c.local.decode, l_long, l_short)
+    n_prfaas = 0 if pol == "homogeneous" else c.prfaas.instances
+    t = exp.scheduler.threshold if pol == "prfaas" else None
+    return evaluate_config(inp, pol, t, n_prfaas, c.local.prefill, c.local.decode, latency)
 
 
-def predict(exp, lengths=None, b_out_bps=None, base_dir=None):
+def predict(exp, lengths=None, b_out_bps=None, base_dir=None, latency=DEFAULT_LATENCY):
     """The model's prediction for ONE experiment as configured (no optimisation).
 
-    Returns the same keys as each policy of `plan_file` (ROW_KEYS), in real-world units
-    (lambda_max in requests/s), plus `b_out_gbps` and `warnings`. Never raises for a validated
-    experiment: what cannot be predicted comes back as None with the reason in `warnings`."""
+    Returns the same keys as each policy of `plan_file` (ROW_KEYS) in the `latency` mode (the
+    paper's form by default, so `lambda_max` is the paper's prediction), in real-world units
+    (lambda_max in requests/s), plus `latency`, both modes side by side (`lambda_max_paper`,
+    `lambda_max_expected`, and `paper` / `expected`: dicts of MODE_KEYS), `b_out_gbps` and
+    `warnings`. Never raises for a validated experiment: what cannot be predicted comes back
+    as None with the reason in `warnings`."""
+    check_latency(latency)
     try:
         inp = inputs_for(exp, lengths, b_out_bps, base_dir)
-        row = _configured(exp, inp)
+        row = with_both_modes(_configured(exp, inp, latency), inp, latency)
     except (TestbedError, ValueError) as e:
         row = {k: None for k in ROW_KEYS}
-        row.update(policy=exp.scheduler.policy, b_out_gbps=None, warnings=[str(e)])
+        row.update(policy=exp.scheduler.policy, latency=latency, b_out_gbps=None,
+                   warnings=[str(e)])
+        for mode in LATENCY_MODES:
+            row[mode] = {k: None for k in MODE_KEYS}
+            row[f"lambda_max_{mode}"] = None
         return row
     row["b_out_gbps"] = inp.b_out_Bps * 8 / GBPS
     row["warnings"] = egress_warnings(row, inp)
@@ -585,35 +686,57 @@ def phi_kv_table(inp, extra=()):
             for acc in dict.fromkeys((inp.remote, inp.local))}
 
 
-def plan_runs(runs, lengths=None, b_out_bps=None, step=DEFAULT_STEP_TOKENS, base_dir=None):
-    """The planner's report for the runs of one experiment file (see `plan_file`)."""
+def _best(policy, inp, sz, step, latency):
+    if policy == "prfaas":
+        return best_prfaas(inp, sz.n_prfaas, sz.n_local, step, latency)
+    if policy == "homogeneous":
+        return best_homogeneous(inp, sz.n_local, latency)
+    return naive(inp, sz.n_prfaas, sz.n_local, latency)
+
+
+SUMMARY_KEYS = ("threshold", "n_p", "n_d", "lambda_max", "binding")
+
+
+def plan_runs(runs, lengths=None, b_out_bps=None, step=DEFAULT_STEP_TOKENS, base_dir=None,
+              latency=DEFAULT_LATENCY):
+    """The planner's report for the runs of one experiment file (see `plan_file`).
+
+    `policies` and `ratios` are the optima of the `latency` mode; `by_latency` gives every
+    mode's own optimum (SUMMARY_KEYS) and ratios, so both predictions sit side by side."""
+    check_latency(latency)
     sizings, warnings = policy_sizings(runs)
-    policies, origins, inputs = {}, {}, {}
+    by_mode = {mode: {} for mode in LATENCY_MODES}
+    inputs = {}
     for pol, sz in sizings.items():
         if sz is None:
-            policies[pol] = None
+            for mode in LATENCY_MODES:
+                by_mode[mode][pol] = None
             continue
         inp = inputs_for(sz.exp, lengths, b_out_bps, base_dir)
         inputs[pol] = inp
-        if pol == "prfaas":
-            row = best_prfaas(inp, sz.n_prfaas, sz.n_local, step)
-        elif pol == "homogeneous":
-            row = best_homogeneous(inp, sz.n_local)
-        else:
-            row = naive(inp, sz.n_prfaas, sz.n_local)
+        for mode in LATENCY_MODES:
+            row = _best(pol, inp, sz, step, mode)
+            if row is not None:
+                row = with_both_modes(row, inp, mode)
+                row["origin"] = sz.origin
+            by_mode[mode][pol] = row
+        row = by_mode[latency][pol]
         if row is None:
             warnings.append(f"{pol}: {sz.n_prfaas} PrfaaS + {sz.n_local} local instances "
                             f"cannot run this policy")
         else:
-            row["origin"] = sz.origin
             warnings.extend(egress_warnings(row, inp))
-        policies[pol] = row
-        origins[pol] = sz.origin
+    policies = by_mode[latency]
     ref = inputs.get("prfaas") or next(iter(inputs.values()))
     l_long = (policies.get("prfaas") or {}).get("l_long")
     return {
+        "latency": latency,
         "policies": policies,
         "ratios": _ratios(policies),
+        "by_latency": {mode: {
+            "policies": {pol: None if row is None else {k: row[k] for k in SUMMARY_KEYS}
+                         for pol, row in rows.items()},
+            "ratios": _ratios(rows)} for mode, rows in by_mode.items()},
         "phi_kv": {"unit": "Gbps per instance",
                    "by_accelerator": phi_kv_table(ref, [l_long] if l_long else [])},
         "b_out_gbps": ref.b_out_Bps * 8 / GBPS,
@@ -623,8 +746,8 @@ def plan_runs(runs, lengths=None, b_out_bps=None, step=DEFAULT_STEP_TOKENS, base
                    "mean_input": ref.lengths.mean, "l_out": ref.l_out,
                    "t_decode_s": ref.t_decode_s, "bs_max": ref.bs_max,
                    "threshold_step": step},
-        "configured": [dict(predict(exp, lengths, b_out_bps, base_dir), label=exp.run_label)
-                       for exp in runs],
+        "configured": [dict(predict(exp, lengths, b_out_bps, base_dir, latency),
+                            label=exp.run_label) for exp in runs],
         "warnings": warnings,
     }
 
@@ -638,31 +761,32 @@ def _ratios(policies):
     return out
 
 
-def plan_file(path, overrides=(), lengths=None, b_out_bps=None, step=DEFAULT_STEP_TOKENS):
+def plan_file(path, overrides=(), lengths=None, b_out_bps=None, step=DEFAULT_STEP_TOKENS,
+              latency=DEFAULT_LATENCY):
     """Plan the three policies of one experiment file (`testbed plan FILE`)."""
     from testbed.config import load_experiment
     return plan_runs(load_experiment(path, overrides), lengths, b_out_bps, step,
-                     base_dir=str(pathlib.Path(path).resolve().parent))
+                     base_dir=str(pathlib.Path(path).resolve().parent), latency=latency)
 
 
 # ---------------------------------------------------------------- curves for the figures
 
-def curves_vs_n_p(inp, n_prfaas, n_local, step=DEFAULT_STEP_TOKENS):
+def curves_vs_n_p(inp, n_prfaas, n_local, step=DEFAULT_STEP_TOKENS, latency=DEFAULT_LATENCY):
     """Per N_p (prfaas policy, best t for each): Lambda_max, prefill bound and decode bound."""
-    ts = threshold_grid(inp.lengths, step)
-    p, l_long, l_short = inp.lengths.split(ts)
+    g = _row_vector(split(inp, threshold_grid(inp.lengths, step), latency))
     n_p = np.arange(1, n_local, dtype=float)[:, None]
-    q = evaluate(inp, n_prfaas, n_p, n_local - n_p, p[None, :], l_long[None, :], l_short[None, :])
+    q = evaluate(inp, n_prfaas, n_p, n_local - n_p, g["p"], g["l_long"], g["l_short"], g)
     prefill = np.minimum(q["bound_prfaas"], q["bound_pdp"]).max(axis=1)
     return {"n_p": n_p[:, 0].astype(int), "lambda_max": q["lambda_max"].max(axis=1),
             "prefill_bound": prefill, "decode_bound": q["theta_pdd"][:, 0]}
 
 
-def curves_vs_threshold(inp, n_prfaas, n_p, n_d, step=DEFAULT_STEP_TOKENS):
+def curves_vs_threshold(inp, n_prfaas, n_p, n_d, step=DEFAULT_STEP_TOKENS,
+                        latency=DEFAULT_LATENCY):
     """Per threshold t at a fixed split: the PrfaaS bound, PD-prefill bound, decode bound."""
     ts = threshold_grid(inp.lengths, step)
-    p, l_long, l_short = inp.lengths.split(ts)
-    q = evaluate(inp, n_prfaas, n_p, n_d, p, l_long, l_short)
+    sp = split(inp, ts, latency)
+    q = evaluate(inp, n_prfaas, n_p, n_d, sp["p"], sp["l_long"], sp["l_short"], sp)
     return {"threshold": ts, "lambda_max": q["lambda_max"], "bound_prfaas": q["bound_prfaas"],
             "bound_pdp": q["bound_pdp"], "bound_pdd": q["bound_pdd"]}
 
@@ -670,4 +794,5 @@ def curves_vs_threshold(inp, n_prfaas, n_p, n_d, step=DEFAULT_STEP_TOKENS):
 __all__ = ["Phi_kv", "B_out_min", "Theta_prfaas", "Theta_pdp", "Theta_pdd", "Lambda_max",
            "LengthDistribution", "Inputs", "inputs_for", "evaluate", "best_prfaas",
            "best_homogeneous", "naive", "predict", "plan_file", "plan_runs", "policy_sizings",
-           "ROW_KEYS", "POLICIES", "DEFAULT_STEP_TOKENS"]
+           "split", "evaluate_config", "with_both_modes", "ROW_KEYS", "MODE_KEYS", "POLICIES",
+           "LATENCY_MODES", "DEFAULT_LATENCY", "DEFAULT_STEP_TOKENS"]

@@ -1,5 +1,7 @@
 """Figures of the planner (`testbed plan FILE --figures DIR`), seaborn, PNG and PDF.
 
+Both Lambda_max figures use one latency mode of the planner (`--latency`, named in the titles).
+
 1. `lambda_vs_np`: Lambda_max of PrfaaS-PD against N_p (best threshold for each split), with the
    prefill bound (both prefill stages, best t) and the decode bound Theta_pdd.
 2. `lambda_vs_threshold`: at the optimal split, Lambda_max against t with the PrfaaS bound
@@ -51,8 +53,9 @@ def _line(ax, x, y, key, **kw):
     ax.plot(x, y, label=label, color=color, linestyle=style, **kw)
 
 
-def lambda_vs_np(inp, n_prfaas, n_local, out_dir, step=planner.DEFAULT_STEP_TOKENS):
-    c = planner.curves_vs_n_p(inp, n_prfaas, n_local, step)
+def lambda_vs_np(inp, n_prfaas, n_local, out_dir, step=planner.DEFAULT_STEP_TOKENS,
+                 latency=planner.DEFAULT_LATENCY):
+    c = planner.curves_vs_n_p(inp, n_prfaas, n_local, step, latency)
     fig, ax = plt.subplots(figsize=(6, 4))
     _line(ax, c["n_p"], c["prefill_bound"], "prefill_bound", marker="o")
     _line(ax, c["n_p"], c["decode_bound"], "decode_bound", marker="s")
@@ -62,14 +65,16 @@ def lambda_vs_np(inp, n_prfaas, n_local, out_dir, step=planner.DEFAULT_STEP_TOKE
                label=f"optimum N_p = {c['n_p'][best]} ({c['lambda_max'][best]:.2f} req/s)")
     ax.set(xlabel=f"N_p (local prefill instances of {n_local}; N_d = {n_local} - N_p)",
            ylabel="throughput (requests/s)",
-           title=f"PrfaaS-PD: Lambda_max vs N_p ({n_prfaas} PrfaaS instances, best t each)")
+           title=f"PrfaaS-PD: Lambda_max vs N_p ({n_prfaas} PrfaaS instances, best t each; "
+                 f"{latency} latency)")
     ax.set_xticks(c["n_p"])
     ax.legend(fontsize=8)
     return _save(fig, out_dir, "lambda_vs_np")
 
 
-def lambda_vs_threshold(inp, row, out_dir, step=planner.DEFAULT_STEP_TOKENS):
-    c = planner.curves_vs_threshold(inp, row["n_prfaas"], row["n_p"], row["n_d"], step)
+def lambda_vs_threshold(inp, row, out_dir, step=planner.DEFAULT_STEP_TOKENS,
+                        latency=planner.DEFAULT_LATENCY):
+    c = planner.curves_vs_threshold(inp, row["n_prfaas"], row["n_p"], row["n_d"], step, latency)
     fig, ax = plt.subplots(figsize=(6, 4))
     _line(ax, c["threshold"], c["bound_prfaas"], "bound_prfaas")
     _line(ax, c["threshold"], c["bound_pdp"], "bound_pdp")
@@ -81,7 +86,8 @@ def lambda_vs_threshold(inp, row, out_dir, step=planner.DEFAULT_STEP_TOKENS):
     top = 2.0 * max(row["lambda_max"], row["theta_pdd"])
     ax.set_ylim(0, top)
     ax.set(xlabel="routing threshold t (tokens, log scale)", ylabel="throughput (requests/s)",
-           title=f"PrfaaS-PD: Lambda_max vs t (N_p = {row['n_p']}, N_d = {row['n_d']})")
+           title=f"PrfaaS-PD: Lambda_max vs t (N_p = {row['n_p']}, N_d = {row['n_d']}; "
+                 f"{latency} latency)")
     ax.legend(fontsize=8)
     return _save(fig, out_dir, "lambda_vs_threshold")
 
@@ -110,8 +116,11 @@ def phi_kv_vs_length(inp, out_dir):
     return _save(fig, out_dir, "phi_kv_vs_length")
 
 
-def draw_all(runs, out_dir, lengths=None, b_out_bps=None, step=planner.DEFAULT_STEP_TOKENS):
-    """All three figures for the runs of one experiment file; returns the written paths."""
+def draw_all(runs, out_dir, lengths=None, b_out_bps=None, step=planner.DEFAULT_STEP_TOKENS,
+             latency=planner.DEFAULT_LATENCY):
+    """All three figures for the runs of one experiment file; returns the written paths.
+
+    The Lambda_max curves are those of one latency mode (`testbed.plan`, `latency`)."""
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     sns.set_theme(style="whitegrid", context="paper")
@@ -121,9 +130,9 @@ def draw_all(runs, out_dir, lengths=None, b_out_bps=None, step=planner.DEFAULT_S
     inp = planner.inputs_for(base, lengths, b_out_bps)
     paths = []
     if sz is not None:
-        row = planner.best_prfaas(inp, sz.n_prfaas, sz.n_local, step)
+        row = planner.best_prfaas(inp, sz.n_prfaas, sz.n_local, step, latency)
         if row is not None:
-            paths += lambda_vs_np(inp, sz.n_prfaas, sz.n_local, out, step)
-            paths += lambda_vs_threshold(inp, row, out, step)
+            paths += lambda_vs_np(inp, sz.n_prfaas, sz.n_local, out, step, latency)
+            paths += lambda_vs_threshold(inp, row, out, step, latency)
     paths += phi_kv_vs_length(inp, out)
     return paths

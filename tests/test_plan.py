@@ -351,3 +351,183 @@ def test_plan_figures_are_written(tmp_path):
     for stem in ("lambda_vs_np", "lambda_vs_threshold", "phi_kv_vs_length"):
         assert {f"{stem}.png", f"{stem}.pdf"} <= names
     assert all(p.stat().st_size > 1000 for p in paths)
+
+
+# ---------------------------------------------------------------- latency modes (Jensen)
+
+def quadratic_inputs(values=(1000, 3000), probs=(0.5, 0.5)):
+    """The toy model with convex latencies: T_remote = 1e-8 l^2, T_local = 2e-8 l^2."""
+    prof = profiles.Profile(
+        name="toy-quadratic", kv_size=profiles.Fit((0.0, 1e4)),
+        prefill={"fast": profiles.Fit((0.0, 0.0, 1e-8)), "slow": profiles.Fit((0.0, 0.0, 2e-8))},
+        kv_points=(), prefill_points={}, decode_step_s=0.01, bs_max=10, stream_chunks=1)
+    return P.Inputs(profile=prof, remote="fast", local="slow",
+                    lengths=P.LengthDistribution.from_pmf(values, probs, "toy"),
+                    l_out=100.0, t_decode_s=0.01, bs_max=10, b_out_Bps=1e12, wan_rate_bps=8e12)
+
+
+def test_expected_latency_by_hand():
+    inp = quadratic_inputs(values=(1000, 2000, 4000), probs=(0.5, 0.25, 0.25))
+    # t = 1500: long side {2000, 4000} equally likely, l_long = 3000.
+    paper, expected = (P.split(inp, 1500, mode) for mode in P.LATENCY_MODES)
+    assert float(paper["t_remote"]) == pytest.approx(1e-8 * 3000**2)            # 0.09 s
+    assert float(expected["t_remote"]) == pytest.approx(1e-8 * (2000**2 + 4000**2) / 2)  # 0.10
+    # The short side is one length: both forms agree; S_kv is linear: both forms agree.
+    assert float(expected["t_local"]) == pytest.approx(float(paper["t_local"]))
+    assert float(expected["s_kv_long"]) == pytest.approx(float(paper["s_kv_long"]))
+    # Naive (everything offloaded): 2 instances / E[T_remote(L)] = 2 / 0.0575.
+    row = P.naive(inp, 2, 4, latency="expected")
+    assert row["theta_prfaas"] == pytest.approx(2 / (1e-8 * (0.5e6 + 0.25 * 4e6 + 0.25 * 16e6)))
+    assert row["lambda_max"] == pytest.approx(row["theta_prfaas"])
+
+
+def test_expected_latency_matches_monte_carlo(case_runs):
+    # E[T(L) | side] from rejection-sampled lengths, rounded to whole tokens as requests are,
+    # against the planner's prefix sums over the exact probability mass.
+    inp = P.inputs_for(case_runs[0])
+    rng = np.random.default_rng(11)
+    x = rng.lognormal(9.9, 1.0, size=2_400_000)
+    x = np.rint(x[(x >= 128) & (x <= 131072)])
+    for t in (4096, 19136, 65536):
+        sp = P.split(inp, t, "expected")
+        for f, side, got in ((inp.t_remote, x[x > t], sp["t_remote"]),
+                             (inp.t_local, x[x <= t], sp["t_local"]),
+                             (inp.s_kv, x[x > t], sp["s_kv_long"])):
+            y = f(side)
+            assert float(got) == pytest.approx(y.mean(), rel=0.005), (t, f)
+            assert abs(float(got) - y.mean()) < 4 * y.std() / math.sqrt(len(y)), (t, f)
+    # Homogeneous (9 H20 prefill instances): Theta_pdp = 9 / E[T_local(L)], ~1.763 req/s.
+    row = P.best_homogeneous(inp, 12, latency="expected")
+    assert row["n_p"] == 9
+    assert row["theta_pdp"] == pytest.approx(9 / inp.t_local(x).mean(), rel=0.005)
+    assert row["lambda_max"] == pytest.approx(1.763, abs=0.002)
+
+
+def test_expected_is_at_most_paper_for_a_convex_latency(case_runs):
+    inp = P.inputs_for(case_runs[0])
+    ts = P.threshold_grid(inp.lengths, 64)
+    paper, expected = (P.split(inp, ts, mode) for mode in P.LATENCY_MODES)
+    # Jensen: T(E[L | side]) <= E[T(L) | side] for the quadratic fits, at every threshold ...
+    assert np.all(expected["t_remote"] >= paper["t_remote"] * (1 - 1e-12))
+    assert np.all(expected["t_local"] >= paper["t_local"] * (1 - 1e-12))
+    # ... while the linear S_kv gives the same bytes either way.
+    np.testing.assert_allclose(expected["s_kv_long"], paper["s_kv_long"], rtol=1e-9)
+    # So every stage throughput, and Lambda_max at each mode's optimum, is lower or equal.
+    for exp in case_runs:
+        pred = P.predict(exp)
+        for key in ("lambda_max", "theta_prfaas", "theta_pdp", "theta_pdd"):
+            if pred["paper"][key] is not None:
+                assert pred["expected"][key] <= pred["paper"][key] * (1 + 1e-12), key
+        assert pred["lambda_max_expected"] < pred["lambda_max_paper"]
+    report = P.plan_runs(case_runs)
+    for pol in P.POLICIES:
+        assert report["by_latency"]["expected"]["policies"][pol]["lambda_max"] < \
+            report["by_latency"]["paper"]["policies"][pol]["lambda_max"]
+
+
+def test_linear_latency_makes_both_modes_equal():
+    # T and S_kv linear in l (the toy profile): E[T(L) | side] = T(E[L | side]) exactly.
+    rng = np.random.default_rng(3)
+    values = np.arange(500, 8000, 250)
+    inp = toy_inputs(values=values, probs=rng.random(values.size))
+    ts = P.threshold_grid(inp.lengths, 50)
+    paper, expected = (P.split(inp, ts, mode) for mode in P.LATENCY_MODES)
+    for key in ("t_remote", "t_local", "s_kv_long"):
+        np.testing.assert_allclose(expected[key], paper[key], rtol=1e-9)
+    rows = {mode: P.best_prfaas(inp, 2, 5, step=50, latency=mode) for mode in P.LATENCY_MODES}
+    assert rows["expected"]["lambda_max"] == pytest.approx(rows["paper"]["lambda_max"], rel=1e-9)
+    assert rows["expected"]["threshold"] == rows["paper"]["threshold"]
+    assert P.naive(inp, 2, 3, latency="expected")["lambda_max"] == \
+        pytest.approx(P.naive(inp, 2, 3)["lambda_max"], rel=1e-9)
+
+
+def test_expected_optimum_is_not_beaten_by_a_brute_force_loop(case_runs):
+    report = P.plan_runs(case_runs, latency="expected")
+    row = report["policies"]["prfaas"]
+    assert row["latency"] == "expected" and row["lambda_max"] == row["lambda_max_expected"]
+    inp = P.inputs_for(case_runs[0])
+    best = 0.0
+    for n_p in range(1, 8):
+        for t in range(128, 131072, 997):
+            sp = P.split(inp, t, "expected")
+            q = P.evaluate(inp, 4, n_p, 8 - n_p, sp["p"], sp["l_long"], sp["l_short"], sp)
+            best = max(best, float(q["lambda_max"]))
+    assert row["lambda_max"] >= best - 1e-9
+    assert row["lambda_max"] == pytest.approx(best, rel=0.01)
+    assert row["bound_prfaas"] == pytest.approx(row["bound_pdp"], rel=0.01)
+
+
+MODE_KEYS = {"lambda_max", "theta_prfaas", "theta_pdp", "theta_pdd", "binding"}
+
+
+def test_predict_carries_both_latency_modes(case_runs):
+    for exp in case_runs:
+        pred = P.predict(exp)
+        assert pred["latency"] == "paper"
+        assert pred["lambda_max"] == pred["lambda_max_paper"] == pred["paper"]["lambda_max"]
+        assert pred["lambda_max_expected"] == pred["expected"]["lambda_max"]
+        assert MODE_KEYS <= set(pred["paper"]) and MODE_KEYS <= set(pred["expected"])
+        other = P.predict(exp, latency="expected")
+        assert other["latency"] == "expected"
+        assert other["lambda_max"] == pytest.approx(pred["lambda_max_expected"], rel=1e-12)
+        assert other["lambda_max_paper"] == pytest.approx(pred["lambda_max"], rel=1e-12)
+    by = {exp.scheduler.policy: P.predict(exp)["lambda_max_expected"] for exp in case_runs}
+    # 2M-sample estimates for the file's configurations: 1.763, 2.428 and 3.225 req/s.
+    assert by == {"homogeneous": pytest.approx(1.763, abs=0.002),
+                  "naive": pytest.approx(2.428, abs=0.002),
+                  "prfaas": pytest.approx(3.225, abs=0.003)}
+    with pytest.raises(P.ConfigError):
+        P.predict(case_runs[0], latency="median")
+
+
+def test_predict_failure_keeps_both_mode_keys(case_runs):
+    from dataclasses import replace
+    exp = case_runs[0]
+    pred = P.predict(replace(exp, model=replace(exp.model, profile="no-such-profile")))
+    assert pred["lambda_max"] is None and "no-such-profile" in pred["warnings"][0]
+    for mode in P.LATENCY_MODES:
+        assert f"lambda_max_{mode}" in pred and set(P.MODE_KEYS) == set(pred[mode])
+
+
+def test_plan_json_carries_the_latency_mode():
+    out = {}
+    for mode in P.LATENCY_MODES:
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            assert cli_main(["plan", str(CASE), "--json", "--latency", mode]) == 0
+        out[mode] = json.loads(buf.getvalue())
+    for mode, rep in out.items():
+        assert rep["latency"] == mode
+        assert set(rep["by_latency"]) == set(P.LATENCY_MODES)
+        for name, row in rep["policies"].items():
+            assert REQUIRED <= set(row), name
+            assert row["latency"] == mode
+            assert row["lambda_max"] == row[f"lambda_max_{mode}"]
+            for m in P.LATENCY_MODES:
+                assert MODE_KEYS <= set(row[m])
+            assert rep["by_latency"][mode]["policies"][name]["lambda_max"] == row["lambda_max"]
+        assert rep["ratios"] == rep["by_latency"][mode]["ratios"]
+        assert all(c["latency"] == mode for c in rep["configured"])
+    # Both reports hold both modes' optima, whichever mode the tables use.
+    assert out["paper"]["by_latency"] == out["expected"]["by_latency"]
+    assert out["expected"]["ratios"]["prfaas/homogeneous"] > \
+        out["paper"]["ratios"]["prfaas/homogeneous"]
+
+
+def test_plan_cli_prints_both_modes_under_ten_seconds():
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "testbed.cli", "plan", str(CASE),
+                           "--latency", "expected"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert time.perf_counter() - t0 < 10.0
+    assert proc.returncode == 0, proc.stderr
+    assert "headline, paper" in proc.stdout and "headline, expected" in proc.stdout
+    assert proc.stdout.count("prfaas / homogeneous") == 2
+    assert proc.stdout.count("prfaas / naive") == 2
+
+
+def test_plan_cli_rejects_an_unknown_latency_mode(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli_main(["plan", str(CASE), "--latency", "median"])
+    assert e.value.code == 2
+    assert "latency" in capsys.readouterr().err

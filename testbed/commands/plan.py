@@ -4,6 +4,9 @@ Builds the three deployments of PRFAAS.md (PrfaaS-PD, homogeneous PD, naive hete
 the file's runs (`testbed.plan.policy_sizings` states the rule), finds each one's best threshold
 and N_p/N_d split, and prints a table per policy with the headline ratios, or (`--json`) one
 object `{"policies": {"prfaas": {...}, "homogeneous": {...}, "naive": {...}}, ...}`.
+`--latency paper|expected` chooses what the stage throughputs divide by (`testbed.plan`:
+T_prefill at the conditional mean length, the paper's form, or the conditional mean of
+T_prefill); the output shows both modes' Lambda_max and headline ratios either way.
 `--figures DIR` also draws the planner's figures (`testbed.plan_figures`). Nothing is started.
 """
 
@@ -36,6 +39,10 @@ def register(subparsers):
     p.add_argument("--lengths", metavar="FILE",
                    help="empirical uncached input lengths, one integer a line (replaces the "
                         "file's input distribution)")
+    p.add_argument("--latency", choices=planner.LATENCY_MODES, default=planner.DEFAULT_LATENCY,
+                   help="stage throughputs from T_prefill at the conditional mean length "
+                        "(paper, the default) or from the conditional mean of T_prefill "
+                        "(expected); both modes are printed either way")
     p.set_defaults(func=run)
     return p
 
@@ -65,13 +72,14 @@ def read_lengths(path):
 def run(args):
     lengths = read_lengths(args.lengths) if args.lengths else None
     report = planner.plan_file(args.file, args.overrides, lengths=lengths, b_out_bps=args.b_out,
-                               step=args.step)
+                               step=args.step, latency=args.latency)
     if args.figures:
         from testbed import plan_figures
         from testbed.config import load_experiment
         runs = load_experiment(args.file, args.overrides)
         report["figures"] = [str(f) for f in plan_figures.draw_all(
-            runs, args.figures, lengths=lengths, b_out_bps=args.b_out, step=args.step)]
+            runs, args.figures, lengths=lengths, b_out_bps=args.b_out, step=args.step,
+            latency=args.latency)]
     if args.json:
         print(json.dumps(report, indent=2, allow_nan=False))
     else:
@@ -95,6 +103,8 @@ _LINES = [  # (label, key, format)
     ("Theta_prfaas / p", "bound_prfaas", "{:.3f}"),
     ("Theta_pdp / (1 - p)", "bound_pdp", "{:.3f}"),
     ("Lambda_max (req/s)", "lambda_max", "{:.3f}"),
+    ("  paper form, this config", "lambda_max_paper", "{:.3f}"),
+    ("  expected, this config", "lambda_max_expected", "{:.3f}"),
     ("binding stage", "binding", "{}"),
     ("PrfaaS limited by", "prfaas_limit", "{}"),
     ("egress (Gbps)", "egress_gbps", "{:.2f}"),
@@ -122,7 +132,9 @@ def render(report, path):
             f"BS_max = {inp['bs_max']}",
             f"  B_out = {report['b_out_gbps']:.3g} Gbps ({report['b_out_rule']}); "
             f"WAN {report['wan_gbps']:.3g} Gbps; threshold grid step {inp['threshold_step']} "
-            f"tokens", ""]
+            f"tokens",
+            f"  table: optima of latency mode {report['latency']}, "
+            f"{_MODE_TEXT[report['latency']]}", ""]
     width = max(len(label) for label, _, _ in _LINES)
     cols = [max(12, len(n)) for n in names]
     lines = ["  " + " " * width + "  " + "  ".join(n.rjust(w) for n, w in zip(names, cols))]
@@ -131,16 +143,13 @@ def render(report, path):
         lines.append("  " + label.ljust(width) + "  " +
                      "  ".join(c.rjust(w) for c, w in zip(cells, cols)))
     origin = [f"  {n}: {pols[n]['origin']}" for n in names if pols[n]]
-    ratios = [f"  Lambda_max {k.replace('/', ' / ')} = {v:.2f}x"
-              for k, v in report["ratios"].items()]
+    by_mode = _by_mode_lines(report, names, width, cols)
     phi_lines = ["Phi_kv per instance (Gbps)"] + [
         f"  {acc}: " + ", ".join(f"{_k(l)} {g:.2f}" for l, g in row.items())
         for acc, row in report["phi_kv"]["by_accelerator"].items()]
-    conf = [f"  {c['label']}: Lambda_max {c['lambda_max']:.3f} req/s, binding {c['binding']}"
-            if c.get("lambda_max") is not None else f"  {c['label']}: no prediction"
-            for c in report["configured"]]
+    conf = [_configured_line(c) for c in report["configured"]]
     warn = [f"  warning: {w}" for w in report["warnings"]]
-    out = head + lines + ["", "headline"] + ratios + ["", "sizes from"] + origin + \
+    out = head + lines + [""] + by_mode + ["", "sizes from"] + origin + \
         ["", "as configured in the file (what `testbed run` will measure)"] + conf + \
         [""] + phi_lines
     if warn:
@@ -148,6 +157,33 @@ def render(report, path):
     if report.get("figures"):
         out += ["", "figures: " + ", ".join(report["figures"])]
     return "\n".join(out)
+
+
+_MODE_TEXT = {"paper": "T_prefill at the conditional mean length (the paper's form)",
+              "expected": "conditional mean of T_prefill, E[T(L) | L > t] (Jensen)"}
+
+
+def _by_mode_lines(report, names, width, cols):
+    """Each latency mode's Lambda_max at its own optimum, and its headline ratios."""
+    label = "Lambda_max at each mode's optimum"
+    lines = [label]
+    for mode, res in report["by_latency"].items():
+        cells = [_cell(res["policies"].get(n), "lambda_max", "{:.3f}") for n in names]
+        lines.append("  " + f"{mode} (req/s)".ljust(width) + "  " +
+                     "  ".join(c.rjust(w) for c, w in zip(cells, cols)))
+    for mode, res in report["by_latency"].items():
+        lines += ["", f"headline, {mode}: {_MODE_TEXT[mode]}"]
+        lines += [f"  Lambda_max {k.replace('/', ' / ')} = {v:.2f}x"
+                  for k, v in res["ratios"].items()] or ["  -"]
+    return lines
+
+
+def _configured_line(c):
+    if c.get("lambda_max") is None:
+        return f"  {c['label']}: no prediction"
+    both = ", ".join(f"{m} {c[f'lambda_max_{m}']:.3f}" for m in planner.LATENCY_MODES
+                     if c.get(f"lambda_max_{m}") is not None)
+    return f"  {c['label']}: Lambda_max {both} req/s, binding {c['binding']}"
 
 
 def _k(l):
