@@ -297,15 +297,16 @@ def table(summaries):
             ("egress_mean_gbps", "egress Gb/s", "{:.2f}"),
             ("offload_fraction", "offload", "{:.2f}")]
     cols.insert(4, ("steady_throughput", "steady", "{:.3f}"))
-    header = [c[1] for c in cols] + ["predicted req/s"]
+    header = [c[1] for c in cols] + ["predicted (paper)", "predicted (E[T])"]
     body = []
     for s in summaries:
         row = []
         for key, _, fmt in cols:
             v = s.get(key)
             row.append("-" if v is None else fmt.format(v))
-        pred = (s.get("prediction") or {}).get("lambda_max")
-        row.append("-" if pred is None else f"{pred:.3f}")
+        pred = s.get("prediction") or {}
+        for key in ("lambda_max", "lambda_max_expected"):
+            row.append("-" if pred.get(key) is None else f"{pred[key]:.3f}")
         body.append(row)
     widths = [max(len(h), *(len(r[i]) for r in body)) for i, h in enumerate(header)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths))]
