@@ -1,17 +1,26 @@
 """Goodput of the worker's KV transfer path vs a plain TCP socket, over a veth between namespaces.
 
-    sudo .venv/bin/python benchmarks/kv_transfer.py [--tokens 4096] [--requests 24]
+    sudo .venv/bin/python benchmarks/kv_transfer.py [--tokens 4096] [--requests 96] [--repeat 7]
 
 One run, side by side, over one unshaped veth between two fresh namespaces (`tb<id>-pre`,
 `tb<id>-dec`, removed at the end):
-  raw     a plain asyncio TCP sender writes the same number of bytes to a sink that reads
-          and discards them;
-  worker  real state frames (`state_wire.encode_state` of a prefilled request, plus its
-          trailer) sent with `testbed.kvwire` (frame crc32) to a receiver that feeds
-          `TorchDecodeEngine.receive` (copy, per-tensor crc32, assembly) -- per chunk size and
-          number of concurrent TCP streams (one request per stream at a time).
+  raw     a plain TCP socket sends the same number of bytes with `sock_sendall` straight from
+          one buffer (no copy, no framing) to a sink that reads them into one reused 1 MB
+          buffer and discards them (`BufferedProtocol`: the kernel's copy and nothing else);
+  worker  real state frames (`state_wire.encode_layer` of each layer of a prefilled request,
+          plus its trailer) sent with `testbed.kvwire` as the prefill worker sends them (a
+          layer's frames in one `send_frames`; no frame crc32: state frames carry a crc32 per
+          tensor and header) to a receiver set up as the decode
+          worker's (`kvwire.serve` with `TorchDecodeEngine.frame_buffer`: data chunks received
+          in place into the state tensors; `TorchDecodeEngine.receive`: per-tensor crc32,
+          assembly) -- per chunk size and number of concurrent TCP streams (one request per
+          stream at a time).
 Goodput = state payload bytes / time from the first byte sent to the receiver's report that
-the last request is complete. Not part of the test suite.
+the last request is complete. Each trial is short (~0.1-0.3 s), so raw and worker trials
+alternate `--repeat` times; the table shows median goodputs and the median (and range) of the
+ratio of each worker trial to the raw trial just before it, which cancels slow load changes;
+the load average before and after is printed, because other work on the machine moves both.
+Not part of the test suite.
 """
 
 import argparse
@@ -20,6 +29,8 @@ import json
 import os
 import pathlib
 import secrets
+import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -39,8 +50,10 @@ async def receiver(host):
     from workers.engine_torch import TorchDecodeEngine
     from workers.model.config import HybridConfig
 
+    kvwire.keep_receive_memory()       # as the decode worker does
     dec = TorchDecodeEngine(HybridConfig(), "cpu")
-    state = {"want": None, "done": 0, "raw": 0, "raw_want": None, "event": asyncio.Event()}
+    state = {"want": None, "done": 0, "failed": 0, "raw": 0, "raw_want": None,
+             "event": asyncio.Event()}
 
     def on_frame(rid, seq, flags, payload, t_first, t_last):
         dec.receive(rid, seq, 0, payload)
@@ -48,31 +61,40 @@ async def receiver(host):
             asm = dec.assemblers.pop(rid, None)
             if asm is None or not asm.complete or dec.error(rid):
                 print(f"request {rid} incomplete: {dec.error(rid)}", file=sys.stderr)
+                state["failed"] += 1
             state["done"] += 1
             if state["done"] == state["want"]:
                 state["event"].set()
 
-    async def raw_sink(reader, writer):
-        while data := await reader.read(1 << 20):
-            state["raw"] += len(data)
+    class RawSink(asyncio.BufferedProtocol):
+        """Reads into one reused 1 MB buffer and discards: the kernel's copy and nothing else."""
+        buf = memoryview(bytearray(1 << 20))
+
+        def get_buffer(self, sizehint):
+            return self.buf
+
+        def buffer_updated(self, nbytes):
+            state["raw"] += nbytes
             if state["raw"] == state["raw_want"]:
                 state["event"].set()
-        writer.close()
 
     async def control(reader, writer):
         while line := await reader.readline():
             trial = json.loads(line)
-            state.update(done=0, raw=0, want=trial.get("requests"), raw_want=trial.get("bytes"))
+            state.update(done=0, failed=0, raw=0, want=trial.get("requests"),
+                         raw_want=trial.get("bytes"))
+            cpu0 = time.process_time()
             state["event"].clear()
             writer.write(b"go\n")
             await writer.drain()
             await asyncio.wait_for(state["event"].wait(), TRIAL_TIMEOUT_S)
-            writer.write(json.dumps({"t_done": time.time()}).encode() + b"\n")
+            writer.write(json.dumps({"t_done": time.time(), "failed": state["failed"],
+                                     "cpu_s": time.process_time() - cpu0}).encode() + b"\n")
             await writer.drain()
         writer.close()
 
-    raw = await asyncio.start_server(raw_sink, host, RAW_PORT, limit=4 << 20)
-    kv = await kvwire.serve(host, KV_PORT, on_frame)
+    raw = await asyncio.get_running_loop().create_server(RawSink, host, RAW_PORT)
+    kv = await kvwire.serve(host, KV_PORT, on_frame, payload_buffer=dec.frame_buffer)
     ctl = await asyncio.start_server(control, host, CTL_PORT)
     print("ready", flush=True)
     await asyncio.gather(raw.serve_forever(), kv.serve_forever(), ctl.serve_forever())
@@ -80,13 +102,13 @@ async def receiver(host):
 
 # ---- sender (in the prefill namespace) ----
 
-async def sender(host, tokens, requests, chunks, streams):
+async def sender(host, tokens, requests, chunks, streams, repeat):
     import torch
 
     from testbed import kvwire
     from workers.model.config import HybridConfig
     from workers.model.hybrid import HybridModel
-    from workers.model.state_wire import encode_state, encode_trailer
+    from workers.model.state_wire import encode_layer, encode_trailer
 
     cfg = HybridConfig()
     model = HybridModel(cfg)
@@ -98,43 +120,72 @@ async def sender(host, tokens, requests, chunks, streams):
         w.write(json.dumps(spec).encode() + b"\n")
         await w.drain()
         await r.readline()
-        t0 = time.time()
+        t0, cpu0 = time.time(), time.process_time()
         await run()
-        return json.loads(await r.readline())["t_done"] - t0
+        cpu = time.process_time() - cpu0
+        done = json.loads(await r.readline())
+        if done["failed"]:
+            raise SystemExit(f"kv_transfer: {done['failed']} requests arrived incomplete")
+        wall = done["t_done"] - t0
+        return wall, cpu / wall, done["cpu_s"] / wall
 
     rows = []
     for chunk in chunks:
-        frames = encode_state(st, chunk) + [encode_trailer(1, st.length, cfg.n_layers)]
-        payload = sum(memoryview(f).nbytes for f in frames)
+        layers = [encode_layer(i, st.layer_tensors(i), cfg.n_layers, st.kinds[i], chunk)
+                  for i in range(cfg.n_layers)]
+        layers.append([encode_trailer(1, st.length, cfg.n_layers)])
+        payload = sum(memoryview(f).nbytes for frames in layers for f in frames)
         total = payload * requests
         blob = memoryview(bytearray(os.urandom(1 << 20)) * (total // (1 << 20) + 1))[:total]
 
-        async def raw_run():
-            rr, ww = await asyncio.open_connection(host, RAW_PORT)
-            ww.write(blob)
-            await ww.drain()
-            ww.close()
-        t_raw = await trial({"bytes": total}, raw_run)
-        for n_streams in streams:
+        async def raw_run():   # sendall straight from the buffer: no copy, no framing
+            loop = asyncio.get_running_loop()
+            with socket.socket() as sock:
+                sock.setblocking(False)
+                await loop.sock_connect(sock, (host, RAW_PORT))
+                await loop.sock_sendall(sock, blob)
+
+        def kv_run(n_streams):
             pool = kvwire.SenderPool()
 
             async def one(rid):
                 async with pool.connection(host, KV_PORT) as conn:
-                    for seq, f in enumerate(frames):
-                        await conn.send(rid, seq, kvwire.FLAG_LAST if seq == len(frames) - 1
-                                        else 0, f)
+                    seq = 0
+                    for i, frames in enumerate(layers):   # as PrefillService._send does
+                        last = i == len(layers) - 1
+                        batch = [(rid, seq + j, kvwire.FLAG_LAST if last and j == len(frames) - 1
+                                  else 0, f) for j, f in enumerate(frames)]
+                        seq += len(frames)
+                        await conn.send_frames(batch, checksum=False)
 
-            async def kv_run():
+            async def run():
                 sem = asyncio.Semaphore(n_streams)
 
                 async def limited(rid):
                     async with sem:
                         await one(rid)
-                await asyncio.gather(*(limited(i + 1) for i in range(requests)))
-            t_kv = await trial({"requests": requests}, kv_run)
-            pool.close()
+                try:
+                    await asyncio.gather(*(limited(i + 1) for i in range(requests)))
+                finally:
+                    pool.close()
+            return run
+
+        for n_streams in streams:
+            raw, kv = [], []
+            for _ in range(repeat):     # alternate, so both see the same background load
+                raw.append(await trial({"bytes": total}, raw_run))
+                kv.append(await trial({"requests": requests}, kv_run(n_streams)))
+            ratios = sorted(r[0] / k[0] for r, k in zip(raw, kv))   # t_raw / t_worker
+
+            def med(trials, i):
+                return statistics.median(t[i] for t in trials)
             rows.append({"chunk_bytes": chunk, "streams": n_streams, "bytes": total,
-                         "raw_gbps": 8 * total / t_raw / 1e9, "worker_gbps": 8 * total / t_kv / 1e9})
+                         "raw_gbps": 8 * total / med(raw, 0) / 1e9,
+                         "worker_gbps": 8 * total / med(kv, 0) / 1e9,
+                         "ratio": statistics.median(ratios),
+                         "ratio_min": ratios[0], "ratio_max": ratios[-1],
+                         "raw_cpu": (med(raw, 1), med(raw, 2)),
+                         "worker_cpu": (med(kv, 1), med(kv, 2))})
     w.close()
     print(json.dumps({"state_bytes": st.nbytes(), "rows": rows}))
 
@@ -144,9 +195,10 @@ async def sender(host, tokens, requests, chunks, streams):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=4096, help="prompt length of the shipped state")
-    p.add_argument("--requests", type=int, default=24, help="requests per trial")
+    p.add_argument("--requests", type=int, default=96, help="requests per trial")
     p.add_argument("--chunks", type=int, nargs="+", default=[1 << 16, 1 << 20, 4 << 20])
     p.add_argument("--streams", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--repeat", type=int, default=7, help="alternated raw/worker trials per row")
     p.add_argument("--timeout", type=float, default=600, help="bound on the whole sender run (s)")
     p.add_argument("--role", choices=["recv", "send"], help=argparse.SUPPRESS)
     p.add_argument("--host", help=argparse.SUPPRESS)
@@ -154,7 +206,7 @@ def main():
     if a.role == "recv":
         return asyncio.run(receiver(a.host))
     if a.role == "send":
-        return asyncio.run(sender(a.host, a.tokens, a.requests, a.chunks, a.streams))
+        return asyncio.run(sender(a.host, a.tokens, a.requests, a.chunks, a.streams, a.repeat))
     if os.geteuid() != 0:
         sys.exit("kv_transfer: needs root (two network namespaces and a veth)")
     from testbed.commands.selfcheck import ADDR_DEC, build_pair
@@ -165,6 +217,7 @@ def main():
     def on_term(signum, frame):   # so `finally` tears the namespaces down on SIGTERM too
         raise SystemExit(f"kv_transfer: signal {signum}")
     signal.signal(signal.SIGTERM, on_term)
+    load_before = os.getloadavg()
     reg = Registry(secrets.token_hex(4), kind="bench-kv")
     try:
         ns_pre, ns_dec, _ = build_pair(reg)
@@ -176,7 +229,8 @@ def main():
         if recv.stdout.readline().strip() != "ready":
             sys.exit("kv_transfer: receiver did not start")
         args = ["--role", "send", "--tokens", str(a.tokens), "--requests", str(a.requests),
-                "--chunks", *map(str, a.chunks), "--streams", *map(str, a.streams)]
+                "--chunks", *map(str, a.chunks), "--streams", *map(str, a.streams),
+                "--repeat", str(a.repeat)]
         out = subprocess.run(["ip", "netns", "exec", ns_pre] + base + args, env=env,
                              capture_output=True, text=True, timeout=a.timeout)
         if out.returncode:
@@ -184,14 +238,23 @@ def main():
         res = json.loads(out.stdout.strip().splitlines()[-1])
     finally:
         reg.close()
+    load = " ".join(f"{x:.2f}" for x in load_before)
     print(f"# unshaped veth between two namespaces; state of a {a.tokens}-token request "
-          f"= {res['state_bytes']} bytes; {a.requests} requests per trial; {os.cpu_count()} cores")
-    print("| chunk bytes | streams | MB per trial | raw socket Gbps | worker path Gbps | ratio |")
-    print("|---|---|---|---|---|---|")
+          f"= {res['state_bytes']} bytes; {a.requests} requests per trial; medians of "
+          f"{a.repeat} alternated trials; {os.cpu_count()} cores; load average {load} before, "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} after")
+    print("| chunk bytes | streams | MB per trial | raw socket Gbps | worker path Gbps | ratio "
+          "| ratio range | raw CPU send / recv | worker CPU send / recv |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in res["rows"]:
         print(f"| {r['chunk_bytes']} | {r['streams']} | {r['bytes'] / 1e6:.1f} | "
               f"{r['raw_gbps']:.2f} | {r['worker_gbps']:.2f} | "
-              f"{r['worker_gbps'] / r['raw_gbps']:.2f} |")
+              f"{r['ratio']:.2f} | "
+              f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f} | "
+              f"{r['raw_cpu'][0]:.2f} / {r['raw_cpu'][1]:.2f} | "
+              f"{r['worker_cpu'][0]:.2f} / {r['worker_cpu'][1]:.2f} |")
+    print("# CPU = process CPU time (user + system) / trial wall time, per side: 1.00 is one "
+          "core busy the whole trial")
 
 
 if __name__ == "__main__":

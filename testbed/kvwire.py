@@ -11,14 +11,38 @@ stream reached ~0.4 of a raw socket here), and it is what the paper's transfer e
 `FLAG_ABORT` cancels it. A connection carries one transfer at a time; `SenderPool` keeps idle
 connections per destination and opens another when all are busy, so concurrent transfers use
 concurrent TCP streams. `serve()` runs the receiver side and hands each complete frame, with the
-time its last byte arrived, to a callback.
+times its first and last bytes arrived, to a callback.
+
+Checksums: crc32 0 in the header means "this frame carries no checksum of its own". A sender
+passes `checksum=False` only for payloads that are checked end to end inside (state_wire frames:
+a crc32 per tensor and per header), so the bytes are not hashed twice on each side; payloads
+without an inner check (the profile engine's bytes) keep the frame crc32. A checked payload whose
+crc32 happens to be 0 goes unchecked (one in 2**32). crc32 comes from zlib-ng when it is
+installed (identical values, ~13x faster on this CPU), else from zlib.
+
+Cost, measured on 2 cores (benchmarks/kv_transfer.py): the receiver is what limits the path, so
+it avoids asyncio streams. `StreamReader.readexactly` copies every byte three times after the
+kernel (recv -> bytes, bytes -> the reader's bytearray, slice -> bytes); the receiver here is a
+`BufferedProtocol` whose socket reads land directly in the frame's payload buffer -- and, when
+the consumer offers one (`payload_buffer`), directly in the tensor the payload is for -- and it
+delivers frames from the read callback, without a task switch per frame. The sender
+(`SocketConnection`, what `SenderPool` hands out) writes the headers and payloads of all the
+frames it is given (`send_frames`: a layer's frames at once) with `sendmsg` straight from the
+caller's buffers and waits for the socket, not for a copy in a transport buffer, when the
+kernel takes less.
 """
 
 import asyncio
 import contextlib
+import os
+import socket
 import struct
 import time
-import zlib
+
+try:    # zlib-ng's crc32 is the same CRC-32, vectorized: ~50 GB/s here against zlib's ~4
+    from zlib_ng.zlib_ng import crc32
+except ImportError:
+    from zlib import crc32
 
 MAGIC = b"TBKV"
 HEADER = struct.Struct("!4sQIIQI")
@@ -32,73 +56,309 @@ class FrameError(Exception):
 
 
 def header(request_id, seq, flags, payload, crc=True):
-    c = zlib.crc32(payload) if crc else 0
-    return HEADER.pack(MAGIC, request_id, seq, flags, len(payload), c)
+    c = crc32(payload) if crc else 0
+    return HEADER.pack(MAGIC, request_id, seq, flags, memoryview(payload).nbytes, c)
 
 
 async def read_frame(reader, crc=True):
-    """(request_id, seq, flags, payload) of the next frame, or None at a clean EOF."""
+    """(request_id, seq, flags, payload) of the next frame from a StreamReader, or None at a
+    clean EOF. For stream-based peers and tests; `serve()` does not use it."""
     try:
         raw = await reader.readexactly(HEADER.size)
     except asyncio.IncompleteReadError as e:
         if not e.partial:
             return None
         raise FrameError("connection closed inside a frame header") from None
-    magic, rid, seq, flags, length, c = HEADER.unpack(raw)
-    if magic != MAGIC or length > MAX_FRAME:
-        raise FrameError(f"bad frame header (magic {magic!r}, length {length})")
+    rid, seq, flags, length, c = _parse(raw)
     try:
         payload = await reader.readexactly(length) if length else b""
     except asyncio.IncompleteReadError:
         raise FrameError(f"connection closed inside frame {seq} of request {rid}") from None
-    if crc and c and zlib.crc32(payload) != c:
+    if crc and c and crc32(payload) != c:
         raise FrameError(f"checksum mismatch in frame {seq} of request {rid}")
     return rid, seq, flags, payload
 
 
-async def serve(host, port, on_frame, on_error=None):
-    """Start the receiver: `on_frame(rid, seq, flags, payload, t_first, t_last)` per frame.
+def _parse(raw):
+    magic, rid, seq, flags, length, c = HEADER.unpack(raw)
+    if magic != MAGIC or length > MAX_FRAME:
+        raise FrameError(f"bad frame header (magic {bytes(magic)!r}, length {length})")
+    return rid, seq, flags, length, c
 
-    `t_first` is when the frame's header arrived, `t_last` when its last byte did (time.time()).
+
+class _Receiver(asyncio.BufferedProtocol):
+    """One KV connection, receiver side: reads each header, then the payload in place.
+
+    After the transport's read, `buffer_updated` keeps reading the socket itself (`readv`, up
+    to `READS_PER_WAKEUP` times, until it would block): a burst of frames costs one event-loop
+    turn, not two per frame. Each read fills the rest of the current target (header or
+    payload) and, past it, a small staging buffer: the frames that follow, when small (a
+    layer header, a conv tail), are taken from there with no syscall of their own, and of a
+    large payload at most `STAGE_BYTES` are copied, the rest is read in place.
     """
 
-    async def handle(reader, writer):
-        try:
-            while True:
-                t_first = time.time()
-                frame = await read_frame(reader)
-                if frame is None:
-                    break
-                on_frame(*frame, t_first, time.time())
-        except (FrameError, ConnectionError) as e:
-            if on_error:
-                on_error(e)
-        finally:
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+    READS_PER_WAKEUP = 64
+    STAGE_BYTES = 8192
 
-    return await asyncio.start_server(handle, host, port, limit=4 << 20)
+    def __init__(self, on_frame, on_error, payload_buffer):
+        self.on_frame, self.on_error, self.payload_buffer = on_frame, on_error, payload_buffer
+        self.head = memoryview(bytearray(HEADER.size))
+        self.stage = memoryview(bytearray(self.STAGE_BYTES))
+        self.transport = None
+        self.fd = None
+        self._expect_header()
+
+    def _expect_header(self):
+        self.buf, self.pos, self.frame = self.head, 0, None
+
+    def connection_made(self, transport):
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            self.fd = sock.fileno()
+            if sock.family in (socket.AF_INET, socket.AF_INET6):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def get_buffer(self, sizehint):
+        return self.buf[self.pos:]
+
+    def buffer_updated(self, nbytes):
+        try:
+            self._advance(nbytes)
+            self._read_more()
+        except FrameError as e:
+            self._fail(e)
+
+    def _read_more(self):
+        if self.fd is None:
+            return
+        for _ in range(self.READS_PER_WAKEUP):
+            if self.transport.is_closing():
+                return
+            rest = self.buf[self.pos:]
+            try:
+                n = os.readv(self.fd, (rest, self.stage))
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                self._fail(e)
+                return
+            if n == 0:
+                return                          # EOF: the transport's next read sees it too
+            k = min(n, len(rest))
+            self._advance(k)
+            if n > k:
+                self._consume(self.stage[:n - k])
+
+    def _advance(self, n):
+        """`n` bytes were read into the rest of the current target."""
+        if self.pos == 0 and self.frame is None:
+            self.t_first = time.time()
+        self.pos += n
+        if self.pos == len(self.buf):
+            self._target_done()
+
+    def _consume(self, data):
+        """Bytes read past the current target: copy them into the targets that follow."""
+        while data:
+            if self.pos == 0 and self.frame is None:
+                self.t_first = time.time()
+            k = min(len(data), len(self.buf) - self.pos)
+            self.buf[self.pos:self.pos + k] = data[:k]
+            data = data[k:]
+            self.pos += k
+            if self.pos == len(self.buf):
+                self._target_done()
+
+    def _target_done(self):
+        if self.frame is None:
+            self._header_done()
+        else:
+            self._payload_done()
+
+    def _header_done(self):
+        rid, seq, flags, length, c = self.frame = _parse(self.head)
+        if length == 0:
+            return self._deliver(b"")
+        buf = self.payload_buffer(rid, seq, flags, length) if self.payload_buffer else None
+        if buf is None or memoryview(buf).nbytes != length:
+            buf = bytearray(length)
+        self.payload, self.buf, self.pos = buf, memoryview(buf).cast("B"), 0
+
+    def _payload_done(self):
+        rid, seq, _, _, c = self.frame
+        if c and crc32(self.buf) != c:
+            raise FrameError(f"checksum mismatch in frame {seq} of request {rid}")
+        payload, self.payload = self.payload, None
+        self._deliver(payload)
+
+    def _deliver(self, payload):
+        rid, seq, flags, _, _ = self.frame
+        t_first = self.t_first
+        self._expect_header()
+        self.on_frame(rid, seq, flags, payload, t_first, time.time())
+
+    def _fail(self, err):
+        if self.on_error:
+            self.on_error(err)
+        self.transport.abort()
+
+    def eof_received(self):
+        if self.pos or self.frame is not None:
+            where = ("a frame header" if self.frame is None
+                     else f"frame {self.frame[1]} of request {self.frame[0]}")
+            self._fail(FrameError(f"connection closed inside {where}"))
+        return False
+
+    def connection_lost(self, exc):
+        if isinstance(exc, OSError) and self.on_error:
+            self.on_error(exc)
+
+
+async def serve(host, port, on_frame, on_error=None, payload_buffer=None):
+    """Start the receiver: `on_frame(rid, seq, flags, payload, t_first, t_last)` per frame.
+
+    `t_first` is when the frame's first header byte arrived, `t_last` when its last byte did
+    (time.time()). `on_error(exc)` gets a malformed or corrupt frame (`FrameError`) or a broken
+    connection; the connection is then closed. `payload_buffer(rid, seq, flags, length)`, if
+    given, may return a writable buffer of exactly `length` bytes for the payload to be received
+    into (it is then what `on_frame` gets), or None for a fresh bytearray.
+    """
+    loop = asyncio.get_running_loop()
+    return await loop.create_server(lambda: _Receiver(on_frame, on_error, payload_buffer),
+                                    host, port)
+
+
+def keep_receive_memory(trim_bytes=64 << 20, mmap_bytes=32 << 20):
+    """Let this process reuse the memory of freed receive buffers instead of faulting in fresh
+    pages for every frame; returns whether the allocator took the setting.
+
+    Every frame (or state tensor) a receiver fills is newly allocated and freed soon after
+    (the decode engine copies MLA state into its own cache). With glibc's defaults a freed
+    block of a few MB goes back to the kernel (heap trim above 2x the mmap threshold, or
+    munmap), so the next request's socket reads fault every page in again: ~12,800 minor
+    faults and about half the receiver's CPU time per 68 MB in benchmarks/kv_transfer.py.
+    Keeping up to `trim_bytes` of freed heap (and serving blocks below `mmap_bytes` from the
+    heap) removes that. Process-wide, so the process that receives calls it, once.
+    """
+    import ctypes
+    import ctypes.util
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    return bool(mallopt(M_MMAP_THRESHOLD, mmap_bytes)) and bool(mallopt(M_TRIM_THRESHOLD,
+                                                                        trim_bytes))
 
 
 class Connection:
+    """The sending side of one KV connection over a StreamReader/StreamWriter pair."""
+
     def __init__(self, reader, writer):
         self.reader, self.writer = reader, writer
         self.broken = False
+        sock = writer.get_extra_info("socket")
+        self._fd = sock.fileno() if sock is not None else None
 
-    async def send(self, request_id, seq, flags, payload):
-        """Send one frame; returns when the socket buffer accepted it (drain)."""
+    async def send(self, request_id, seq, flags, payload, checksum=True):
+        """Send one frame; returns when the socket buffer accepted it (drain).
+
+        `checksum=False` sends crc32 0 (no frame checksum): only for payloads verified end to
+        end inside (state_wire frames)."""
+        await self.send_frames([(request_id, seq, flags, payload)], checksum)
+
+    async def send_frames(self, frames, checksum=True):
+        """Send frames [(request_id, seq, flags, payload), ...] in order, as one write."""
         try:
-            self.writer.write(header(request_id, seq, flags, payload))
-            if payload:
-                self.writer.write(payload)
+            parts = _parts(frames, checksum)
+            for part in self._writev(parts):
+                self.writer.write(part)
             await self.writer.drain()
         except (ConnectionError, OSError):
             self.broken = True
             raise
 
+    def _writev(self, parts):
+        """Write what the kernel takes now, without copying; return the parts left over."""
+        transport = self.writer.transport
+        if self._fd is None or transport.get_write_buffer_size() or transport.is_closing():
+            return parts
+        try:
+            n = os.writev(self._fd, parts[:IOV_MAX])
+        except (BlockingIOError, InterruptedError):
+            return parts
+        return _after(parts, n)
+
     def close(self):
         self.writer.close()
+
+
+class SocketConnection(Connection):
+    """The sending side of one KV connection on a bare non-blocking socket (`SenderPool`'s).
+
+    All frames handed over at once go out in `sendmsg` calls straight from the caller's
+    buffers (headers and payloads as one scatter list, so a layer's small frames share
+    segments instead of each being pushed on its own); when the kernel takes less, it waits
+    until the socket is writable and goes on from there. Payload bytes are never copied in
+    user space."""
+
+    def __init__(self, sock):
+        self.sock = sock
+        self.broken = False
+
+    async def send_frames(self, frames, checksum=True):
+        try:
+            parts = _parts(frames, checksum)
+            while parts:
+                try:
+                    n = self.sock.sendmsg(parts[:IOV_MAX])
+                except (BlockingIOError, InterruptedError):
+                    n = 0
+                parts = _after(parts, n)
+                if parts:
+                    await self._writable()
+        except (ConnectionError, OSError):
+            self.broken = True
+            raise
+
+    async def _writable(self):
+        loop = asyncio.get_running_loop()
+        ready = loop.create_future()
+        fd = self.sock.fileno()
+        loop.add_writer(fd, lambda: ready.done() or ready.set_result(None))
+        try:
+            await ready
+        finally:
+            loop.remove_writer(fd)
+
+    def close(self):
+        self.sock.close()
+
+
+IOV_MAX = 1024
+
+
+def _parts(frames, checksum):
+    parts = []
+    for request_id, seq, flags, payload in frames:
+        parts.append(header(request_id, seq, flags, payload, checksum))
+        if memoryview(payload).nbytes:
+            parts.append(memoryview(payload).cast("B"))
+    return parts
+
+
+def _after(parts, n):
+    """The parts not yet written when the first `n` bytes of `parts` were."""
+    i = 0
+    while i < len(parts) and n >= len(parts[i]):
+        n -= len(parts[i])
+        i += 1
+    rest = parts[i:]
+    if rest and n:
+        rest[0] = memoryview(rest[0])[n:]
+    return rest
 
 
 class SenderPool:
@@ -114,13 +374,7 @@ class SenderPool:
         pool = self.idle.setdefault(key, [])
         conn = pool.pop() if pool else None
         if conn is None:
-            r, w = await asyncio.wait_for(asyncio.open_connection(host, port),
-                                          self.connect_timeout_s)
-            sock = w.get_extra_info("socket")
-            if sock is not None:
-                import socket
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = Connection(r, w)
+            conn = SocketConnection(await self._connect(host, port))
         try:
             yield conn
         except BaseException:
@@ -131,6 +385,21 @@ class SenderPool:
                 conn.close()
             else:
                 pool.append(conn)
+
+    async def _connect(self, host, port):
+        infos = await asyncio.get_running_loop().getaddrinfo(host, port,
+                                                             type=socket.SOCK_STREAM)
+        family, type_, proto, _, addr = infos[0]
+        sock = socket.socket(family, type_, proto)
+        try:
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            await asyncio.wait_for(asyncio.get_running_loop().sock_connect(sock, addr),
+                                   self.connect_timeout_s)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
 
     def close(self):
         for pool in self.idle.values():

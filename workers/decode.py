@@ -213,8 +213,10 @@ async def main():
     inst = common.instance(rt, args.name)
     log = common.setup_logging(args.name)
     service = DecodeService(rt, args.name, make_engine(rt, inst), log)
+    kvwire.keep_receive_memory()   # receive buffers reuse freed heap, not fresh pages
     kv_server = await kvwire.serve(inst["ip"], inst["kv_port"], service.on_frame,
-                                   service.on_kv_error)
+                                   service.on_kv_error,
+                                   payload_buffer=getattr(service.engine, "frame_buffer", None))
     server = grpc.aio.server(options=common.grpc_options())
     pbg.add_DecodeServicer_to_server(service, server)
     server.add_insecure_port(f"{inst['ip']}:{inst['grpc_port']}")

@@ -150,8 +150,10 @@ class TorchDecodeEngine:
     """Continuous-batching greedy decode over states assembled from the wire.
 
     `receive(rid, seq, flags, payload)` feeds a request's frames (the decode worker's KV
-    socket calls it); `admit` turns the assembled state into a live request; `step` advances a
-    batch by one token each; `release` frees everything held for a request.
+    socket calls it; its `frame_buffer` lets the socket read data chunks straight into the
+    state tensors, so `receive` need not copy them); `admit` turns the assembled state into a
+    live request; `step` advances a batch by one token each; `release` frees everything held
+    for a request.
     """
 
     def __init__(self, cfg=None, device="auto", bs_max=20, step_s=0.0, threads=None):
@@ -185,6 +187,14 @@ class TorchDecodeEngine:
         except StateWireError as e:
             self.errors[request_id] = str(e)
             self.assemblers.pop(request_id, None)
+
+    def frame_buffer(self, request_id, seq, flags, length):
+        """Where kvwire should receive a frame's payload: the slice of the state tensor it
+        fills (then `receive` does not copy it), or None for a buffer of kvwire's own."""
+        asm = self.assemblers.get(request_id)
+        if asm is None or flags & 2 or request_id in self.errors:
+            return None
+        return asm.buffer_for(length)
 
     def error(self, request_id):
         """Why a request's state is unusable (corrupt, mismatched), or None."""

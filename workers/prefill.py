@@ -2,9 +2,9 @@
 
 Requests queue FIFO; one prefill computes at a time (an instance's throughput is 1/T_prefill).
 As the engine produces KV pieces they are streamed, in order, to the chosen decode worker's KV
-socket while compute goes on; the instance takes the next request as soon as compute ends, and
-the transfer finishes on its own (the paper's transfer-cache blocks). The reply reports compute
-and send times measured here.
+socket while compute goes on (whatever is queued -- a layer's frames -- in one write); the
+instance takes the next request as soon as compute ends, and the transfer finishes on its own
+(the paper's transfer-cache blocks). The reply reports compute and send times measured here.
 """
 
 import asyncio
@@ -23,6 +23,8 @@ class PrefillService(pbg.PrefillServicer):
         self.rt, self.name, self.engine, self.log = rt, name, engine, log
         self.lock = asyncio.Lock()          # FIFO: asyncio.Lock wakes waiters in order
         self.pool = kvwire.SenderPool()
+        # State frames carry their own crc32s (per tensor, per header): no frame checksum.
+        self.frame_crc = not getattr(engine, "frames_checksummed", False)
         self.waiting = 0
         self.active = 0
         self.busy_s = 0.0
@@ -62,18 +64,28 @@ class PrefillService(pbg.PrefillServicer):
     async def _send(self, rid, host, port, queue, reply):
         async with self.pool.connection(host, port) as conn:
             while True:
-                item = await queue.get()
-                if item is None:
+                batch = await self._ready_frames(queue)
+                if batch is None:
                     await conn.send(rid, 0, kvwire.FLAG_ABORT, b"")
                     return
-                seq, data, last = item
                 if not reply.send_start:
                     reply.send_start = time.time()
-                await conn.send(rid, seq, kvwire.FLAG_LAST if last else 0, data)
-                reply.kv_bytes += len(data)
-                if last:
+                # Everything queued so far (a layer's frames) in one write, so the small
+                # frames share segments.
+                await conn.send_frames([(rid, seq, kvwire.FLAG_LAST if last else 0, data)
+                                        for seq, data, last in batch], checksum=self.frame_crc)
+                reply.kv_bytes += sum(memoryview(data).nbytes for _, data, _ in batch)
+                if batch[-1][2]:
                     reply.send_end = time.time()
                     return
+
+    @staticmethod
+    async def _ready_frames(queue):
+        """The next frame and every one queued behind it, up to the last; None on abort."""
+        batch = [await queue.get()]
+        while batch[-1] is not None and not batch[-1][2] and not queue.empty():
+            batch.append(queue.get_nowait())
+        return None if batch[-1] is None else batch
 
     async def Health(self, request, context):
         return pb.HealthReply(name=self.name, role="prefill", queue_depth=self.waiting,
@@ -82,6 +94,8 @@ class PrefillService(pbg.PrefillServicer):
 
 class TorchPrefill:
     """The torch engine behind the profile engine's `prefill(request, emit)` form."""
+
+    frames_checksummed = True      # state_wire frames: crc32 per tensor and per header
 
     def __init__(self, rt):
         from workers.engine_torch import TorchPrefillEngine

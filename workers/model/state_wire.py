@@ -20,15 +20,22 @@ several connections passes the connection as `stream`; each stream keeps its own
 
 The receiver copies each chunk once into a preallocated tensor, checks every tensor's crc32
 and every length, shape and dtype against the header, and raises `StateWireError` naming the
-layer and the tensor on any mismatch.
+layer and the tensor on any mismatch. A transport that can receive in place asks
+`LayerAssembler.buffer_for(length, stream)` for the slice of the tensor the next chunk fills
+and reads the socket straight into it; `feed` of that very buffer then skips the copy (the
+crc32 still covers what landed in the tensor). The crc32 is accumulated chunk by chunk, while
+each chunk is still in cache.
 """
 
 import json
 import math
 import struct
-import zlib
 
-import numpy as np
+try:    # zlib-ng's crc32 is the same CRC-32, vectorized: ~50 GB/s here against zlib's ~4
+    from zlib_ng.zlib_ng import crc32
+except ImportError:
+    from zlib import crc32
+
 import torch
 
 from testbed.errors import TestbedError
@@ -42,6 +49,7 @@ DEFAULT_CHUNK_BYTES = 1 << 20
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+ITEMSIZE = {k: torch.empty(0, dtype=v).element_size() for k, v in DTYPES.items()}
 
 
 class StateWireError(TestbedError):
@@ -68,13 +76,13 @@ def encode_layer(idx, tensors, n_layers=None, kind="", chunk_bytes=DEFAULT_CHUNK
             raise StateWireError(f"layer {idx} tensor {name!r}: dtype {t.dtype} not supported")
         mv = _host_bytes(t)
         descs.append({"name": name, "dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape),
-                      "nbytes": mv.nbytes, "crc32": zlib.crc32(mv),
+                      "nbytes": mv.nbytes, "crc32": crc32(mv),
                       "chunks": math.ceil(mv.nbytes / chunk_bytes)})
         views.append(mv)
     meta = json.dumps({"layer": idx, "n_layers": n_layers, "kind": kind,
                        "chunk_bytes": chunk_bytes, "tensors": descs},
                       separators=(",", ":")).encode()
-    frames = [HEADER.pack(MAGIC, VERSION, 0, len(meta), zlib.crc32(meta)) + meta]
+    frames = [HEADER.pack(MAGIC, VERSION, 0, len(meta), crc32(meta)) + meta]
     for mv in views:
         frames.extend(mv[o:o + chunk_bytes] for o in range(0, mv.nbytes, chunk_bytes))
     return frames
@@ -84,7 +92,7 @@ def encode_trailer(first_token, length, n_layers):
     """The frame that ends a request's state: prefill's greedy first token and the length."""
     meta = json.dumps({"first_token": int(first_token), "length": int(length),
                        "n_layers": n_layers}).encode()
-    return HEADER.pack(TRAILER_MAGIC, VERSION, 0, len(meta), zlib.crc32(meta)) + meta
+    return HEADER.pack(TRAILER_MAGIC, VERSION, 0, len(meta), crc32(meta)) + meta
 
 
 def encode_state(state, chunk_bytes=DEFAULT_CHUNK_BYTES):
@@ -109,7 +117,7 @@ def _parse_header(frame):
     if version != VERSION:
         raise StateWireError(f"layer header version {version}, this receiver reads {VERSION}")
     meta = mv[HEADER.size:]
-    if meta.nbytes != n or zlib.crc32(meta) != crc:
+    if meta.nbytes != n or crc32(meta) != crc:
         raise StateWireError("layer header corrupt (length or crc32 mismatch)")
     return magic, json.loads(bytes(meta))
 
@@ -121,19 +129,21 @@ class _Pending:
         self.meta = meta
         self.layer = meta["layer"]
         self.chunk = meta["chunk_bytes"]
-        self.bufs = []
+        self.bufs, self.views = [], []
         for d in meta["tensors"]:
-            dt = DTYPES.get(d["dtype"])
-            if dt is None:
+            if d["dtype"] not in DTYPES:
                 raise StateWireError(f"{where}: tensor {d['name']!r} has unknown dtype {d['dtype']!r}")
-            want = math.prod(d["shape"]) * torch.empty(0, dtype=dt).element_size()
+            want = math.prod(d["shape"]) * ITEMSIZE[d["dtype"]]
             if want != d["nbytes"] or d["chunks"] != math.ceil(d["nbytes"] / self.chunk):
                 raise StateWireError(f"{where}: tensor {d['name']!r} header inconsistent "
                                      f"(shape {d['shape']} {d['dtype']} = {want} bytes, "
                                      f"header says {d['nbytes']} in {d['chunks']} chunks)")
             self.bufs.append(torch.empty(d["nbytes"], dtype=torch.uint8))
+            self.views.append(memoryview(self.bufs[-1].numpy()))
         self.t = 0          # tensor being filled
         self.off = 0        # bytes of it filled
+        self.crc = 0        # crc32 of those bytes
+        self.lent = None    # the slice handed out by `buffer_for`, not yet fed
         self._skip_empty()
 
     def _skip_empty(self):
@@ -144,22 +154,37 @@ class _Pending:
     def done(self):
         return self.t >= len(self.bufs)
 
-    def fill(self, frame):
+    def _expect(self):
         d = self.meta["tensors"][self.t]
-        mv = memoryview(frame).cast("B")
-        expect = min(self.chunk, d["nbytes"] - self.off)
-        if mv.nbytes != expect:
-            raise StateWireError(f"layer {self.layer} tensor {d['name']!r}: chunk at byte "
-                                 f"{self.off} is {mv.nbytes} bytes, expected {expect}")
-        dst = self.bufs[self.t].numpy()
-        dst[self.off:self.off + expect] = np.frombuffer(mv, dtype=np.uint8)
+        return d, min(self.chunk, d["nbytes"] - self.off)
+
+    def buffer_for(self, length):
+        """The tensor slice the next chunk fills, if it is `length` bytes long, else None."""
+        d, expect = self._expect()
+        if length != expect:
+            return None
+        self.lent = self.views[self.t][self.off:self.off + expect]
+        return self.lent
+
+    def fill(self, frame):
+        d, expect = self._expect()
+        if frame is self.lent:          # received in place: already in the tensor
+            dst, self.lent = frame, None
+        else:
+            mv = memoryview(frame).cast("B")
+            if mv.nbytes != expect:
+                raise StateWireError(f"layer {self.layer} tensor {d['name']!r}: chunk at byte "
+                                     f"{self.off} is {mv.nbytes} bytes, expected {expect}")
+            dst = self.views[self.t][self.off:self.off + expect]
+            dst[:] = mv
+        self.crc = crc32(dst, self.crc)
         self.off += expect
         if self.off == d["nbytes"]:
-            if zlib.crc32(dst) != d["crc32"]:
+            if self.crc != d["crc32"]:
                 raise StateWireError(f"layer {self.layer} tensor {d['name']!r}: crc32 mismatch "
                                      f"({d['nbytes']} bytes arrived corrupt)")
             self.t += 1
-            self.off = 0
+            self.off = self.crc = 0
             self._skip_empty()
 
     def tensors(self):
@@ -186,6 +211,13 @@ class LayerAssembler:
         self.pending = {}            # stream -> _Pending
         self.bytes_received = 0
         self.trailer = None
+
+    def buffer_for(self, length, stream=None):
+        """Where the next `length`-byte frame of `stream` should be received, to be passed to
+        `feed` as is: the slice of the tensor it fills, or None (a header is next, or the
+        length is not the next chunk's; `feed` then copies as usual)."""
+        cur = self.pending.get(stream)
+        return cur.buffer_for(length) if cur is not None else None
 
     def feed(self, frame, stream=None):
         self.bytes_received += memoryview(frame).nbytes
