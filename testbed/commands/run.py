@@ -31,6 +31,12 @@ def main(args):
     print()
     print(metrics.table(summaries))
     for s in summaries:
+        w = s.get("workload") or {}
+        if w.get("prefix_hit_share"):
+            print(f"workload ({s['label']}): {w['count']} requests at {w['rate_per_s']:.2f}/s, "
+                  f"inter-arrival CV {w['interarrival_cv']:.2f}, input mean "
+                  f"{w['input_mean']:,.0f} tokens, prefix-cache hit share "
+                  f"{w['prefix_hit_share']:.1%} (unbounded cache, arrival order)")
         for w in s.get("warnings") or []:
             print(f"warning ({s['label']}): {w}")
         if s.get("failed"):
