@@ -153,7 +153,7 @@ def summarize(df, exp, timeseries=None, counters=None):
     out["failure_reasons"] = {str(k): int(v) for k, v in errors.head(5).items()}
     out["steady_throughput"] = steady_throughput(ok.last_token, T)
     out["emulation"] = emulation_fidelity(ok, exp)
-    out["prediction"] = predicted(exp)
+    out["prediction"] = predicted(exp, df.input_len.to_numpy())
     return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in out.items()}
 
 
@@ -248,14 +248,18 @@ def egress(ts, t0, t1, time_scale, bytes_scale):
     return out
 
 
-def predicted(exp):
-    """The planner's prediction for this run's configuration, when the planner is available."""
+def predicted(exp, input_lengths=None):
+    """The planner's prediction for this run's configuration.
+
+    The workers keep no prefix cache yet, so every input token is prefilled: the prediction uses
+    the full input lengths of the requests sent, not the planner's uncached lengths.
+    """
     if exp.model.engine != "profile":
         return {"note": "the planner models profiled accelerators; the torch engine's timing "
                         "is its own (no prediction)"}
     from testbed import plan
     try:
-        return plan.predict(exp)
+        return plan.predict(exp, lengths=input_lengths)
     except Exception as e:  # a prediction must never lose a measured run
         return {"error": f"{type(e).__name__}: {e}"}
 
