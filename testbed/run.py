@@ -172,6 +172,8 @@ class Run:
             self._start_workers(net, rt, events)
             if self.probe:
                 self._probe(net)
+            else:
+                self.meta["link_fidelity"] = {"skipped": "--no-probe"}
             if self.cli:
                 net.cli()
             sampler = CounterSampler(net.wan, d / "timeseries.csv", exp.scale.time,
@@ -252,11 +254,8 @@ class Run:
         events("workers_ready", count=len(self.procs))
 
     def _probe(self, net):
-        try:
-            from testbed.net.probe import measure_link
-        except ImportError:
-            self.meta["link_fidelity"] = {"skipped": "no probe available"}
-            return
+        from testbed.net.probe import measure_link
+
         paths = net.netns_path
         self.meta["link_fidelity"] = measure_link(
             paths["probe_remote"], paths["probe_local"], net.ip("probe_local"),
