@@ -361,6 +361,21 @@ def _after(parts, n):
     return rest
 
 
+CC_ENV = "TESTBED_TCP_CC"
+
+
+def set_congestion_control(sock, name=None):
+    """Use TCP congestion control `name` (default: $TESTBED_TCP_CC) on this socket.
+
+    Per socket, because a namespace's default can only be set to what the machine allows
+    (`tcp_allowed_congestion_control`); a root process may pick any available algorithm for its
+    own sockets. The runner sets the variable from `network.congestion_control`.
+    """
+    name = name or os.environ.get(CC_ENV)
+    if name:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, name.encode())
+
+
 class SenderPool:
     """Idle connections per destination (host, port); `connection()` checks one out."""
 
@@ -394,6 +409,7 @@ class SenderPool:
         try:
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            set_congestion_control(sock)
             await asyncio.wait_for(asyncio.get_running_loop().sock_connect(sock, addr),
                                    self.connect_timeout_s)
         except BaseException:

@@ -22,7 +22,7 @@ import time
 
 import yaml
 
-from testbed import __version__, config, lifecycle, metrics, plot
+from testbed import __version__, config, kvwire, lifecycle, metrics, plot
 from testbed.errors import PrivilegeError, RunInterrupted, WorkerError
 from testbed.measure import CounterSampler, EventLog
 from testbed.workload import generate
@@ -30,6 +30,10 @@ from testbed.workload import generate
 REPO = pathlib.Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 30.0
 GRPC_PORT, KV_PORT = 50051, 50052
+
+
+def _system_cc():
+    return pathlib.Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
 
 
 def default_out(exp_name):
@@ -206,13 +210,22 @@ class Run:
         self.meta["topology"] = {"class": "topologies.two_dc.TwoDatacenterTopo",
                                  "nodes": dict(net.topo.roles), "ips": dict(net.topo.ips),
                                  "router_egress": dict(net.topo.router_intfs)}
+        self.meta["tcp"] = {"congestion_control_kv": self.congestion_control(),
+                            "congestion_control_default": _system_cc(),
+                            "segmentation_offload": not net.per_frame}
         self.meta["shaping"] = {"backend": net.wan.backend,
                                 "reason": getattr(net.wan, "backend_reason", ""),
                                 "emulated": {k: self.exp.emulated_direction(k)
                                              for k in ("kv", "request")}}
 
+    def congestion_control(self):
+        """TCP congestion control of the KV senders and the link probe."""
+        cc = self.exp.network.congestion_control
+        return _system_cc() if cc == "system" else cc
+
     def _spawn(self, net, name, module, rt, extra=()):
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        env[kvwire.CC_ENV] = self.congestion_control()
         argv = [sys.executable, "-m", module, "--runtime", str(self.dir / "runtime.json"),
                 "--name", name, *extra]
         self.procs[name] = net.popen(name, argv, self.dir / "logs" / f"{name}.log", env=env)
@@ -257,6 +270,7 @@ class Run:
         from testbed.net.probe import measure_link
 
         paths = net.netns_path
+        os.environ[kvwire.CC_ENV] = self.congestion_control()   # the probe's TCP sender
         self.meta["link_fidelity"] = measure_link(
             paths["probe_remote"], paths["probe_local"], net.ip("probe_local"),
             configured=self.exp.emulated_direction("kv"))

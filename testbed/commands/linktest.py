@@ -15,7 +15,7 @@ import json
 import os
 import secrets
 
-from testbed import lifecycle, units
+from testbed import kvwire, lifecycle, units
 from testbed.errors import ConfigError, NetworkError, PrivilegeError
 from testbed.net import shaping
 from testbed.net.probe import measure_link
@@ -95,6 +95,9 @@ def two_host_link(params, backend="userspace", registry=None, seed=0):
             # default caps the window below that (measured 0.80-0.86 of the rate at 1G, 20 ms)
             _sysctl(path[end], "net.ipv4.tcp_rmem=4096 131072 67108864",
                     "net.ipv4.tcp_wmem=4096 16384 67108864")
+        if shaping.needs_per_frame_packets(params):
+            for end in (src, dst):
+                shaping.disable_offloads(path[end], f"{end}0")
         wan = shaping.Wan(path[router], {"kv": f"{router}b", "request": f"{router}a"}, params,
                           backend=backend, seed=seed, registry=reg)
         wan.start()
@@ -138,6 +141,8 @@ def register(sub):
     p.add_argument("--queue", default=None, help="drop-tail queue, bytes or '100p' (default BDP)")
     p.add_argument("--backend", default="auto", choices=("auto", "netem", "userspace"))
     p.add_argument("--duration", type=float, default=2.0, help="seconds of bulk TCP (default 2)")
+    p.add_argument("--cc", default=None, choices=("cubic", "bbr", "reno"),
+                   help="TCP congestion control of the two hosts (default: the machine's)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=main)
 
@@ -147,10 +152,13 @@ def main(args):
         raise PrivilegeError("testbed linktest builds namespaces and qdiscs: use sudo")
     d = direction_params(args.rate, args.delay, args.jitter, args.loss, args.queue,
                          loss_burst=args.loss_burst)
+    if args.cc:
+        os.environ[kvwire.CC_ENV] = args.cc     # the probe's TCP sender uses it
     with two_host_link({"kv": d, "request": d}, backend=args.backend) as link:
         result = measure_link(link.src, link.dst, link.dst_ip, d, duration_s=args.duration)
         backend, reason = link.wan.backend, link.wan.backend_reason
-    out = {"backend": backend, "backend_reason": reason, **result}
+    cc = args.cc or open("/proc/sys/net/ipv4/tcp_congestion_control").read().strip()
+    out = {"backend": backend, "backend_reason": reason, "congestion_control": cc, **result}
     if args.json:
         print(json.dumps(out, default=_jsonable))
     else:
@@ -175,7 +183,8 @@ def format_result(out):
             ("loss burst (packets)", "-" if not e.get("loss_burst") else f"{e['loss_burst']:g}",
              "-" if not m.get("loss_burst") else f"{m['loss_burst']:.2f}", "mean run"),
             ("reordered", "0", str(m["reordered"]), "")]
-    lines = [f"backend: {out['backend']} ({out['backend_reason']})",
+    lines = [f"backend: {out['backend']} ({out['backend_reason']}); TCP "
+             f"{out['congestion_control']}",
              f"{'':22} {'configured':>16} {'measured':>16}"]
     lines += [f"{a:22} {b:>16} {c_:>16}  {d}" for a, b, c_, d in rows]
     lines.append(f"goodput: {m['goodput_basis']}")

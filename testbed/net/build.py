@@ -74,12 +74,30 @@ class Network:
             # emulated BDP (per-namespace sysctls; the machine's own are untouched).
             self.net[name].cmd("sysctl -qw net.ipv4.tcp_rmem='4096 131072 67108864' "
                                "net.ipv4.tcp_wmem='4096 16384 67108864'")
+        self._per_frame_if_lossy()
         router = self.host("wan")
         out = router.cmd("sysctl -qw net.ipv4.ip_forward=1 && cat /proc/sys/net/ipv4/ip_forward")
         if out.strip() != "1":
             raise NetworkError(f"could not enable forwarding on the WAN router: {out.strip()}")
         self._shape(router)
         return self
+
+    def _per_frame_if_lossy(self):
+        """With loss configured (now or by a scheduled change), hosts send single frames."""
+        from testbed.net.shaping import disable_offloads, needs_per_frame_packets
+
+        params = {d: self.exp.emulated_direction(d) for d in ("kv", "request")}
+        scheduled = any(c.loss for c in self.exp.network.wan.changes)
+        self.per_frame = needs_per_frame_packets(params) or scheduled
+        if not self.per_frame:
+            return
+        for name in self.topo.hosts():
+            node = self.net[name]
+            if node is self.host("wan"):
+                continue
+            for intf in node.intfList():
+                if intf.name != "lo":
+                    disable_offloads(f"/proc/{node.pid}/ns/net", intf.name)
 
     def _shape(self, router):
         from testbed.net.shaping import Wan

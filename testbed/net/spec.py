@@ -116,3 +116,7 @@ class WanSpec:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class NetworkSpec:
     wan: WanSpec = spec(section(WanSpec), factory=WanSpec, doc="the cross-datacenter link")
+    congestion_control: str = spec(choice("system", "cubic", "bbr", "reno"), "system",
+                                   "TCP congestion control of the KV transfers and the link probe "
+                                   "(system: the machine's default; metadata.json records it); "
+                                   "BBR shrugs off random loss that collapses CUBIC")
