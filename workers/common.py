@@ -40,6 +40,24 @@ def mark_ready(rt, name):
     (d / name).write_text(str(time.time()))
 
 
+def startup(description):
+    """(args, runtime, this instance, logger) of a worker process."""
+    args = parse_args(description)
+    rt = load_runtime(args.runtime)
+    return args, rt, instance(rt, args.name), setup_logging(args.name)
+
+
+async def start_grpc(inst, add_servicer, service):
+    """A started grpc.aio server with `service` on this instance's address."""
+    import grpc
+
+    server = grpc.aio.server(options=grpc_options())
+    add_servicer(service, server)
+    server.add_insecure_port(f"{inst['ip']}:{inst['grpc_port']}")
+    await server.start()
+    return server
+
+
 def grpc_options():
     # Many concurrent streams on one channel; no message-size surprises for token chunks.
     return [("grpc.max_concurrent_streams", 10000),

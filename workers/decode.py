@@ -13,7 +13,6 @@ import asyncio
 import collections
 import time
 
-import grpc
 
 from testbed import kvwire
 from testbed.proto import testbed_pb2 as pb
@@ -208,19 +207,13 @@ def make_engine(rt, inst):
 
 
 async def main():
-    args = common.parse_args("PrfaaS testbed decode worker")
-    rt = common.load_runtime(args.runtime)
-    inst = common.instance(rt, args.name)
-    log = common.setup_logging(args.name)
+    args, rt, inst, log = common.startup("PrfaaS testbed decode worker")
     service = DecodeService(rt, args.name, make_engine(rt, inst), log)
     kvwire.keep_receive_memory()   # receive buffers reuse freed heap, not fresh pages
     kv_server = await kvwire.serve(inst["ip"], inst["kv_port"], service.on_frame,
                                    service.on_kv_error,
                                    payload_buffer=getattr(service.engine, "frame_buffer", None))
-    server = grpc.aio.server(options=common.grpc_options())
-    pbg.add_DecodeServicer_to_server(service, server)
-    server.add_insecure_port(f"{inst['ip']}:{inst['grpc_port']}")
-    await server.start()
+    server = await common.start_grpc(inst, pbg.add_DecodeServicer_to_server, service)
     loop_task = asyncio.create_task(service.step_loop())
     common.mark_ready(rt, args.name)
     log.info("decode worker up on %s:%s, KV on :%s", inst["ip"], inst["grpc_port"],

@@ -10,7 +10,6 @@ instance takes the next request as soon as compute ends, and the transfer finish
 import asyncio
 import time
 
-import grpc
 
 from testbed import kvwire
 from testbed.proto import testbed_pb2 as pb
@@ -115,15 +114,9 @@ def make_engine(rt, inst):
 
 
 async def main():
-    args = common.parse_args("PrfaaS testbed prefill worker")
-    rt = common.load_runtime(args.runtime)
-    inst = common.instance(rt, args.name)
-    log = common.setup_logging(args.name)
+    args, rt, inst, log = common.startup("PrfaaS testbed prefill worker")
     service = PrefillService(rt, args.name, make_engine(rt, inst), log)
-    server = grpc.aio.server(options=common.grpc_options())
-    pbg.add_PrefillServicer_to_server(service, server)
-    server.add_insecure_port(f"{inst['ip']}:{inst['grpc_port']}")
-    await server.start()
+    server = await common.start_grpc(inst, pbg.add_PrefillServicer_to_server, service)
     common.mark_ready(rt, args.name)
     log.info("prefill worker up on %s:%s (%s)", inst["ip"], inst["grpc_port"], inst["accelerator"])
     await common.serve_until_signalled(server, service.pool.close)

@@ -8,7 +8,6 @@ request `failed` with the reason; no request vanishes.
 """
 
 import asyncio
-import time
 
 import grpc
 
@@ -166,15 +165,9 @@ class SchedulerService(pbg.SchedulerServicer):
 
 
 async def main():
-    args = common.parse_args("PrfaaS testbed scheduler")
-    rt = common.load_runtime(args.runtime)
-    inst = common.instance(rt, args.name)
-    log = common.setup_logging(args.name)
+    args, rt, inst, log = common.startup("PrfaaS testbed scheduler")
     service = SchedulerService(rt, log)
-    server = grpc.aio.server(options=common.grpc_options())
-    pbg.add_SchedulerServicer_to_server(service, server)
-    server.add_insecure_port(f"{inst['ip']}:{inst['grpc_port']}")
-    await server.start()
+    server = await common.start_grpc(inst, pbg.add_SchedulerServicer_to_server, service)
     health = asyncio.create_task(service.health_loop()) if rt["scheduler"]["failover"] else None
     common.mark_ready(rt, args.name)
     log.info("scheduler up on %s:%s, policy %s", inst["ip"], inst["grpc_port"],

@@ -11,7 +11,6 @@ the kernel's own byte counter of the receiving veth is reported next to the stat
 root they run on loopback, and the output says so.
 """
 
-import contextlib
 import json
 import os
 import pathlib
