@@ -188,3 +188,24 @@ def test_torch_engine_ships_real_state_across_the_wan(tmp_path):
     tokens = pd.read_parquet(out / "tokens.parquet")
     assert len(tokens) == 6 * 8 and (tokens.client_time >= tokens.decode_time).all()
     assert leftovers(out) == []
+
+
+def test_cut_link_fails_stalled_requests_with_a_reason(tmp_path):
+    out = tmp_path / "run"
+    r = subprocess.run(tb_cmd("run", str(TINY), "--out", str(out), "--no-progress", "--no-probe",
+                              "--set", "requests=30", "--set", "scheduler.policy=naive",
+                              "--set", "clusters.local.prefill=0", "--set", "clusters.local.decode=2",
+                              "--set", "network.wan.changes=[{at: 3s, up: false}, {at: 9s, up: true}]",
+                              "--set", "run.kv_deadline=2s"),
+                       capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    df = pd.read_parquet(out / "requests.parquet")
+    assert len(df) == 30
+    failed = df[df.status != "ok"]
+    assert len(failed) > 0 and (df.status == "ok").sum() > 0
+    assert failed.error.str.contains("KV not complete").all(), failed.error.tolist()
+    ts = pd.read_csv(out / "timeseries.csv")
+    assert (ts.kv_up == 0).any() and ts.kv_up.iloc[-1] == 1      # the cut is on record
+    events = (out / "events.csv").read_text()
+    assert "up=False" in events and "up=True" in events
+    assert leftovers(out) == []
