@@ -115,10 +115,36 @@ class FailoverSpec:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class AdaptiveSpec:
+    enabled: bool = spec(boolean, False,
+                         "prfaas: adapt the threshold to WAN egress and queue depths (short "
+                         "timescale); `threshold` is the starting value")
+    interval: float = spec(positive(units.duration_s), 2.0, "control period (real-world)")
+    egress_high: float = spec(units.probability, 0.8,
+                              "raise the threshold when measured egress / link rate is above this")
+    egress_low: float = spec(units.probability, 0.3,
+                             "lower it when egress is below this and PrfaaS queues are short")
+    queue_ratio: float = spec(positive(units.number), 1.5,
+                              "raise when PrfaaS queued work per instance exceeds local's by this "
+                              "factor; lower when it is below 1/this")
+    step: float = spec(positive(units.number), 0.1, "multiplicative step of each change")
+    min: int = spec(units.tokens, 1024, "lowest threshold")
+    max: int = spec(units.tokens, 131072, "highest threshold")
+
+    def check(self):
+        if self.egress_low >= self.egress_high:
+            raise ValueError("egress_low must be below egress_high")
+        if self.min > self.max:
+            raise ValueError("min must not exceed max")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class SchedulerSpec:
     policy: str = spec(choice("homogeneous", "naive", "prfaas"), "prfaas",
                        "homogeneous: all local | naive: all prefill on PrfaaS | prfaas: threshold")
     threshold: int = spec(units.tokens, 19866, "prfaas: offload requests longer than this (tokens)")
+    adaptive: AdaptiveSpec = spec(section(AdaptiveSpec), factory=AdaptiveSpec,
+                                  doc="short-timescale threshold control (docs in workers/adaptive.py)")
     failover: FailoverSpec = spec(section(FailoverSpec), factory=FailoverSpec,
                                   doc="fall back to the other cluster when instances stop answering")
 

@@ -173,9 +173,40 @@ def ttft_timeline(top, out_dir):
     return _save(fig, out_dir, "ttft_timeline")
 
 
+def threshold_timeline(top, out_dir):
+    """The adaptive threshold over time (scheduler.csv), with the measured egress utilisation."""
+    frames = []
+    for d in find_runs(top):
+        path = d / "scheduler.csv"
+        if not path.exists():
+            continue
+        s = json.loads((d / "summary.json").read_text())
+        df = pd.read_csv(path)
+        if not len(df):
+            continue
+        meta = json.loads((d / "metadata.json").read_text())
+        scale = s.get("scale_time") or 1.0
+        df["t"] = (df.time - meta.get("client_start_at", df.time.iloc[0])) * scale
+        df["run"] = _label(s)
+        frames.append(df)
+    if not frames:
+        return None
+    df = pd.concat(frames, ignore_index=True)
+    sns.set_theme(style="whitegrid", context="paper")
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(6.5, 4.2), sharex=True)
+    sns.lineplot(data=df, x="t", y="threshold", hue="run", ax=ax1, drawstyle="steps-post")
+    ax1.set_ylabel("threshold t (tokens)")
+    sns.lineplot(data=df, x="t", y="egress_utilisation", hue="run", ax=ax2, legend=False)
+    ax2.set_ylabel("egress / link rate")
+    ax2.set_xlabel("time since first arrival (s, real-world)")
+    ax1.set_title("Adaptive threshold (short timescale)")
+    return _save(fig, out_dir, "threshold")
+
+
 def run_figures(top):
     """Every figure of a run directory (or an experiment's top directory), as PNG and PDF."""
     top = pathlib.Path(top)
     out = top / "figures"
-    figures = (ttft_cdf(top, out), egress_timeline(top, out), ttft_timeline(top, out))
+    figures = (ttft_cdf(top, out), egress_timeline(top, out), ttft_timeline(top, out),
+               threshold_timeline(top, out))
     return [p for p in figures if p is not None]

@@ -32,6 +32,18 @@ READY_TIMEOUT_S = 30.0
 GRPC_PORT, KV_PORT = 50051, 50052
 
 
+def _adaptive(exp):
+    """The threshold controller's settings in emulation units, or None when it is off."""
+    a = exp.scheduler.adaptive
+    if not (a.enabled and exp.scheduler.policy == "prfaas"):
+        return None
+    return {"interval_s": a.interval / exp.scale.time, "egress_high": a.egress_high,
+            "egress_low": a.egress_low, "queue_ratio": a.queue_ratio, "step": a.step,
+            "min": a.min, "max": a.max,
+            # timeseries' kv_link_gbps is real-world Gbit/s; its kv_rate_bps is emulated bit/s
+            "link_to_emulated_bps": 1e9 * exp.scale.bytes * exp.scale.time}
+
+
 def _system_cc():
     return pathlib.Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
 
@@ -94,7 +106,8 @@ def runtime_for(exp, net):
                       "failover": exp.scheduler.failover.enabled,
                       "health_interval_s": exp.scheduler.failover.interval / t,
                       "health_timeout_s": exp.scheduler.failover.timeout / t,
-                      "failover_max_local": exp.scheduler.failover.max_local},
+                      "failover_max_local": exp.scheduler.failover.max_local,
+                      "adaptive": _adaptive(exp)},
         "kv_deadline_s": exp.run.kv_deadline / t,
         "token_flush_s": exp.run.token_flush / t,
         "request_timeout_s": exp.run.request_timeout / t,

@@ -168,11 +168,17 @@ async def main():
     args, rt, inst, log = common.startup("PrfaaS testbed scheduler")
     service = SchedulerService(rt, log)
     server = await common.start_grpc(inst, pbg.add_SchedulerServicer_to_server, service)
-    health = asyncio.create_task(service.health_loop()) if rt["scheduler"]["failover"] else None
+    tasks = []
+    if rt["scheduler"]["failover"]:
+        tasks.append(asyncio.create_task(service.health_loop()))
+    if rt["scheduler"].get("adaptive"):
+        from workers.adaptive import ThresholdController
+        ctl = ThresholdController(service.router, rt["scheduler"]["adaptive"], rt["_dir"], log)
+        tasks.append(asyncio.create_task(ctl.run()))
     common.mark_ready(rt, args.name)
     log.info("scheduler up on %s:%s, policy %s", inst["ip"], inst["grpc_port"],
              rt["scheduler"]["policy"])
-    await common.serve_until_signalled(server, health.cancel if health else None)
+    await common.serve_until_signalled(server, lambda: [t.cancel() for t in tasks])
 
 
 if __name__ == "__main__":
