@@ -80,6 +80,18 @@ def ttft_cdf(top, out_dir):
     return _save(fig, out_dir, "ttft_cdf")
 
 
+def _run_csvs(top, name, min_rows=1):
+    """(run dir, its summary, its `name` CSV as a DataFrame) for each run below `top` that has
+    the file with at least `min_rows` rows."""
+    for d in find_runs(top):
+        path = d / name
+        if not path.exists():
+            continue
+        df = pd.read_csv(path)
+        if len(df) >= min_rows:
+            yield d, json.loads((d / "summary.json").read_text()), df
+
+
 def _arrival_clock(d, ts, scale):
     """Real-world seconds since the first arrival for each timeseries row of run dir `d`."""
     meta = json.loads((d / "metadata.json").read_text()) if (d / "metadata.json").exists() else {}
@@ -91,14 +103,7 @@ def egress_timeline(top, out_dir):
     """KV-direction WAN egress over time (kernel counters, real-world units), one line per run;
     the configured link rate in force as a dashed line."""
     frames, link = [], None
-    for d in find_runs(top):
-        ts_path = d / "timeseries.csv"
-        if not ts_path.exists():
-            continue
-        s = json.loads((d / "summary.json").read_text())
-        ts = pd.read_csv(ts_path)
-        if len(ts) < 3:
-            continue
+    for d, s, ts in _run_csvs(top, "timeseries.csv", min_rows=3):
         scale = s.get("scale_time") or 1.0
         # Smooth over ~1 s of real-world time so the line shows load, not packet trains.
         per_s = 1.0 / max(1e-9, ts.t_s.diff().median() * scale)
@@ -176,17 +181,8 @@ def ttft_timeline(top, out_dir):
 def threshold_timeline(top, out_dir):
     """The adaptive threshold over time (scheduler.csv), with the measured egress utilisation."""
     frames = []
-    for d in find_runs(top):
-        path = d / "scheduler.csv"
-        if not path.exists():
-            continue
-        s = json.loads((d / "summary.json").read_text())
-        df = pd.read_csv(path)
-        if not len(df):
-            continue
-        meta = json.loads((d / "metadata.json").read_text())
-        scale = s.get("scale_time") or 1.0
-        df["t"] = (df.time - meta.get("client_start_at", df.time.iloc[0])) * scale
+    for d, s, df in _run_csvs(top, "scheduler.csv"):
+        df["t"] = _arrival_clock(d, df, s.get("scale_time") or 1.0)
         df["run"] = _label(s)
         frames.append(df)
     if not frames:
