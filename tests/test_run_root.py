@@ -209,3 +209,27 @@ def test_cut_link_fails_stalled_requests_with_a_reason(tmp_path):
     events = (out / "events.csv").read_text()
     assert "up=False" in events and "up=True" in events
     assert leftovers(out) == []
+
+
+def test_failover_routes_around_a_cut_wan(tmp_path):
+    out = tmp_path / "run"
+    r = subprocess.run(tb_cmd("run", str(TINY), "--out", str(out), "--no-progress", "--no-probe",
+                              "--set", "requests=40",
+                              "--set", "network.wan.changes=[{at: 4s, up: false}, {at: 18s, up: true}]",
+                              "--set", "scheduler.failover={enabled: true, interval: 1s, timeout: 1s}"),
+                       capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    df = pd.read_parquet(out / "requests.parquet")
+    assert len(df) == 40 and (df.status == "ok").all(), df.error.tolist()
+    threshold = json.loads((out / "runtime.json").read_text())["scheduler"]["threshold"]
+    long = df[df.input_len > threshold]
+    # Long requests sent while PrfaaS was unreachable and the health checks knew it (two missed
+    # 1 s checks: by ~8 s; until the link is back at 18 s) were prefilled locally; before the
+    # cut they went to PrfaaS.
+    during = long[(long.arrival_s > 9) & (long.arrival_s < 17)]
+    before = long[long.arrival_s < 4]
+    assert len(during) and (during.route == "local").all(), during[["arrival_s", "route"]]
+    assert len(before) and (before.route == "remote").all()
+    log = (out / "logs" / "scheduler.log").read_text()
+    assert "rp0 is DOWN" in log and "rp0 is up" in log
+    assert leftovers(out) == []

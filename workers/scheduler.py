@@ -133,28 +133,31 @@ class SchedulerService(pbg.SchedulerServicer):
             if not next_chunk.done():
                 next_chunk.cancel()
 
-    async def health_loop(self):
-        """Failover: ask every prefill instance for its health; mark down those that do not
-        answer in time, up again those that do. Routing skips down instances and falls back to
-        the other cluster (the local path when PrfaaS or the WAN fails)."""
+    async def health_loop(self, misses_down=2):
+        """Failover: ask every prefill instance for its health; mark down one that has missed
+        `misses_down` checks in a row (one slow reply on a busy machine is not an outage), up
+        again at its first answer. Routing skips down instances and falls back to the other
+        cluster (the local path when PrfaaS or the WAN fails)."""
         sched = self.rt["scheduler"]
         interval, timeout = sched["health_interval_s"], sched["health_timeout_s"]
         insts = self.router.remote + self.router.local
+        misses = dict.fromkeys((i.name for i in insts), 0)
 
         async def check(inst):
             try:
                 await self.prefill_stub[inst.name].Health(pb.Empty(), timeout=timeout)
-                ok = True
+                misses[inst.name] = 0
             except grpc.aio.AioRpcError:
-                ok = False
-            if ok == inst.down:
-                inst.down = not ok
+                misses[inst.name] += 1
+            down = misses[inst.name] >= misses_down
+            if down != inst.down:
+                inst.down = down
                 self.stats.failovers += 1
-                self.log.warning("health: %s is %s", inst.name, "up" if ok else "DOWN")
+                self.log.warning("health: %s is %s", inst.name, "DOWN" if down else "up")
 
         while True:
-            await asyncio.gather(*(check(i) for i in insts))
             await asyncio.sleep(interval)
+            await asyncio.gather(*(check(i) for i in insts))
 
     async def Stats(self, request, context):
         return self.stats
