@@ -14,7 +14,7 @@ from testbed.errors import TestbedError
 
 # Verbs in the order `--help` lists them.
 VERBS = ["run", "clean", "workload", "plan", "models", "linktest", "doctor", "selfcheck", "plot",
-         "keys"]
+         "report", "keys"]
 
 
 def parser():

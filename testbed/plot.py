@@ -33,11 +33,19 @@ def _save(fig, out_dir, stem):
 
 
 def find_runs(top):
-    """Run directories at or below `top` (those holding a summary.json), sorted."""
+    """Run directories at or below `top` (those holding a summary.json), in the order they ran."""
     top = pathlib.Path(top)
     if (top / "summary.json").exists():
         return [top]
-    return sorted(p.parent for p in top.glob("*/summary.json"))
+    return sorted((p.parent for p in top.glob("*/summary.json")), key=_started)
+
+
+def _started(d):
+    """Runs in the order they ran (their metadata's start time), then by name."""
+    try:
+        return (json.loads((d / "metadata.json").read_text())["start_time"], d.name)
+    except (OSError, ValueError, KeyError):
+        return (float("inf"), d.name)
 
 
 def _label(summary):

@@ -1,0 +1,82 @@
+"""`testbed report RUN_DIR`: one Markdown page of a run directory, from what it holds only.
+
+The comparison table (measured beside both planner predictions), emulation and link fidelity,
+the configuration that matters (scale, WAN, backend, congestion control), failures with their
+reasons, and the figures. Written to RUN_DIR/report.md; its path is printed.
+"""
+
+import json
+import pathlib
+
+from testbed import metrics, plot
+from testbed.errors import ConfigError
+
+
+def register(sub):
+    p = sub.add_parser("report", help="write a Markdown report of a run directory")
+    p.add_argument("run_dir", help="a run directory (or an experiment's top directory)")
+    p.set_defaults(func=main)
+
+
+def _fmt(v, spec="{:.3g}"):
+    if v is None:
+        return "-"
+    return spec.format(v) if isinstance(v, (int, float)) else str(v)
+
+
+def _run_section(d, s):
+    meta = json.loads((d / "metadata.json").read_text()) if (d / "metadata.json").exists() else {}
+    cfg = meta.get("shaping", {}).get("emulated", {}).get("kv", {})
+    lines = [f"### {s['label']}", "",
+             f"- run `{d}` (git {meta.get('git_revision', '?')}, kernel {meta.get('kernel', '?')})",
+             f"- scale: time x{_fmt(s.get('scale_time'))}, bytes x{_fmt(s.get('scale_bytes'))}; "
+             f"emulated WAN (KV direction): {_fmt(cfg.get('rate'))} bit/s, delay "
+             f"{_fmt(cfg.get('delay'))} s, loss {_fmt(cfg.get('loss'))}",
+             f"- shaping backend: {meta.get('shaping', {}).get('backend', '?')} "
+             f"({meta.get('shaping', {}).get('reason', '')})",
+             f"- TCP: {meta.get('tcp', {})}"]
+    fid = meta.get("link_fidelity") or {}
+    if "measured" in fid:
+        m = fid["measured"]
+        lines.append(f"- link as measured: goodput {_fmt(m.get('goodput_bps'))} bit/s, RTT p50 "
+                     f"{_fmt(m.get('rtt_p50_ms'))} ms, p99 {_fmt(m.get('rtt_p99_ms'))} ms, jitter "
+                     f"{_fmt(m.get('jitter_ms'))} ms, loss {_fmt(m.get('loss'))}")
+    elif fid:
+        lines.append(f"- link probe: {fid}")
+    emu = s.get("emulation") or {}
+    if emu:
+        lines.append(f"- emulation timing: decode step x{_fmt(emu.get('decode_step_ratio'))}, "
+                     f"prefill x{_fmt(emu.get('prefill_ratio'))} of the profile; first-token lag "
+                     f"{_fmt(emu.get('first_token_lag_ms'))} ms")
+    for w in s.get("warnings") or []:
+        lines.append(f"- **warning**: {w}")
+    if s.get("failed"):
+        lines.append(f"- failed requests: {s['failed']}: {s.get('failure_reasons')}")
+    return lines + [""]
+
+
+def main(args):
+    top = pathlib.Path(args.run_dir)
+    runs = plot.find_runs(top)
+    if not runs:
+        raise ConfigError("no summary.json here or one level below: not a run directory",
+                          path=str(top))
+    summaries = [json.loads((d / "summary.json").read_text()) for d in runs]
+    name = json.loads((runs[0] / "metadata.json").read_text()).get("name", top.name) \
+        if (runs[0] / "metadata.json").exists() else top.name
+    out = [f"# {name}", "", "Real-world units. `steady` = completions per second between the 10th "
+           "and 90th percentile completion; predictions are the planner's Lambda_max for each "
+           "configuration (paper form, and with expected prefill latency).", "", "```",
+           metrics.table(summaries), "```", ""]
+    out += ["## Runs", ""]
+    for d, s in zip(runs, summaries):
+        out += _run_section(d, s)
+    figures = sorted((top / "figures").glob("*.png")) if (top / "figures").is_dir() else []
+    if not figures:
+        figures = plot.run_figures(top)
+    if figures:
+        out += ["## Figures", ""] + [f"![{p.stem}](figures/{p.name})" for p in figures] + [""]
+    path = top / "report.md"
+    path.write_text("\n".join(out))
+    print(path)
+    return 0
