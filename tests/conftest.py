@@ -3,10 +3,27 @@ namespaces and are skipped, with the reason, when not run as root."""
 
 import os
 import pathlib
+import textwrap
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+# The smallest valid experiment; unit tests edit it with str.replace and write it to tmp_path.
+SMALL_EXPERIMENT = textwrap.dedent("""\
+    name: t
+    requests: 10
+    scale: {time: 10, bytes: 1e-3}
+    clusters:
+      prfaas: {instances: 1}
+      local: {instances: 2, prefill: 1, decode: 1}
+    network:
+      wan: {rate: 100Gbit, delay: 5ms}
+    workload:
+      arrival: {process: poisson, rate: 1/s}
+      input: {dist: fixed, tokens: 1K}
+      output: {dist: fixed, tokens: 16}
+    """)
 TRACES = ROOT.parent / "shared" / "traces"
 
 
@@ -25,3 +42,9 @@ def traces_dir():
     if not TRACES.is_dir():
         pytest.skip(f"public traces not found at {TRACES}")
     return TRACES
+
+
+@pytest.fixture
+def small_experiment():
+    """SMALL_EXPERIMENT's YAML text."""
+    return SMALL_EXPERIMENT

@@ -7,25 +7,13 @@ import textwrap
 
 import pytest
 
+from conftest import SMALL_EXPERIMENT
 from testbed import config
 from testbed.errors import ConfigError
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 QUICKSTART = ROOT / "experiments" / "quickstart.yaml"
-BASE = textwrap.dedent("""\
-    name: t
-    requests: 10
-    scale: {time: 10, bytes: 1e-3}
-    clusters:
-      prfaas: {instances: 1}
-      local: {instances: 2, prefill: 1, decode: 1}
-    network:
-      wan: {rate: 100Gbit, delay: 5ms}
-    workload:
-      arrival: {process: poisson, rate: 1/s}
-      input: {dist: fixed, tokens: 1K}
-      output: {dist: fixed, tokens: 16}
-    """)
+BASE = SMALL_EXPERIMENT
 
 
 def write(tmp_path, text):

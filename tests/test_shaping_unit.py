@@ -1,6 +1,5 @@
 """Link arithmetic and parameter checks of testbed.net.shaping; no root, no kernel objects."""
 
-import textwrap
 
 import pytest
 
@@ -119,23 +118,12 @@ def test_burst_loss_goes_to_the_delay_line_not_iptables():
     assert [float(x) for x in shaping.DelayLine._args(plain)[4:]] == [0, 1, 0, 1]
 
 
-def test_loss_burst_passes_through_the_experiment_config(tmp_path):
+def test_loss_burst_passes_through_the_experiment_config(tmp_path, small_experiment):
     """YAML -> Experiment.emulated_direction -> check_params: bursts are packets, not scaled."""
     from testbed import config
-    base = textwrap.dedent("""\
-        name: t
-        requests: 10
-        scale: {time: 10, bytes: 1e-3}
-        clusters:
-          prfaas: {instances: 1}
-          local: {instances: 2, prefill: 1, decode: 1}
-        network:
-          wan: {rate: 100Gbit, delay: 5ms, loss: 1%, loss_burst: 4, request: {loss_burst: 2}}
-        workload:
-          arrival: {process: poisson, rate: 1/s}
-          input: {dist: fixed, tokens: 1K}
-          output: {dist: fixed, tokens: 16}
-        """)
+    base = small_experiment.replace(
+        "wan: {rate: 100Gbit, delay: 5ms}",
+        "wan: {rate: 100Gbit, delay: 5ms, loss: 1%, loss_burst: 4, request: {loss_burst: 2}}")
     f = tmp_path / "exp.yaml"
     f.write_text(base)
     exp = config.load_experiment(f)[0]
