@@ -87,6 +87,18 @@ class _Rows:
             return False
         return True
 
+    def add(self, lineno, row, unit):
+        """Accept a parsed row (t, input, output[, block ids]) unless it is out of order."""
+        t, inp, out, *ids = row
+        if not self.in_order(lineno, t, unit):
+            return
+        self.t.append(t)
+        self.inp.append(inp)
+        self.out.append(out)
+        self.line.append(lineno)
+        if ids:
+            self.blocks.append(ids[0])
+
     def trace(self, fmt, time_scale):
         if not self.t:
             raise ConfigError(f"no valid rows ({self.read} data lines, {self.skipped} skipped)",
@@ -134,14 +146,7 @@ def read_mooncake(path, on_error="fail"):
             if why is not None:
                 rows.reject(lineno, why)
                 continue
-            t, inp, out, ids = row
-            if not rows.in_order(lineno, t, "ms"):
-                continue
-            rows.t.append(t)
-            rows.inp.append(inp)
-            rows.out.append(out)
-            rows.line.append(lineno)
-            rows.blocks.append(ids)
+            rows.add(lineno, row, "ms")
     return rows.trace("mooncake", 1e-3)
 
 
@@ -203,13 +208,7 @@ def read_azure(path, on_error="fail"):
                 if why is not None:
                     rows.reject(lineno, why)
                     continue
-                t, inp, out = row
-                if not rows.in_order(lineno, t, "s"):
-                    continue
-                rows.t.append(t)
-                rows.inp.append(inp)
-                rows.out.append(out)
-                rows.line.append(lineno)
+                rows.add(lineno, row, "s")
         except csv.Error as e:
             raise ConfigError(f"line {reader.line_num}: not valid CSV ({e})",
                               path=str(path)) from None
