@@ -250,8 +250,9 @@ def _check_scale(exp, path):
             raise ConfigError(f"rate {units.fmt_rate(rate_real)} scales to {units.fmt_rate(rate)} "
                               f"emulated, above {units.fmt_rate(MAX_EMULATED_RATE_BPS)}",
                               path=path, key=key)
+    emulated = {d: exp.emulated_direction(d) for d in ("kv", "request")}
     for direction in ("kv", "request"):
-        q = exp.emulated_direction(direction)["queue"]
+        q = emulated[direction]["queue"]
         if q and "bytes" in q and q["bytes"] < MIN_EMULATED_QUEUE_BYTES:
             real = exp.network.wan.direction(direction)["queue"]["bytes"]
             raise ConfigError(
@@ -259,7 +260,7 @@ def _check_scale(exp, path):
                 f"bytes, less than one 64 KiB TSO burst; raise scale.bytes or give the queue in "
                 f"packets (emulated packets, not scaled)", path=path, key="network.wan.queue")
     for direction in ("kv", "request"):
-        rate = exp.emulated_direction(direction)["rate"]
+        rate = emulated[direction]["rate"]
         if rate > MAX_EMULATED_RATE_BPS:
             real = exp.network.wan.direction(direction)["rate"]
             raise ConfigError(
