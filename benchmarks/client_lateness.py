@@ -33,7 +33,7 @@ from testbed.schema import build  # noqa: E402
 from testbed.workload import generate  # noqa: E402
 from testbed.workload.spec import WorkloadSpec  # noqa: E402
 
-TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
+TRACE = ROOT / "experiments" / "traces" / "mooncake_conversation.jsonl"
 RATE = 300.0
 TARGET_P99_S = 5e-3
 

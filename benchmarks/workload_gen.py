@@ -18,7 +18,7 @@ from testbed.schema import build  # noqa: E402
 from testbed.workload import generate, summarize  # noqa: E402
 from testbed.workload.spec import WorkloadSpec  # noqa: E402
 
-TRACES = ROOT.parent / "shared" / "traces"
+TRACES = ROOT / "experiments" / "traces"
 TARGET_S = 2.0
 
 CASES = [

@@ -388,7 +388,7 @@ def test_cli_json_on_mooncake_trace(traces_dir, tmp_path, capsys):
     assert code == 0
     s = json.loads(out)
     assert tuple(s) == SUMMARY_KEYS
-    # The trace's published statistics (../shared/traces/README.md).
+    # The trace's published statistics (experiments/traces/README.md).
     assert s["count"] == 12031
     assert s["input_mean"] == pytest.approx(12035, abs=1)
     assert s["input_p99"] == pytest.approx(85400, rel=1e-3)
