@@ -7,17 +7,35 @@ VENV    := .venv
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 PROTO   := testbed/proto/testbed.proto
-PB2     := testbed/proto/testbed_pb2.py
 APT_PKGS := mininet bridge-utils ethtool iputils-ping iproute2 iptables nftables iperf3 \
             libnetfilter-queue-dev gcc
 EXPERIMENT ?= experiments/quickstart.yaml
 PYTEST_ARGS ?=
 
-.PHONY: all deps apt-deps proto demo test unit bench clean-run distclean
+# The torch build is a choice, made once and remembered in $(VENV)/.torch:
+#   TORCH=cpu   (default) the CPU wheel, torch==$(TORCH_VERSION)+cpu from PyTorch's CPU index
+#   TORCH=cuda  PyPI's default Linux build of torch==$(TORCH_VERSION) (CUDA, multi-GB); for
+#               another CUDA variant add TORCH_INDEX=https://download.pytorch.org/whl/cu126 (e.g.)
+# `sudo make TORCH=cuda deps` on a GPU host switches an existing .venv; later plain `make`
+# calls keep the recorded choice. After installing, the build is checked against the choice.
+TORCH_VERSION ?= 2.13.0
+TORCH ?= $(or $(shell cat $(VENV)/.torch 2>/dev/null),cpu)
+ifeq ($(TORCH),cpu)
+TORCH_SPEC  := torch==$(TORCH_VERSION)+cpu
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+else ifeq ($(TORCH),cuda)
+TORCH_SPEC  := torch==$(TORCH_VERSION)
+TORCH_INDEX ?=
+else
+$(error TORCH must be cpu or cuda, not '$(TORCH)')
+endif
+PIP := $(PY) -m pip install -q --disable-pip-version-check
+
+.PHONY: all deps apt-deps proto demo test unit bench clean-run distclean FORCE
 
 all: deps
 
-deps: apt-deps $(STAMP) $(PB2)
+deps: apt-deps $(STAMP)
 
 # Debian packages: install only the missing ones, without recommends (OVS is not wanted).
 apt-deps:
@@ -32,19 +50,34 @@ apt-deps:
 	fi
 
 # Debian's mininet imports only under /usr/bin/python3: the venv is built from it and sees its
-# site-packages. torch==2.13.0 pins the CPU wheel (a plain `torch` pulls a multi-GB CUDA build).
-$(STAMP): pyproject.toml
+# site-packages. torch first, as chosen above, so that the [torch] extra finds it satisfied
+# (CPU: the wheel alone from pip's find-links if it is there, else from PyTorch's CPU index,
+# then its dependencies from the usual index: one index per step, no lookups that time out).
+$(STAMP): pyproject.toml $(VENV)/.torch
 	test -x $(PY) || /usr/bin/python3 -m venv --system-site-packages $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,userspace]'
+ifeq ($(TORCH),cpu)
+	$(PIP) --no-deps --no-index '$(TORCH_SPEC)' 2>/dev/null || \
+	  $(PIP) --no-deps --index-url $(TORCH_INDEX) '$(TORCH_SPEC)'
+	$(PIP) '$(TORCH_SPEC)'
+else
+	$(PIP) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) '$(TORCH_SPEC)'
+endif
+	$(PY) -c 'import sys, torch; cuda = torch.version.cuda is not None; \
+	  sys.exit(0 if cuda == ("$(TORCH)" == "cuda") else \
+	  "torch " + torch.__version__ + " is not a $(TORCH) build")'
+	$(PIP) -e '.[dev,userspace,torch]'
 	touch $@
 
-# gRPC stubs are generated, not committed: `make proto` regenerates them.
-proto: $(PB2)
-$(PB2): $(PROTO) $(STAMP)
-	$(PY) -m grpc_tools.protoc -I testbed/proto --python_out=testbed/proto \
-	  --grpc_python_out=testbed/proto $(PROTO)
-	sed -i 's/^import testbed_pb2/from testbed.proto import testbed_pb2/' testbed/proto/testbed_pb2_grpc.py
+# The recorded torch choice; rewritten (and the venv re-installed) only when it changes.
+$(VENV)/.torch: FORCE
+	@mkdir -p $(VENV)
+	@[ "$$(cat $@ 2>/dev/null)" = "$(TORCH)" ] || echo "$(TORCH)" > $@
+
+# The gRPC stubs are committed (a plain `pip install .` needs no grpcio-tools); after editing
+# the .proto, `make proto` regenerates them (tests/test_proto.py fails until then). Compiled
+# from the repository root so the grpc module imports `from testbed.proto import testbed_pb2`.
+proto: $(STAMP)
+	$(PY) -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. $(PROTO)
 
 demo: deps
 	$(PY) -m testbed.cli run $(EXPERIMENT)
@@ -62,4 +95,4 @@ clean-run:
 	$(PY) -m testbed.cli clean
 
 distclean:
-	rm -rf $(VENV) testbed/proto/*_pb2*.py *.egg-info
+	rm -rf $(VENV) *.egg-info

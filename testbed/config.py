@@ -50,7 +50,11 @@ def _torch_config(value):
     """The torch engine's model shape, checked against the model's own config class."""
     if not isinstance(value, dict):
         raise ValueError(f"expected a mapping of model config keys, got {value!r}")
-    from workers.model.config import HybridConfig   # imports torch: only when the key is given
+    try:
+        from workers.model.config import HybridConfig   # imports torch: only when the key is given
+    except ImportError as e:
+        raise ValueError(f"the torch engine needs PyTorch ({e}): `make deps` installs it "
+                         f"(TORCH=cpu or cuda), or pip install '.[torch]'") from None
     try:
         HybridConfig.from_dict(value)
     except (TypeError, ValueError) as e:
