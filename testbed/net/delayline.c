@@ -17,19 +17,31 @@
  *     LOSS_GOOD 0 and LOSS_BAD 1 (Gilbert) a loss burst lasts 1 / P_BG packets on average.
  *     With the GSO flag a 64 KiB TSO burst is one packet here, as it is for iptables.
  *   - Control on stdin, one line each, answered on stdout:
- *       set DELAY_US JITTER_US DIST REORDER P_GB P_BG LOSS_GOOD LOSS_BAD  -> ok
- *       stats                              -> held=N passed=N dropped=N lost=N
- *     End of stdin (the parent died or closed it) stops the program; held packets are accepted.
+ *       set DELAY_US JITTER_US DIST REORDER P_GB P_BG LOSS_GOOD LOSS_BAD  -> ok | error ...
+ *       stats        -> held=N passed=N dropped=N lost=N errors=N
+ *     (errors: verdicts or packets the kernel refused). End of stdin (the parent died or closed
+ *     it), SIGTERM, SIGINT, SIGHUP or SIGQUIT stop the program; held packets are accepted.
+ *   - Limits, checked on every input (argv and `set`), out of range is exit 2 / "error":
+ *     DELAY_US and JITTER_US at most MAX_DELAY_US (one hour), LIMIT 1..MAX_LIMIT (the most
+ *     NFQUEUE holds), QUEUE_NUM 0..65535, probabilities in [0, 1]. All time arithmetic is in
+ *     64-bit nanoseconds; a jitter draw is clipped to +-JITTER_CLIP_SD standard deviations
+ *     (Pareto's tail is unbounded) and a packet's hold to [0, delay + JITTER_CLIP_SD x jitter],
+ *     so no input can overflow or hold a packet for days.
  *
  * usage: tb-delayline QUEUE_NUM LIMIT DELAY_US JITTER_US normal|pareto|uniform REORDER
  *                     P_GB P_BG LOSS_GOOD LOSS_BAD SEED
  *        tb-delayline --simulate N P_GB P_BG LOSS_GOOD LOSS_BAD SEED
  *            runs the loss chain alone over N packets (no NFQUEUE, no root) and prints
  *            "packets=N lost=L bursts=B" (a burst is a run of consecutive losses): for tests.
+ *        tb-delayline --simulate-delay N DELAY_US JITTER_US normal|pareto|uniform REORDER SEED
+ *            draws N packets' release times, 1 us apart, through the same code as live packets
+ *            and prints "packets=N min_ns=A max_ns=B mean_ns=C overtaken=K" (hold times;
+ *            overtaken: packets released before one that arrived earlier): for tests.
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <errno.h>
+#include <limits.h>
 #include <math.h>
 #include <poll.h>
 #include <signal.h>
@@ -49,17 +61,27 @@
 #define NETLINK_NO_ENOBUFS 5
 #endif
 
+#define MAX_DELAY_US 3600000000LL   /* one hour: far above any emulated WAN */
+#define MAX_LIMIT 65536UL           /* shaping.MAX_NFQUEUE_PACKETS */
+#define JITTER_CLIP_SD 100.0        /* Pareto (shape 3) passes it once in ~650,000 draws */
+
 struct held { uint64_t due_ns; uint64_t seq; uint32_t id; };
 
 static struct held *heap;          /* min-heap on (due_ns, seq) */
 static size_t heap_n, limit;
-static uint64_t seq, passed, dropped, lost, last_due_ns;
+static uint64_t seq, passed, dropped, lost, errors, last_due_ns;
 static double ge_p_gb, ge_p_bg, ge_loss_good, ge_loss_bad;   /* Gilbert-Elliott loss chain */
 static int ge_bad;
 static int64_t delay_ns, jitter_ns;
 static int reorder, dist;          /* dist: 0 normal, 1 pareto, 2 uniform */
 static uint64_t rng_state;
 static struct nfq_q_handle *qh;
+static volatile sig_atomic_t stop_signal;
+
+static void on_stop_signal(int sig)
+{
+    stop_signal = sig;
+}
 
 static uint64_t now_ns(void)
 {
@@ -76,19 +98,41 @@ static double uniform01(void)      /* xorshift64*, (0, 1) */
     return ((rng_state * 2685821657736338717ull) >> 11) * (1.0 / 9007199254740992.0) + 1e-17;
 }
 
-/* A zero-mean sample with standard deviation jitter_ns. */
+/* A zero-mean sample with standard deviation jitter_ns, clipped to +-JITTER_CLIP_SD sd. */
 static double jitter_sample(void)
 {
-    double s = (double)jitter_ns;
+    double s = (double)jitter_ns, x;
     if (s <= 0)
         return 0;
-    if (dist == 2)                  /* uniform on +-sqrt(3) s */
-        return (2 * uniform01() - 1) * 1.7320508075688772 * s;
-    if (dist == 1) {                /* Pareto, shape 3: mean 1.5 xm, sd 0.866 xm */
+    if (dist == 2) {                /* uniform on +-sqrt(3) s */
+        x = (2 * uniform01() - 1) * 1.7320508075688772 * s;
+    } else if (dist == 1) {         /* Pareto, shape 3: mean 1.5 xm, sd 0.866 xm */
         double xm = s / 0.8660254037844386;
-        return xm / cbrt(uniform01()) - 1.5 * xm;
+        x = xm / cbrt(uniform01()) - 1.5 * xm;
+    } else {                        /* Box-Muller */
+        x = sqrt(-2 * log(uniform01())) * cos(2 * M_PI * uniform01()) * s;
     }
-    return sqrt(-2 * log(uniform01())) * cos(2 * M_PI * uniform01()) * s;   /* Box-Muller */
+    return fmax(-JITTER_CLIP_SD * s, fmin(JITTER_CLIP_SD * s, x));
+}
+
+/* Release time of a packet arriving at `now`: delay + jitter, never below 0 or above
+ * delay + JITTER_CLIP_SD jitter (at most ~4e14 ns, so the sum cannot overflow 64 bits), and
+ * in FIFO mode never before the packet ahead. */
+static uint64_t due_for_packet(uint64_t now)
+{
+    double d = (double)delay_ns + jitter_sample();
+    uint64_t hold = d > 0 ? (uint64_t)d : 0;
+    uint64_t due = now + hold;
+    if (!reorder && due < last_due_ns)
+        due = last_due_ns;          /* FIFO: never overtake the packet ahead */
+    last_due_ns = due;
+    return due;
+}
+
+static void verdict(uint32_t id, uint32_t v)
+{
+    if (nfq_set_verdict(qh, id, v, 0, NULL) < 0)
+        errors++;   /* the kernel keeps the packet until the queue closes; counted */
 }
 
 /* One step of the Gilbert-Elliott chain: 1 = drop this packet. */
@@ -152,24 +196,24 @@ static struct held heap_pop(void)
 static int on_packet(struct nfq_q_handle *q, struct nfgenmsg *msg, struct nfq_data *nfa,
                      void *data)
 {
+    (void)q, (void)msg, (void)data;
     struct nfqnl_msg_packet_hdr *ph = nfq_get_msg_packet_hdr(nfa);
+    if (ph == NULL) {               /* no id: nothing can be said about it */
+        errors++;
+        return 0;
+    }
     uint32_t id = ntohl(ph->packet_id);
     if (ge_drop()) {
-        nfq_set_verdict(q, id, NF_DROP, 0, NULL);
+        verdict(id, NF_DROP);
         lost++;
         return 0;
     }
     if (heap_n >= limit) {
-        nfq_set_verdict(q, id, NF_DROP, 0, NULL);
+        verdict(id, NF_DROP);
         dropped++;
         return 0;
     }
-    int64_t d = delay_ns + (int64_t)jitter_sample();
-    uint64_t due = now_ns() + (d > 0 ? (uint64_t)d : 0);
-    if (!reorder && due < last_due_ns)
-        due = last_due_ns;          /* FIFO: never overtake the packet ahead */
-    last_due_ns = due;
-    heap_push((struct held){due, seq++, id});
+    heap_push((struct held){due_for_packet(now_ns()), seq++, id});
     return 0;
 }
 
@@ -182,15 +226,15 @@ static void release_due(uint64_t t)
     while (heap_n > 0 && heap[0].due_ns <= t) {
         struct held h = heap_pop();
         if (reorder) {
-            nfq_set_verdict(qh, h.id, NF_ACCEPT, 0, NULL);
+            verdict(h.id, NF_ACCEPT);
         } else {
             last = h.id;
             any = 1;
         }
         passed++;
     }
-    if (any)
-        nfq_set_verdict_batch(qh, last, NF_ACCEPT);
+    if (any && nfq_set_verdict_batch(qh, last, NF_ACCEPT) < 0)
+        errors++;
 }
 
 static int parse_dist(const char *s)
@@ -201,51 +245,135 @@ static int parse_dist(const char *s)
     return -1;
 }
 
+/* A whole decimal integer in [lo, hi]; 0 on success. No overflow, no trailing junk. */
+static int parse_int(const char *s, long long lo, long long hi, long long *out)
+{
+    char *end;
+    if (s == NULL || *s == 0)
+        return -1;
+    errno = 0;
+    long long v = strtoll(s, &end, 10);
+    if (errno != 0 || *end != 0 || v < lo || v > hi)
+        return -1;
+    *out = v;
+    return 0;
+}
+
+static int parse_prob(const char *s, double *out)
+{
+    char *end;
+    if (s == NULL || *s == 0)
+        return -1;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno != 0 || *end != 0 || !(v >= 0 && v <= 1))
+        return -1;
+    *out = v;
+    return 0;
+}
+
+/* DELAY_US JITTER_US DIST REORDER P_GB P_BG LOSS_GOOD LOSS_BAD (argv or a `set` line):
+ * applied only when every field is valid; -1 leaves everything as it was. */
+static int set_params(char **f)
+{
+    long long d, j, r;
+    double gb, bg, lg, lb;
+    if (parse_int(f[0], 0, MAX_DELAY_US, &d) || parse_int(f[1], 0, MAX_DELAY_US, &j)
+        || parse_dist(f[2]) < 0 || parse_int(f[3], 0, 1, &r) || parse_prob(f[4], &gb)
+        || parse_prob(f[5], &bg) || parse_prob(f[6], &lg) || parse_prob(f[7], &lb)
+        || set_ge(gb, bg, lg, lb) < 0)
+        return -1;
+    delay_ns = (int64_t)d * 1000;
+    jitter_ns = (int64_t)j * 1000;
+    dist = parse_dist(f[2]);
+    reorder = r != 0;
+    return 0;
+}
+
 static void control(char *line)
 {
-    long long d, j;
-    char ds[16];
-    int r;
-    double gb, bg, lg, lb;
-    if (sscanf(line, "set %lld %lld %15s %d %lf %lf %lf %lf", &d, &j, ds, &r, &gb, &bg, &lg,
-               &lb) == 8 && d >= 0 && j >= 0 && parse_dist(ds) >= 0
-        && set_ge(gb, bg, lg, lb) == 0) {
-        delay_ns = d * 1000;
-        jitter_ns = j * 1000;
-        dist = parse_dist(ds);
-        reorder = r != 0;
-        printf("ok\n");
-    } else if (!strncmp(line, "stats", 5)) {
-        printf("held=%zu passed=%llu dropped=%llu lost=%llu\n", heap_n,
-               (unsigned long long)passed, (unsigned long long)dropped, (unsigned long long)lost);
+    char *f[10] = {0}, *save = NULL, *tok;
+    int n = 0;
+    for (tok = strtok_r(line, " \t\r", &save); tok != NULL && n < 10;
+         tok = strtok_r(NULL, " \t\r", &save))
+        f[n++] = tok;
+    if (n == 0) {
+        printf("error empty line\n");
+    } else if (!strcmp(f[0], "set")) {
+        if (n == 9 && set_params(f + 1) == 0)
+            printf("ok\n");
+        else
+            printf("error expected set DELAY_US JITTER_US normal|pareto|uniform 0|1 P_GB P_BG "
+                   "LOSS_GOOD LOSS_BAD (delays 0..%lld us, probabilities 0..1)\n", MAX_DELAY_US);
+    } else if (!strcmp(f[0], "stats") && n == 1) {
+        printf("held=%zu passed=%llu dropped=%llu lost=%llu errors=%llu\n", heap_n,
+               (unsigned long long)passed, (unsigned long long)dropped, (unsigned long long)lost,
+               (unsigned long long)errors);
     } else {
         printf("error unknown command\n");
     }
     fflush(stdout);
 }
 
-static void seed_rng(const char *s)
+static int seed_rng(const char *s)
 {
-    rng_state = strtoull(s, NULL, 10) * 0x9E3779B97F4A7C15ull + 0x2545F4914F6CDD1Dull;
+    long long v;
+    if (parse_int(s, 0, LLONG_MAX, &v) < 0)
+        return -1;
+    rng_state = (uint64_t)v * 0x9E3779B97F4A7C15ull + 0x2545F4914F6CDD1Dull;
+    if (rng_state == 0)             /* xorshift's one fixed point */
+        rng_state = 0x2545F4914F6CDD1Dull;
+    return 0;
 }
 
 /* --simulate N P_GB P_BG LOSS_GOOD LOSS_BAD SEED: the loss chain alone, for tests. */
 static int simulate(char **argv)
 {
-    unsigned long long n = strtoull(argv[2], NULL, 10), drops = 0, bursts = 0;
-    if (set_ge(atof(argv[3]), atof(argv[4]), atof(argv[5]), atof(argv[6])) < 0) {
-        fprintf(stderr, "simulate: probabilities out of range\n");
+    long long n;
+    unsigned long long drops = 0, bursts = 0;
+    double gb, bg, lg, lb;
+    if (parse_int(argv[2], 0, LLONG_MAX, &n) || parse_prob(argv[3], &gb)
+        || parse_prob(argv[4], &bg) || parse_prob(argv[5], &lg) || parse_prob(argv[6], &lb)
+        || set_ge(gb, bg, lg, lb) < 0 || seed_rng(argv[7]) < 0) {
+        fprintf(stderr, "simulate: expected N P_GB P_BG LOSS_GOOD LOSS_BAD SEED "
+                "(probabilities 0..1, P_BG above 0)\n");
         return 2;
     }
-    seed_rng(argv[7]);
     int prev = 0;
-    for (unsigned long long i = 0; i < n; i++) {
+    for (long long i = 0; i < n; i++) {
         int d = ge_drop();
         drops += d;
         bursts += d && !prev;
         prev = d;
     }
-    printf("packets=%llu lost=%llu bursts=%llu\n", n, drops, bursts);
+    printf("packets=%lld lost=%llu bursts=%llu\n", n, drops, bursts);
+    return 0;
+}
+
+/* --simulate-delay N DELAY_US JITTER_US DIST REORDER SEED: release times, for tests. */
+static int simulate_delay(char **argv)
+{
+    long long n;
+    char *f[8] = {argv[3], argv[4], argv[5], argv[6], "0", "1", "0", "1"};
+    if (parse_int(argv[2], 1, 100000000, &n) || set_params(f) < 0 || seed_rng(argv[7]) < 0) {
+        fprintf(stderr, "simulate-delay: expected N DELAY_US JITTER_US normal|pareto|uniform "
+                "0|1 SEED (delays 0..%lld us)\n", MAX_DELAY_US);
+        return 2;
+    }
+    uint64_t start = 1000000000ull, min = UINT64_MAX, max = 0, prev_due = 0, overtaken = 0;
+    double sum = 0;
+    for (long long i = 0; i < n; i++) {
+        uint64_t arrival = start + (uint64_t)i * 1000, due = due_for_packet(arrival);
+        uint64_t hold = due - arrival;
+        min = hold < min ? hold : min;
+        max = hold > max ? hold : max;
+        sum += (double)hold;
+        overtaken += i > 0 && due < prev_due;
+        prev_due = due > prev_due ? due : prev_due;
+    }
+    printf("packets=%lld min_ns=%llu max_ns=%llu mean_ns=%.0f overtaken=%llu\n", n,
+           (unsigned long long)min, (unsigned long long)max, sum / (double)n,
+           (unsigned long long)overtaken);
     return 0;
 }
 
@@ -253,58 +381,80 @@ int main(int argc, char **argv)
 {
     if (argc == 8 && !strcmp(argv[1], "--simulate"))
         return simulate(argv);
-    if (argc != 12 || parse_dist(argv[5]) < 0
-        || set_ge(atof(argv[7]), atof(argv[8]), atof(argv[9]), atof(argv[10])) < 0) {
-        fprintf(stderr, "usage: %s QUEUE_NUM LIMIT DELAY_US JITTER_US normal|pareto|uniform "
-                "REORDER P_GB P_BG LOSS_GOOD LOSS_BAD SEED\n", argv[0]);
+    if (argc == 8 && !strcmp(argv[1], "--simulate-delay"))
+        return simulate_delay(argv);
+    long long qnum, lim;
+    if (argc != 12 || parse_int(argv[1], 0, 65535, &qnum)
+        || parse_int(argv[2], 1, (long long)MAX_LIMIT, &lim) || set_params(argv + 3) < 0
+        || seed_rng(argv[11]) < 0) {
+        fprintf(stderr, "usage: %s QUEUE_NUM(0..65535) LIMIT(1..%lu) DELAY_US JITTER_US(0..%lld) "
+                "normal|pareto|uniform REORDER(0|1) P_GB P_BG LOSS_GOOD LOSS_BAD SEED\n",
+                argc > 0 ? argv[0] : "tb-delayline", MAX_LIMIT, MAX_DELAY_US);
         return 2;
     }
-    int qnum = atoi(argv[1]);
-    limit = strtoul(argv[2], NULL, 10);
-    delay_ns = atoll(argv[3]) * 1000;
-    jitter_ns = atoll(argv[4]) * 1000;
-    dist = parse_dist(argv[5]);
-    reorder = atoi(argv[6]) != 0;
-    seed_rng(argv[11]);
-    if (limit < 1)
-        limit = 1;
+    limit = (size_t)lim;
     heap = calloc(limit, sizeof *heap);
+    if (heap == NULL) {
+        fprintf(stderr, "no memory for %zu held packets\n", limit);
+        return 1;
+    }
     prctl(PR_SET_TIMERSLACK, 1UL);   /* ppoll wakes within ~1 us of the due time, not 50 us */
     signal(SIGPIPE, SIG_IGN);
+    /* Stop signals are blocked except inside ppoll, so they end the loop (held packets are
+     * accepted, the queue unbound) instead of killing the program mid-update. */
+    sigset_t stop_set, run_set;
+    sigemptyset(&stop_set);
+    int stops[] = {SIGTERM, SIGINT, SIGHUP, SIGQUIT};
+    for (size_t i = 0; i < sizeof stops / sizeof stops[0]; i++) {
+        struct sigaction sa = {.sa_handler = on_stop_signal};
+        sigemptyset(&sa.sa_mask);
+        sigaction(stops[i], &sa, NULL);
+        sigaddset(&stop_set, stops[i]);
+    }
+    sigprocmask(SIG_BLOCK, &stop_set, &run_set);
+    for (size_t i = 0; i < sizeof stops / sizeof stops[0]; i++)
+        sigdelset(&run_set, stops[i]);
 
     struct nfq_handle *h = nfq_open();
-    if (!h || !heap) {
+    if (!h) {
         fprintf(stderr, "nfq_open: %s\n", strerror(errno));
         return 1;
     }
-    qh = nfq_create_queue(h, qnum, on_packet, NULL);
+    qh = nfq_create_queue(h, (uint16_t)qnum, on_packet, NULL);
     if (!qh) {
-        fprintf(stderr, "binding NFQUEUE %d: %s\n", qnum, strerror(errno));
+        fprintf(stderr, "binding NFQUEUE %lld: %s\n", qnum, strerror(errno));
+        nfq_close(h);
         return 1;
     }
     /* metadata only: the verdict needs the id, not the payload */
-    if (nfq_set_mode(qh, NFQNL_COPY_META, 0) < 0 || nfq_set_queue_maxlen(qh, limit) < 0) {
-        fprintf(stderr, "configuring NFQUEUE %d: %s\n", qnum, strerror(errno));
+    if (nfq_set_mode(qh, NFQNL_COPY_META, 0) < 0
+        || nfq_set_queue_maxlen(qh, (uint32_t)limit) < 0) {
+        fprintf(stderr, "configuring NFQUEUE %lld: %s\n", qnum, strerror(errno));
+        nfq_destroy_queue(qh);
+        nfq_close(h);
         return 1;
     }
     /* GSO: take a sender's 64 KiB TSO burst as one packet instead of having the kernel cut it
      * into 43 frames first; one verdict instead of 43 is what lets 1 Gbit/s through on a
      * shared core. HTB and the drop-tail queue still account every frame's bytes. */
     if (nfq_set_queue_flags(qh, NFQA_CFG_F_GSO, NFQA_CFG_F_GSO) < 0)
-        fprintf(stderr, "NFQUEUE %d: no GSO flag (%s); frames are queued one by one\n", qnum,
+        fprintf(stderr, "NFQUEUE %lld: no GSO flag (%s); frames are queued one by one\n", qnum,
                 strerror(errno));
     int fd = nfq_fd(h);
     nfnl_rcvbufsiz(nfq_nfnlh(h), 16 << 20);
     int one = 1;
-    setsockopt(fd, SOL_NETLINK, NETLINK_NO_ENOBUFS, &one, sizeof one);
+    if (setsockopt(fd, SOL_NETLINK, NETLINK_NO_ENOBUFS, &one, sizeof one) < 0)
+        fprintf(stderr, "NFQUEUE %lld: NETLINK_NO_ENOBUFS: %s\n", qnum, strerror(errno));
     printf("ready\n");
     fflush(stdout);
 
     static char buf[65536];
     char line[256];
     size_t line_n = 0;
+    int discarding = 0;   /* inside an over-long line: skip to its newline */
+    int status = 0;
     struct pollfd pfd[2] = {{.fd = fd, .events = POLLIN}, {.fd = 0, .events = POLLIN}};
-    for (;;) {
+    while (!stop_signal) {
         uint64_t t = now_ns();
         release_due(t);
         struct timespec ts, *tsp = NULL;
@@ -314,18 +464,42 @@ int main(int argc, char **argv)
             ts.tv_nsec = wait % 1000000000ull;
             tsp = &ts;
         }
-        if (ppoll(pfd, 2, tsp, NULL) < 0 && errno != EINTR)
+        if (ppoll(pfd, 2, tsp, &run_set) < 0) {
+            if (errno == EINTR)
+                continue;                       /* a stop signal: the loop condition ends it */
+            fprintf(stderr, "ppoll: %s\n", strerror(errno));
+            status = 1;
             break;
+        }
+        if (pfd[0].revents & (POLLERR | POLLNVAL)) {
+            int err = 0;
+            socklen_t len = sizeof err;
+            getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);   /* clears a pending error */
+            if ((pfd[0].revents & POLLNVAL) || (err != 0 && err != ENOBUFS)) {
+                fprintf(stderr, "NFQUEUE %lld socket: %s\n", qnum,
+                        strerror(err ? err : EBADF));
+                status = 1;
+                break;
+            }
+            errors++;                           /* ENOBUFS: the kernel dropped some */
+        }
         if (pfd[0].revents & POLLIN) {
             for (;;) {   /* drain what the kernel has queued */
                 ssize_t n = recv(fd, buf, sizeof buf, MSG_DONTWAIT);
+                if (n < 0 && errno == ENOBUFS) {
+                    errors++;
+                    continue;
+                }
                 if (n <= 0)
                     break;
-                nfq_handle_packet(h, buf, (int)n);
+                if (nfq_handle_packet(h, buf, (int)n) < 0)
+                    errors++;
             }
         }
-        if (pfd[1].revents & (POLLIN | POLLHUP)) {
+        if (pfd[1].revents & (POLLIN | POLLHUP | POLLERR | POLLNVAL)) {
             ssize_t n = read(0, line + line_n, sizeof line - 1 - line_n);
+            if (n < 0 && errno == EINTR)
+                continue;
             if (n <= 0)
                 break;                          /* parent gone: stop */
             line_n += (size_t)n;
@@ -333,16 +507,27 @@ int main(int argc, char **argv)
             char *nl;
             while ((nl = strchr(line, '\n')) != NULL) {
                 *nl = 0;
-                control(line);
+                if (discarding) {
+                    discarding = 0;
+                } else {
+                    control(line);
+                }
                 line_n -= (size_t)(nl + 1 - line);
                 memmove(line, nl + 1, line_n + 1);
             }
-            if (line_n >= sizeof line - 1)
-                line_n = 0;                     /* an over-long line is discarded */
+            if (line_n >= sizeof line - 1) {    /* an over-long line is refused, not cut up */
+                if (!discarding) {
+                    printf("error line longer than %zu bytes\n", sizeof line - 2);
+                    fflush(stdout);
+                }
+                discarding = 1;
+                line_n = 0;
+            }
         }
     }
     release_due(UINT64_MAX);   /* let what is held go on rather than silently dropping it */
     nfq_destroy_queue(qh);
     nfq_close(h);
-    return 0;
+    free(heap);
+    return status;
 }

@@ -38,7 +38,9 @@ import os
 import pathlib
 import select
 import shutil
+import stat
 import subprocess
+import tempfile
 import threading
 import time
 
@@ -261,25 +263,104 @@ def probe_backend():
 
 # ---------------------------------------------------------------- the delay line process
 
-def delayline_binary():
-    """Path of the compiled `tb-delayline`, built from delayline.c on first use (cached by hash)."""
+# Compiler flags of tb-delayline: warnings shown, not fatal (a newer gcc may add some; the unit
+# test builds with -Werror), and the usual hardening of a binary that runs as root.
+DELAYLINE_CFLAGS = ("-O2", "-Wall", "-Wextra", "-D_FORTIFY_SOURCE=2", "-fstack-protector-strong",
+                    "-fPIE", "-pie", "-Wl,-z,relro,-z,now")
+DELAYLINE_LIBS = ("-lnetfilter_queue", "-lnfnetlink", "-lm")
+ROOT_CACHE = pathlib.Path("/var/cache/prfaas-testbed")
+
+
+def _check_private_dir(path, uid):
+    """Raise NetworkError unless `path` and every directory above it are real directories owned
+    by root or `uid` and writable by nobody else (so no one but them can swap the binary)."""
+    for d in [path, *path.parents]:
+        st = os.lstat(d)
+        if not stat.S_ISDIR(st.st_mode):
+            raise NetworkError(f"delay line cache: {d} is not a directory (a symlink?)")
+        if st.st_uid not in (0, uid):
+            raise NetworkError(f"delay line cache: {d} is owned by uid {st.st_uid}, expected "
+                               f"root{'' if uid == 0 else f' or uid {uid}'}")
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise NetworkError(f"delay line cache: {d} is writable by group or others "
+                               f"(mode {stat.S_IMODE(st.st_mode):o}); chmod go-w it")
+
+
+def _sha256(path):
+    return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()
+
+
+def delayline_binary(cache_dir=None):
+    """Path of the compiled `tb-delayline`, built from delayline.c on first use, and checked
+    before every use, because it runs as root.
+
+    Root's copy lives in /var/cache/prfaas-testbed (0755, root-owned), never in the repository
+    or a user's cache; other users use $XDG_CACHE_HOME/prfaas-testbed. The binary is named by
+    the SHA-256 of the source and flags (a changed source compiles anew; versions coexist), and
+    `<binary>.sha256` beside it records that source hash and the binary's own. Before it is
+    returned: the directory chain passes `_check_private_dir`, the binary is a regular file owned
+    by the caller (root), not writable by group or others, and the record matches both hashes
+    (a mismatch, from a race of two builds or a torn write, rebuilds once); anything else is a
+    NetworkError naming the path. gcc runs with a minimal environment.
+    """
+    uid = os.geteuid()
+    if cache_dir is None:
+        cache_dir = ROOT_CACHE if uid == 0 else pathlib.Path(
+            os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache") / "prfaas-testbed"
+    cache_dir = pathlib.Path(cache_dir).absolute()
     src = DELAYLINE_SRC.read_bytes()
-    tag = hashlib.sha1(src).hexdigest()[:12]
-    cache = pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache"))
-    out = cache / "prfaas-testbed" / f"tb-delayline-{tag}"
-    if out.exists():
-        return out
-    if not shutil.which("gcc"):
+    tag = hashlib.sha256(src + "\0".join(DELAYLINE_CFLAGS + DELAYLINE_LIBS).encode()).hexdigest()
+    out = cache_dir / f"tb-delayline-{tag[:16]}"
+    record = out.with_name(out.name + ".sha256")
+    if cache_dir.parent.exists():
+        _check_private_dir(cache_dir.parent, uid)
+    cache_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
+    _check_private_dir(cache_dir, uid)
+    for attempt in range(2):
+        if attempt or not (out.exists() and record.exists()):
+            _compile_delayline(out, record, tag)
+        _check_binary(out, uid)
+        if record.read_text() == _record(tag, out):
+            return out
+    raise NetworkError(f"delay line binary {out} does not match the hashes recorded in "
+                       f"{record.name} after a rebuild; remove both")
+
+
+def _record(tag, binary):
+    return f"source {tag}\nbinary {_sha256(binary)}\n"
+
+
+def _check_binary(out, uid):
+    st = os.lstat(out)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != uid or st.st_mode & (stat.S_IWGRP
+                                                                        | stat.S_IWOTH):
+        raise NetworkError(f"delay line binary {out}: not a regular file owned by uid {uid} "
+                           f"and writable by it alone; remove it to rebuild")
+
+
+def _compile_delayline(out, record, tag):
+    gcc = shutil.which("gcc", path="/usr/local/bin:/usr/bin:/bin")
+    if not gcc:
         raise NetworkError("building the delay line needs gcc (Makefile APT_PKGS)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(f".tmp{os.getpid()}")
-    r = subprocess.run(["gcc", "-O2", "-Wall", "-o", str(tmp), str(DELAYLINE_SRC),
-                        "-lnetfilter_queue", "-lnfnetlink", "-lm"], capture_output=True, text=True)
-    if r.returncode != 0:
-        raise NetworkError(f"compiling {DELAYLINE_SRC.name} failed (libnetfilter-queue-dev "
-                           f"installed?): {_first_error(r.stderr)}")
-    tmp.replace(out)
-    return out
+    fd, tmp = tempfile.mkstemp(prefix=".tb-delayline-", dir=out.parent)   # 0600, O_EXCL
+    os.close(fd)
+    try:
+        r = subprocess.run([gcc, *DELAYLINE_CFLAGS, "-o", tmp, str(DELAYLINE_SRC),
+                            *DELAYLINE_LIBS], capture_output=True, text=True,
+                           env={"PATH": "/usr/local/bin:/usr/bin:/bin", "LC_ALL": "C"})
+        if r.returncode != 0:
+            raise NetworkError(f"compiling {DELAYLINE_SRC.name} failed (libnetfilter-queue-dev "
+                               f"installed?): {_first_error(r.stderr)}")
+        os.chmod(tmp, 0o755)
+        fd, tmp_record = tempfile.mkstemp(prefix=".tb-delayline-", dir=out.parent)
+        with os.fdopen(fd, "w") as f:
+            f.write(_record(tag, tmp))
+        os.chmod(tmp_record, 0o644)
+        os.replace(tmp, out)          # binary first: a record never names a missing binary
+        os.replace(tmp_record, record)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
 
 
 def _first_error(stderr):
