@@ -6,6 +6,7 @@ benchmarks/link_fidelity.py because these two cores are shared with other jobs.
 """
 
 import os
+import signal
 import subprocess
 import time
 
@@ -168,6 +169,24 @@ def test_stop_removes_delay_line_and_rules(link_factory):
     qdiscs = subprocess.run(["tc", "-n", link.names[1], "qdisc", "show"], capture_output=True,
                             text=True).stdout
     assert "htb" not in qdiscs
+
+
+def test_delay_line_refuses_bad_control_lines_and_stops_on_sigterm(link_factory):
+    """Bad `set` lines are answered with an error and change nothing; the link still delays
+    by the configured 5 ms afterwards; SIGTERM ends the delay line cleanly (exit 0)."""
+    link = link_factory(rate=50e6, delay=0.005)
+    dl = link.wan._delaylines["kv"]
+    for line in ["set 1 2", "set 3600000001 0 normal 0 0 1 0 1",
+                 "set 99999999999999999999999 0 normal 0 0 1 0 1", "set 5000 0 normal 0 nan 1 0 1",
+                 "x" * 600, "bogus"]:
+        dl.proc.stdin.write(line + "\n")
+        dl.proc.stdin.flush()
+        assert (dl._read_line(2.0) or "").startswith("error"), line
+    assert dl.alive() and dl.counters()["errors"] == 0
+    c, _ = probe.measure_udp(link.src, link.dst, link.dst_ip, probes=50)
+    assert abs(probe._percentile(sorted(x / 1e6 for x in c["rtt_ns"]), 0.5) - 10.0) <= 1.0
+    dl.proc.send_signal(signal.SIGTERM)
+    assert dl.proc.wait(timeout=2.0) == 0
 
 
 def _netem_skip():
