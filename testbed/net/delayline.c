@@ -63,7 +63,7 @@
 
 #define MAX_DELAY_US 3600000000LL   /* one hour: far above any emulated WAN */
 #define MAX_LIMIT 65536UL           /* shaping.MAX_NFQUEUE_PACKETS */
-#define JITTER_CLIP_SD 100.0        /* Pareto (shape 3) passes it once in ~650,000 draws */
+#define JITTER_CLIP_SD 100.0        /* Pareto (shape 3) passes it once in ~680,000 draws */
 
 struct held { uint64_t due_ns; uint64_t seq; uint32_t id; };
 
