@@ -30,6 +30,11 @@ else
 $(error TORCH must be cpu or cuda, not '$(TORCH)')
 endif
 PIP := $(PY) -m pip install -q --disable-pip-version-check
+# Fails unless the venv's torch is the chosen build (a switch uninstalls the other one first:
+# torch==X is satisfied by X+cpu, so pip alone would keep it).
+TORCH_CHECK := $(PY) -W ignore -c 'import sys, torch; cuda = torch.version.cuda is not None; \
+  sys.exit(0 if cuda == ("$(TORCH)" == "cuda") else \
+  "torch " + torch.__version__ + " is not a $(TORCH) build")'
 
 .PHONY: all deps apt-deps proto demo test unit bench clean-run distclean FORCE
 
@@ -55,6 +60,7 @@ apt-deps:
 # then its dependencies from the usual index: one index per step, no lookups that time out).
 $(STAMP): pyproject.toml $(VENV)/.torch
 	test -x $(PY) || /usr/bin/python3 -m venv --system-site-packages $(VENV)
+	$(TORCH_CHECK) 2>/dev/null || $(PY) -m pip uninstall -q -y torch 2>/dev/null
 ifeq ($(TORCH),cpu)
 	$(PIP) --no-deps --no-index '$(TORCH_SPEC)' 2>/dev/null || \
 	  $(PIP) --no-deps --index-url $(TORCH_INDEX) '$(TORCH_SPEC)'
@@ -62,9 +68,7 @@ ifeq ($(TORCH),cpu)
 else
 	$(PIP) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) '$(TORCH_SPEC)'
 endif
-	$(PY) -c 'import sys, torch; cuda = torch.version.cuda is not None; \
-	  sys.exit(0 if cuda == ("$(TORCH)" == "cuda") else \
-	  "torch " + torch.__version__ + " is not a $(TORCH) build")'
+	$(TORCH_CHECK)
 	$(PIP) -e '.[dev,userspace,torch]'
 	touch $@
 
