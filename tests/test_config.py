@@ -27,7 +27,7 @@ def test_quickstart_expands_to_three_policies():
     assert [r.label for r in runs] == ["homogeneous", "naive", "prfaas"]
     homo = runs[0]
     assert homo.clusters.local.instances == 6 and homo.clusters.prfaas.instances == 0
-    assert runs[2].scheduler.threshold == round(19.4 * 1024)
+    assert runs[2].scheduler.threshold == 19_400        # K = 1000, as for bytes
 
 
 def test_scale_conversion(tmp_path):
@@ -80,7 +80,7 @@ def test_variants_and_sweep_cross(tmp_path):
 def test_set_override(tmp_path):
     runs = config.load_experiment(write(tmp_path, BASE), ["scheduler.threshold=32K",
                                                           "workload.arrival.rate=2/s"])
-    assert runs[0].scheduler.threshold == 32768
+    assert runs[0].scheduler.threshold == 32_000
     assert runs[0].workload.arrival.rate == 2.0
 
 
