@@ -313,7 +313,7 @@ def read_rate_trace(path):
     """Rows (t_s, rate_bps), real-world, of a bandwidth trace CSV: `time,rate` per line with units
     ('60s,20Gbit'); '#' comments and one header line allowed; times must not decrease, rates
     must be above 0 (a link that is down is `up: false` in network.wan.changes)."""
-    text = yamlload.read_text(path, "rate trace (CSV of time,rate)", MAX_RATE_TRACE_BYTES,
+    text = yamlload.read_text(path, "a rate trace (CSV of time,rate)", MAX_RATE_TRACE_BYTES,
                               key="network.wan.rate_trace.path")
     rows, header_seen = [], False
     for n, line in enumerate(text.splitlines(), 1):
@@ -641,7 +641,7 @@ def validate(raw, path=None, sweep_point=None, traces_read=None):
 
 
 def read_yaml(path):
-    raw = yamlload.load_file(path, "experiment file (YAML)")
+    raw = yamlload.load_file(path, "an experiment file (YAML)")
     if not isinstance(raw, dict):
         raise ConfigError(f"expected a mapping of keys at the top level, got "
                           f"{'an empty file' if raw is None else type(raw).__name__}",

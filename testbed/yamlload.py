@@ -237,40 +237,40 @@ def load_text(text, source="<text>", key=None):
             loader.dispose()
 
 
-def read_text(path, what="file", max_bytes=MAX_FILE_BYTES, key=None):
+def read_text(path, what="a file", max_bytes=MAX_FILE_BYTES, key=None):
     """The UTF-8 text of a regular file (a BOM is dropped), or ConfigError naming what is wrong."""
     p = pathlib.Path(path)
     try:
         if p.is_dir():
-            raise ConfigError(f"is a directory; expected a {what}", path=str(path), key=key)
+            raise ConfigError(f"is a directory; expected {what}", path=str(path), key=key)
         if not p.exists():
-            raise ConfigError(f"no such {what}", path=str(path), key=key)
+            raise ConfigError(f"no such file; expected {what}", path=str(path), key=key)
         if not p.is_file():
-            raise ConfigError(f"not a regular file; expected a {what}", path=str(path), key=key)
+            raise ConfigError(f"not a regular file; expected {what}", path=str(path), key=key)
         size = p.stat().st_size
         if size > max_bytes:
-            raise ConfigError(f"{size:,} bytes, larger than a {what} may be "
+            raise ConfigError(f"{size:,} bytes, larger than {what} may be "
                               f"({max_bytes:,} bytes; a hard limit)", path=str(path), key=key)
         with open(p, "rb") as f:
             data = f.read(max_bytes + 1)
     except OSError as e:
-        raise ConfigError(f"cannot read the {what}: {e.strerror}", path=str(path),
+        raise ConfigError(f"cannot read it ({e.strerror}); expected {what}", path=str(path),
                           key=key) from None
     if len(data) > max_bytes:
-        raise ConfigError(f"larger than a {what} may be ({max_bytes:,} bytes)", path=str(path),
+        raise ConfigError(f"larger than {what} may be ({max_bytes:,} bytes)", path=str(path),
                           key=key)
     if bytes(1) in data:
         raise ConfigError(f"contains NUL bytes at offset {data.index(bytes(1))}: a binary file, "
-                          f"not a {what}", path=str(path), key=key)
+                          f"not {what}", path=str(path), key=key)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ConfigError(f"not UTF-8 text (byte {e.start}): a binary file or another "
-                          f"encoding; expected a {what}", path=str(path), key=key) from None
+                          f"encoding; expected {what}", path=str(path), key=key) from None
     return text.removeprefix("\ufeff")
 
 
-def load_file(path, what="YAML file"):
+def load_file(path, what="a YAML file"):
     """`load_text` of `read_text(path)`."""
     return load_text(read_text(path, what), str(path))
 

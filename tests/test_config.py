@@ -85,7 +85,7 @@ def test_set_override(tmp_path):
 
 
 def test_missing_file():
-    with pytest.raises(ConfigError, match="no such experiment file"):
+    with pytest.raises(ConfigError, match="no such file"):
         config.load_experiment("/nonexistent/x.yaml")
 
 

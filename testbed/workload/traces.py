@@ -136,7 +136,7 @@ def _count(v):
 def _open(path):
     """The trace's text as a file object: UTF-8, no NUL bytes, at most MAX_TRACE_BYTES."""
     from testbed.yamlload import read_text
-    return io.StringIO(read_text(path, "trace file", MAX_TRACE_BYTES,
+    return io.StringIO(read_text(path, "a trace file", MAX_TRACE_BYTES,
                                  key="workload.trace.path"), newline="")
 
 
