@@ -600,7 +600,9 @@ def expand(raw, path=None):
 def _label(exp, sweep_point):
     base = exp.run_label
     if sweep_point:
-        base += "," + ",".join(f"{k.split('.')[-1]}={v}" for k, v in sweep_point.items())
+        # a unit such as 1.2/s must not become a directory separator: '/' reads 'per'
+        base += "," + ",".join(f"{k.split('.')[-1]}={v}".replace("/", "per")
+                               for k, v in sweep_point.items())
     return base
 
 
