@@ -601,7 +601,7 @@ def _label(exp, sweep_point):
     base = exp.run_label
     if sweep_point:
         # a unit such as 1.2/s must not become a directory separator: '/' reads 'per'
-        base += "," + ",".join(f"{k.split('.')[-1]}={v}".replace("/", "per")
+        base += "," + ",".join(f"{k.split('.')[-1]}={v}".replace("/", "_per_")
                                for k, v in sweep_point.items())
     return base
 

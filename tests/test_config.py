@@ -138,3 +138,15 @@ def test_bad_rate_trace_is_caught_before_anything_runs(tmp_path, text, expected)
                                      "wan: {rate: 100Gbit, rate_trace: {path: bw.csv}}"))
     with pytest.raises(ConfigError, match=expected):
         config.load_experiment(p)
+
+
+def test_swept_units_with_a_slash_make_a_safe_label(tmp_path):
+    runs = config.load_experiment(write(tmp_path, BASE + "sweep: {workload.arrival.rate: [1/s, 2/s]}\n"))
+    assert [r.label for r in runs] == ["prfaas,rate=1_per_s", "prfaas,rate=2_per_s"]
+
+
+@pytest.mark.parametrize("name", ["/etc/x", "../../../../tmp/x", "..", "a\x07b", "", "x" * 101])
+def test_unsafe_names_are_refused(tmp_path, name):
+    p = write(tmp_path, BASE.replace("name: t", f"name: {name!r}".replace("'", '"')))
+    with pytest.raises(ConfigError, match="name"):
+        config.load_experiment(p)
