@@ -10,7 +10,7 @@ import importlib
 import sys
 
 from testbed import __version__
-from testbed.errors import TestbedError
+from testbed.errors import TestbedError, one_line
 
 # Verbs in the order `--help` lists them.
 VERBS = ["run", "clean", "workload", "plan", "models", "linktest", "doctor", "selfcheck", "plot",
@@ -39,7 +39,7 @@ def main(argv=None):
     try:
         code = args.func(args)
     except TestbedError as e:
-        print(f"testbed {args.verb}: {e}", file=sys.stderr)
+        print(f"testbed {args.verb}: {one_line(str(e), 1000)}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print(f"testbed {args.verb}: interrupted", file=sys.stderr)

@@ -19,52 +19,99 @@ payloads multiplied by `bytes`, the WAN rate becomes `rate * bytes * time` and d
 import copy
 import dataclasses
 import itertools
+import math
 import pathlib
 
-import yaml
-
 from testbed import profile as profiles
-from testbed import units
+from testbed import units, yamlload
 from testbed.errors import ConfigError
+from testbed.net import spec as netspec
 from testbed.net.spec import NetworkSpec
-from testbed.schema import (boolean, build, choice, integer, optional, positive, section, spec,
-                            string, to_dict)
+from testbed.schema import (at_most, boolean, build, choice, integer, optional, path_component,
+                            positive, section, spec, string, to_dict)
+from testbed.workload import spec as wlspec
 from testbed.workload.spec import WorkloadSpec
 
 # The emulated WAN must stay within what one 2-core machine can shape and carry.
 MAX_EMULATED_RATE_BPS = 2e9
+MIN_EMULATED_RATE_BPS = 8e3
 MIN_EMULATED_DELAY_S = 0.0
+
+# Resource caps (hard limits unless a key raises them; experiments/README.md lists them).
+DAY_S = 86400.0
+MAX_DURATION_S = 7 * DAY_S       # `duration`, the span of arrivals, scheduled changes
+MAX_TIMEOUT_S = DAY_S            # run.* timeouts
+MAX_INTERVAL_S = 3600.0          # control and health-check periods
+MAX_RUNS = 100                   # variants x sweep points of one file
+MAX_REQUESTS_DEFAULT = 100_000   # run.max_requests
+MAX_PREFIX_BLOCK_IDS = 50_000_000  # synthetic prefix block ids of one workload (~400 MB)
+MAX_ONOFF_CYCLES = 2_000_000     # on/off periods the generator may have to draw
+MAX_TORCH_PARAMS = 100_000_000   # the torch engine's tiny model (~400 MB in float32)
+
+
+def _duration(hi, what):
+    return at_most(units.duration_s, hi, what)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ScaleSpec:
-    time: float = spec(positive(units.number), 1.0,
-                       "emulate this many times faster than real time")
-    bytes: float = spec(positive(units.number), 1.0,
-                        "move this fraction of the real KV bytes (1e-3 = 1/1000)")
-    tokens: float = spec(positive(units.number), 1.0,
+    time: float = spec(at_most(positive(units.number), 1000, "1000"), 1.0,
+                       "emulate this many times faster than real time (at most 1000)")
+    bytes: float = spec(at_most(positive(units.number), 1, "1"), 1.0,
+                        "move this fraction of the real KV bytes (1e-3 = 1/1000; at most 1)")
+    tokens: float = spec(at_most(positive(units.number), 1e6, "1e6"), 1.0,
                          "torch engine: divide prompt lengths by this (tiny model, long traces)")
+
+    def check(self):
+        if self.time < 1e-3 or self.bytes < 1e-9:
+            raise ValueError("time must be at least 1e-3 and bytes at least 1e-9")
 
 
 def _torch_config(value):
-    """The torch engine's model shape, checked against the model's own config class."""
+    """The torch engine's model shape, checked against the model's own config class: every key
+    of the type of its default, integers in [1, 65536], at most MAX_TORCH_PARAMS weights."""
     if not isinstance(value, dict):
         raise ValueError(f"expected a mapping of model config keys, got {value!r}")
     try:
-        from workers.model.config import HybridConfig   # imports torch: only when the key is given
+        from workers.model.config import HybridConfig   # imports torch only for the dtype
     except ImportError as e:
         raise ValueError(f"the torch engine needs PyTorch ({e}): `make deps` installs it "
                          f"(TORCH=cpu or cuda), or pip install '.[torch]'") from None
+    fields = {f.name: f.default for f in dataclasses.fields(HybridConfig)}
+    for k, v in value.items():
+        if k not in fields:
+            raise ValueError(f"unknown model config key {k!r}; expected some of "
+                             f"{', '.join(sorted(fields))}")
+        want = type(fields[k])
+        if want is float and isinstance(v, int) and not isinstance(v, bool):
+            v = float(v)
+        if type(v) is not want or (want is float and not math.isfinite(v)):
+            raise ValueError(f"{k}: expected {want.__name__}, got {v!r}")
+        if want is int and k != "seed" and not 1 <= v <= 65536:
+            raise ValueError(f"{k}: expected an integer in [1, 65536], got {v}")
+        if k == "seed" and not 0 <= v < 2**32:
+            raise ValueError(f"seed: expected an integer in [0, 2^32), got {v}")
     try:
-        HybridConfig.from_dict(value)
-    except (TypeError, ValueError) as e:
+        cfg = HybridConfig.from_dict(value)
+        kinds = cfg.layer_kinds
+    except (TypeError, ValueError, AttributeError, ZeroDivisionError) as e:
         raise ValueError(str(e)) from None
+    d, h = cfg.d_model, cfg.mlp_hidden
+    kda = cfg.kda_heads * (cfg.kda_head_k * 2 + cfg.kda_head_v * 2) * d
+    mla = cfg.mla_latent * d * 2 + cfg.mla_heads * (cfg.mla_nope + cfg.mla_rope + cfg.mla_v) \
+        * (d + cfg.mla_latent)
+    params = 2 * cfg.vocab * d + sum(kda if k == "kda" else mla for k in kinds) \
+        + len(kinds) * 3 * d * h
+    if params > MAX_TORCH_PARAMS:
+        raise ValueError(f"about {params:,.0f} weights, more than the tiny model may have "
+                         f"({MAX_TORCH_PARAMS:,}; a hard limit)")
     return dict(value)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelSpec:
-    profile: str = spec(string, "kimi-linear-1t", "accelerator profile, testbed/profiles/NAME.yaml")
+    profile: str = spec(path_component, "kimi-linear-1t",
+                        "accelerator profile, testbed/profiles/NAME.yaml (a name, not a path)")
     engine: str = spec(choice("profile", "torch"), "profile",
                        "profile: workers wait the profiled time and send profiled KV bytes | "
                        "torch: a real tiny KDA+MLA hybrid computes and ships its real state")
@@ -73,9 +120,15 @@ class ModelSpec:
     torch: dict = spec(_torch_config, factory=dict,
                        doc="torch engine: model shape (HybridConfig keys: n_layers, d_model, ratio "
                            "'3:1', vocab, kda_heads, mla_latent, dtype float32|bfloat16, ...)")
-    decode_step: float = spec(optional(units.duration_s), None,
+    decode_step: float = spec(optional(positive(_duration(60, "60s"))), None,
                               "T_decode per decode step (real-world); default from the profile")
-    bs_max: int = spec(optional(integer(1)), None, "BS_max, largest decode batch; default from profile")
+    bs_max: int = spec(optional(integer(1, 4096)), None,
+                       "BS_max, largest decode batch; default from profile")
+
+    def check(self):
+        if self.profile not in profiles.available():
+            raise ValueError(f"profile: no profile {self.profile!r}; available: "
+                             f"{', '.join(profiles.available())}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -109,9 +162,9 @@ class ClustersSpec:
 class FailoverSpec:
     enabled: bool = spec(boolean, False,
                          "health-check prefill instances; route around those that do not answer")
-    interval: float = spec(positive(units.duration_s), 1.0,
+    interval: float = spec(positive(_duration(MAX_INTERVAL_S, "1h")), 1.0,
                            "time between health checks of each prefill instance (real-world)")
-    timeout: float = spec(positive(units.duration_s), 0.5,
+    timeout: float = spec(positive(_duration(MAX_INTERVAL_S, "1h")), 0.5,
                           "an instance that has not answered within this (real-world) is down")
     max_local: int = spec(optional(units.tokens), None,
                           "while PrfaaS is down, prefill locally only requests up to this long; "
@@ -123,17 +176,19 @@ class AdaptiveSpec:
     enabled: bool = spec(boolean, False,
                          "prfaas: adapt the threshold to WAN egress and queue depths (short "
                          "timescale); `threshold` is the starting value")
-    interval: float = spec(positive(units.duration_s), 2.0, "control period (real-world)")
+    interval: float = spec(positive(_duration(MAX_INTERVAL_S, "1h")), 2.0,
+                           "control period (real-world)")
     egress_high: float = spec(units.probability, 0.8,
                               "raise the threshold when measured egress / link rate is above this")
     egress_low: float = spec(units.probability, 0.3,
                              "lower it when egress is below this and PrfaaS queues are short")
-    queue_ratio: float = spec(positive(units.number), 1.5,
+    queue_ratio: float = spec(at_most(positive(units.number), 1e6, "1e6"), 1.5,
                               "raise when PrfaaS queued work per instance exceeds local's by this "
                               "factor; lower when it is below 1/this")
-    step: float = spec(positive(units.number), 0.1, "multiplicative step of each change")
+    step: float = spec(at_most(positive(units.number), 10, "10"), 0.1,
+                       "multiplicative step of each change")
     min: int = spec(units.tokens, 1024, "lowest threshold")
-    max: int = spec(units.tokens, 131072, "highest threshold")
+    max: int = spec(units.tokens, 131072, "highest threshold (128Ki)")
 
     def check(self):
         if self.egress_low >= self.egress_high:
@@ -146,7 +201,8 @@ class AdaptiveSpec:
 class SchedulerSpec:
     policy: str = spec(choice("homogeneous", "naive", "prfaas"), "prfaas",
                        "homogeneous: all local | naive: all prefill on PrfaaS | prfaas: threshold")
-    threshold: int = spec(units.tokens, 19866, "prfaas: offload requests longer than this (tokens)")
+    threshold: int = spec(units.tokens, 19400,
+                          "prfaas: offload requests longer than this (tokens; the paper's 19.4K)")
     adaptive: AdaptiveSpec = spec(section(AdaptiveSpec), factory=AdaptiveSpec,
                                   doc="short-timescale threshold control (docs in workers/adaptive.py)")
     failover: FailoverSpec = spec(section(FailoverSpec), factory=FailoverSpec,
@@ -155,25 +211,30 @@ class SchedulerSpec:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunSpec:
-    drain_timeout: float = spec(units.duration_s, 600.0,
+    drain_timeout: float = spec(_duration(MAX_TIMEOUT_S, "1 day"), 600.0,
                                 "after the last send, wait at most this long (real-world) for replies")
-    request_timeout: float = spec(units.duration_s, 600.0,
+    request_timeout: float = spec(_duration(MAX_TIMEOUT_S, "1 day"), 600.0,
                                   "a request not finished after this long (real-world) fails")
-    token_flush: float = spec(positive(units.duration_s), 0.5,
+    token_flush: float = spec(positive(_duration(60, "60s")), 0.5,
                               "decode workers send tokens after the first in chunks this often "
                               "(real-world); first and last tokens go at once, every token keeps "
                               "its own time stamp")
-    kv_deadline: float = spec(units.duration_s, 300.0,
+    kv_deadline: float = spec(_duration(MAX_TIMEOUT_S, "1 day"), 300.0,
                               "a KV transfer not finished this long (real-world) after prefill fails")
+    max_requests: int = spec(integer(1, 10_000_000), MAX_REQUESTS_DEFAULT,
+                             "refuse a workload of more requests than this (duration x rate, "
+                             "requests, or trace rows); raise it for a long run on purpose")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Experiment:
-    name: str = spec(string, doc="experiment name; results go to results/<name>/")
-    seed: int = spec(integer(0), 1, "seed of every random choice (workload, jitter, loss)")
-    requests: int = spec(optional(integer(1, 1_000_000)), None, "number of requests to send")
-    duration: float = spec(optional(positive(units.duration_s)), None,
-                           "or: send for this long (real-world)")
+    name: str = spec(path_component, doc="experiment name; results go to results/<name>/ (one "
+                                         "directory name: no '/', '..' or control characters)")
+    seed: int = spec(integer(0, 2**32 - 1), 1, "seed of every random choice (workload, jitter, loss)")
+    requests: int = spec(optional(integer(1, 10_000_000)), None,
+                         "number of requests to send (at most run.max_requests)")
+    duration: float = spec(optional(positive(_duration(MAX_DURATION_S, "7 days"))), None,
+                           "or: send for this long (real-world; at most 7 days)")
     scale: ScaleSpec = spec(section(ScaleSpec), factory=ScaleSpec, doc="time and byte scaling")
     model: ModelSpec = spec(section(ModelSpec), factory=ModelSpec, doc="the served model")
     clusters: ClustersSpec = spec(section(ClustersSpec), factory=ClustersSpec, doc="instances")
@@ -182,7 +243,8 @@ class Experiment:
                                     doc="request routing")
     workload: WorkloadSpec = spec(section(WorkloadSpec), doc="what requests are sent")
     run: RunSpec = spec(section(RunSpec), factory=RunSpec, doc="timeouts of the run itself")
-    label: str = spec(optional(string), None, "name of this run in tables (default: the policy)")
+    label: str = spec(optional(path_component), None,
+                      "name of this run in tables and its directory (default: the policy)")
 
     def check(self):
         if self.requests is not None and self.duration is not None:
@@ -246,14 +308,128 @@ class Experiment:
 MIN_EMULATED_QUEUE_BYTES = 64 * 1024     # one TSO burst: a smaller drop-tail queue drops most
 
 
+MAX_RATE_TRACE_BYTES = 1 << 20      # 1 MiB of time,rate rows
+MIN_LOOP_PERIOD_S = 1.0              # a looped rate trace repeats at most once a second
+MAX_LINK_CHANGES = 100_000           # scheduled changes + trace rows (after looping)
+
+
+def read_rate_trace(path):
+    """Rows (t_s, rate_bps), real-world, of a bandwidth trace CSV: `time,rate` per line with units
+    ('60s,20Gbit'); '#' comments and one header line allowed; times must not decrease, rates
+    must be above 0 (a link that is down is `up: false` in network.wan.changes)."""
+    text = yamlload.read_text(path, "a rate trace (CSV of time,rate)", MAX_RATE_TRACE_BYTES,
+                              key="network.wan.rate_trace.path")
+    rows, header_seen = [], False
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        cells = [c.strip() for c in line.split(",")]
+        try:
+            if len(cells) != 2:
+                raise ValueError(f"expected 2 columns, got {len(cells)}")
+            t, r = units.duration_s(cells[0]), units.rate_bps(cells[1])
+        except ValueError as e:
+            if not rows and not header_seen:
+                header_seen = True       # the header line
+                continue
+            raise ConfigError(f"line {n}: expected time,rate ({e})", path=str(path)) from None
+        if rows and t < rows[-1][0]:
+            raise ConfigError(f"line {n}: time goes backwards", path=str(path))
+        if t > MAX_DURATION_S:
+            raise ConfigError(f"line {n}: time {cells[0]} is beyond 7 days (a hard limit)",
+                              path=str(path))
+        if r <= 0:
+            raise ConfigError(f"line {n}: rate {cells[1]} is not above 0; a link that is down "
+                              f"is network.wan.changes: [{{at: ..., up: false}}]", path=str(path))
+        rows.append((t, r))
+    if not rows:
+        raise ConfigError("no time,rate rows", path=str(path))
+    return rows
+
+
+def _resolve_rate_trace(exp, base):
+    """Make the rate trace's path absolute and check the file's rows (before anything starts)."""
+    trace = exp.network.wan.rate_trace
+    if trace is None:
+        return exp, []
+    p = pathlib.Path(trace.path).expanduser()
+    for cand in ([p] if p.is_absolute() else [base / p, pathlib.Path.cwd() / p]):
+        if cand.exists():
+            rows = read_rate_trace(cand)
+            k = exp.scale.bytes * exp.scale.time
+            for _, r in rows:
+                _check_emulated_rate(r, k, "network.wan.rate_trace", f"a row of {cand}")
+            wan = dataclasses.replace(exp.network.wan, rate_trace=dataclasses.replace(
+                trace, path=str(cand.resolve())))
+            exp = dataclasses.replace(exp, network=dataclasses.replace(exp.network, wan=wan))
+            return exp, rows
+    raise ConfigError(f"no such rate trace file {trace.path!r}", key="network.wan.rate_trace.path")
+
+
+def _check_emulated_rate(rate_real, k, key, what="rate"):
+    rate = rate_real * k
+    if rate > MAX_EMULATED_RATE_BPS:
+        raise ConfigError(f"{what} {units.fmt_rate(rate_real)} scales to "
+                          f"{units.fmt_rate(rate)} emulated, above what this machine can shape "
+                          f"({units.fmt_rate(MAX_EMULATED_RATE_BPS)}); lower scale.bytes or "
+                          f"scale.time", key=key)
+    if rate < MIN_EMULATED_RATE_BPS:
+        raise ConfigError(f"{what} {units.fmt_rate(rate_real)} scales to "
+                          f"{units.fmt_rate(rate)} emulated, below 8 kbit/s; raise scale.bytes "
+                          f"(a link that is down is `up: false`)", key=key)
+
+
+def _check_link(exp, rate_rows):
+    """Everything about the WAN that can be checked on paper: rates and delays of every change,
+    loss feasibility, queue limits the kernel can encode, the backend, looped traces."""
+    wan, s = exp.network.wan, exp.scale
+    k = s.bytes * s.time
+    for i, c in enumerate(wan.changes):
+        key = f"network.wan.changes[{i}]"
+        if c.rate is not None:
+            if c.rate <= 0:
+                raise ConfigError("rate 0 does not cut the link: write `up: false` to take it "
+                                  "down (and `up: true` later to restore it)", key=f"{key}.rate")
+            _check_emulated_rate(c.rate, k, f"{key}.rate")
+        if c.at > MAX_DURATION_S:
+            raise ConfigError("expected at most 7 days (a hard limit)", key=f"{key}.at")
+        for d in ("kv", "request") if c.direction == "both" else (c.direction,):
+            base = wan.direction(d)
+            delay = base["delay"] if c.delay is None else c.delay
+            jitter = base["jitter"] if c.jitter is None else c.jitter
+            loss = base["loss"] if c.loss is None else c.loss
+            netspec.check_delay(delay, jitter, key)
+            netspec.check_loss(loss, base["loss_burst"], key)
+    for d in ("kv", "request"):
+        base = wan.direction(d)
+        netspec.check_delay(base["delay"], base["jitter"], f"network.wan.{d}")
+        netspec.check_loss(base["loss"], base["loss_burst"], f"network.wan.{d}")
+        em = exp.emulated_direction(d)
+        rtt = sum(exp.emulated_direction(x)["delay"] for x in ("kv", "request"))
+        rates = [em["rate"]] + [c.rate * k for c in wan.changes
+                                if c.rate and c.direction in (d, "both")]
+        netspec.check_queue(em["queue"], max(rates), rtt, f"network.wan.{d}.queue")
+    netspec.check_backend(wan)
+    trace = wan.rate_trace
+    if trace is not None and rate_rows:
+        period = rate_rows[-1][0]
+        n = len(rate_rows)
+        if trace.loop:
+            if period < MIN_LOOP_PERIOD_S:
+                raise ConfigError(f"a looped rate trace repeats every {period:g} s (its last "
+                                  f"row's time); the shortest period is {MIN_LOOP_PERIOD_S:g} s "
+                                  f"(a hard limit): add a later row or set loop: false",
+                                  key="network.wan.rate_trace.loop")
+            n *= int(exp.run.drain_timeout * 4 / period) + 1
+        if n + len(wan.changes) > MAX_LINK_CHANGES:
+            raise ConfigError(f"{n + len(wan.changes):,} scheduled link changes (rate trace "
+                              f"rows x loops + changes), more than {MAX_LINK_CHANGES:,} (a hard "
+                              f"limit); use a longer period or fewer rows",
+                              key="network.wan.rate_trace")
+
+
 def _check_scale(exp, path):
-    rates = [(c.rate, "network.wan.changes") for c in exp.network.wan.changes if c.rate]
-    for rate_real, key in rates:
-        rate = rate_real * exp.scale.bytes * exp.scale.time
-        if rate > MAX_EMULATED_RATE_BPS:
-            raise ConfigError(f"rate {units.fmt_rate(rate_real)} scales to {units.fmt_rate(rate)} "
-                              f"emulated, above {units.fmt_rate(MAX_EMULATED_RATE_BPS)}",
-                              path=path, key=key)
     emulated = {d: exp.emulated_direction(d) for d in ("kv", "request")}
     for direction in ("kv", "request"):
         q = emulated[direction]["queue"]
@@ -272,61 +448,84 @@ def _check_scale(exp, path):
                 f"scale.time {exp.scale.time:g} = {units.fmt_rate(rate)} emulated, above what this "
                 f"machine can shape ({units.fmt_rate(MAX_EMULATED_RATE_BPS)}); lower scale.bytes "
                 f"or scale.time", path=path, key="scale")
-        if rate < 8e3:
+        if rate < MIN_EMULATED_RATE_BPS:
             raise ConfigError(
                 f"emulated WAN rate {units.fmt_rate(rate)} is below 8 kbit/s; raise scale.bytes",
                 path=path, key="scale")
 
 
-def read_rate_trace(path):
-    """Rows (t_s, rate_bps), real-world, of a bandwidth trace CSV: `time,rate` per line with units
-    ('60s,20Gbit'); '#' comments and one header line allowed; times must not decrease."""
-    rows, header_seen = [], False
-    with open(path, newline="") as f:
-        for n, line in enumerate(f, 1):
-            line = line.strip()
-            if not line or line.startswith("#"):
-                continue
-            cells = [c.strip() for c in line.split(",")]
-            try:
-                if len(cells) != 2:
-                    raise ValueError(f"expected 2 columns, got {len(cells)}")
-                t, r = units.duration_s(cells[0]), units.rate_bps(cells[1])
-            except ValueError as e:
-                if not rows and not header_seen:
-                    header_seen = True       # the header line
-                    continue
-                raise ConfigError(f"line {n}: expected time,rate ({e})", path=str(path)) from None
-            if rows and t < rows[-1][0]:
-                raise ConfigError(f"line {n}: time goes backwards", path=str(path))
-            rows.append((t, r))
-    if not rows:
-        raise ConfigError("no time,rate rows", path=str(path))
-    return rows
-
-
-def _resolve_rate_trace(exp, base):
-    """Make the rate trace's path absolute and check the file parses (before anything starts)."""
-    trace = exp.network.wan.rate_trace
-    if trace is None:
-        return exp
-    p = pathlib.Path(trace.path).expanduser()
-    for cand in ([p] if p.is_absolute() else [base / p, pathlib.Path.cwd() / p]):
-        if cand.is_file():
-            rows = read_rate_trace(cand)
-            peak = max(r for _, r in rows) * exp.scale.bytes * exp.scale.time
-            if peak > MAX_EMULATED_RATE_BPS:
-                raise ConfigError(f"peak rate scales to {units.fmt_rate(peak)} emulated, above "
-                                  f"{units.fmt_rate(MAX_EMULATED_RATE_BPS)}",
-                                  key="network.wan.rate_trace")
-            wan = dataclasses.replace(exp.network.wan, rate_trace=dataclasses.replace(
-                trace, path=str(cand.resolve())))
-            return dataclasses.replace(exp, network=dataclasses.replace(exp.network, wan=wan))
-    raise ConfigError(f"no such rate trace file {trace.path!r}", key="network.wan.rate_trace.path")
+def _check_workload(exp, base, traces_read):
+    """Request counts, spans and generator work within the caps; a workload trace's every line."""
+    w, cap = exp.workload, exp.run.max_requests
+    raise_cap = (f"run.max_requests ({cap:,}; raise it in the file if a run this long is "
+                 f"meant)")
+    trace = None
+    if w.trace is not None:
+        from testbed.workload import traces
+        t = w.trace
+        cache_key = (t.path, t.format, t.on_error, t.start, t.duration, t.max_requests,
+                     t.max_input)
+        if cache_key not in traces_read:
+            traces_read[cache_key] = traces.load(t, base)
+        trace = traces_read[cache_key]
+    a = w.arrival
+    if a.process == "trace":
+        span = trace.span_s / w.trace.speedup
+        n = len(trace) if exp.requests is None else exp.requests
+        if exp.requests is not None and exp.requests > len(trace):
+            raise ConfigError(f"{exp.requests} requests asked for, but workload.trace selects "
+                              f"only {len(trace)} rows; lower 'requests' or widen the window",
+                              key="requests")
+    else:
+        rate = a.mean_rate
+        if exp.requests is not None:
+            n = exp.requests
+        elif exp.duration is not None:
+            n = exp.duration * rate
+        else:
+            n = len(trace)       # lengths replayed in order decide the count
+        span = n / rate if rate > 0 else math.inf
+        if exp.duration is not None:
+            span = min(span, exp.duration)
+        if a.process == "onoff":
+            per_cycle = a.on_rate * a.on_duration + a.off_rate * a.off_duration
+            cycles = max(n / per_cycle if per_cycle > 0 else math.inf,
+                         (exp.duration or 0) / (a.on_duration + a.off_duration))
+            if cycles > MAX_ONOFF_CYCLES:
+                raise ConfigError(f"on/off periods this short need about {cycles:.3g} of them "
+                                  f"for this workload, more than {MAX_ONOFF_CYCLES:,} (a hard "
+                                  f"limit); lengthen on_duration/off_duration",
+                                  key="workload.arrival")
+        in_order = "trace" in (w.input.dist, w.output.dist)
+        if in_order and exp.requests is not None and exp.requests > len(trace):
+            raise ConfigError(f"{exp.requests} requests, but the lengths replay "
+                              f"workload.trace's rows in order and it selects only "
+                              f"{len(trace)}; lower 'requests' or widen the trace window",
+                              key="requests")
+    if n > cap:
+        raise ConfigError(f"about {n:,.0f} requests, more than {raise_cap}",
+                          key="requests" if exp.requests is not None else
+                          "duration" if exp.duration is not None else "workload.trace")
+    if span > MAX_DURATION_S:
+        raise ConfigError(f"sending this workload would take {span / DAY_S:,.3g} days of "
+                          f"arrivals, more than 7 days (a hard limit); raise the arrival rate "
+                          f"or send fewer requests", key="workload.arrival")
+    if w.prefix.documents > 0 and not w.trace_prefixes():
+        longest = w.input.tokens if w.input.dist == "fixed" else (
+            int(trace.input_len.max()) if trace is not None and w.input.dist in
+            ("trace", "empirical") else w.input.max)
+        ids = n * -(-longest // wlspec.BLOCK_TOKENS)
+        if ids > MAX_PREFIX_BLOCK_IDS:
+            raise ConfigError(f"up to {ids:,.0f} prefix block ids ({n:,.0f} requests of up to "
+                              f"{longest:,} tokens), more than {MAX_PREFIX_BLOCK_IDS:,} (a hard "
+                              f"limit); send fewer or shorter requests", key="workload.prefix")
 
 
 def set_dotted(d, dotted, value, path=None):
     """d['a']['b'] = value for dotted 'a.b', creating mappings on the way."""
+    if not isinstance(dotted, str) or not dotted or any(not k for k in dotted.split(".")):
+        raise ConfigError(f"expected a dotted key such as network.wan.rate, got {dotted!r}",
+                          path=path)
     keys = dotted.split(".")
     cur = d
     for i, k in enumerate(keys[:-1]):
@@ -341,35 +540,61 @@ def set_dotted(d, dotted, value, path=None):
 
 
 def parse_override(text, path=None):
-    """'key.path=value' from `--set`; the value is read as YAML (so 3, 1e-3, true, [1, 2] work)."""
+    """'key.path=value' from `--set`; the value is read as strict YAML (so 3, 1e-3, true, [1, 2]
+    work, and `012` or `3:1` are refused as in the file)."""
     if "=" not in text:
         raise ConfigError(f"--set expects key=value, got {text!r}", path=path)
     key, raw = text.split("=", 1)
-    try:
-        value = yaml.safe_load(raw)
-    except yaml.YAMLError:
-        value = raw
-    return key.strip(), value
+    key = key.strip()
+    if len(raw) > yamlload.MAX_SCALAR_CHARS:
+        raise ConfigError(f"--set value of {len(raw):,} characters (at most "
+                          f"{yamlload.MAX_SCALAR_CHARS:,})", path=path, key=key)
+    value = yamlload.load_text(raw, f"--set {key}", key=None) if raw.strip() else raw
+    return key, value
+
+
+def _check_mapping(value, key, path):
+    """A mapping of dotted keys (a variant, the sweep), or ConfigError."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"expected a mapping of dotted key: value, got {value!r}", path=path,
+                          key=key)
+    for k in value:
+        if not isinstance(k, str) or not k or any(not part for part in k.split(".")):
+            raise ConfigError(f"expected dotted keys such as network.wan.rate, got {k!r}",
+                              path=path, key=key)
 
 
 def expand(raw, path=None):
     """The list of (label, mapping) runs described by one YAML mapping (variants x sweep)."""
     raw = dict(raw)
-    variants = raw.pop("variants", None) or [{}]
-    sweep = raw.pop("sweep", None) or {}
-    if not isinstance(variants, list) or not all(isinstance(v, dict) for v in variants):
-        raise ConfigError("expected a list of mappings (dotted key: value)", path=path,
-                          key="variants")
-    if not isinstance(sweep, dict) or not all(isinstance(v, list) and v for v in sweep.values()):
-        raise ConfigError("expected a mapping of dotted key -> non-empty list of values",
-                          path=path, key="sweep")
+    variants = raw.pop("variants", None)
+    sweep = raw.pop("sweep", None)
+    if variants is None or variants == []:
+        variants = [{}]
+    if not isinstance(variants, list):
+        raise ConfigError(f"expected a list of mappings (dotted key: value), got {variants!r}",
+                          path=path, key="variants")
+    for i, v in enumerate(variants):
+        _check_mapping(v, f"variants[{i}]", path)
+    sweep = {} if sweep is None else sweep
+    _check_mapping(sweep, "sweep", path)
+    for k, v in sweep.items():
+        if not isinstance(v, list) or not v:
+            raise ConfigError(f"expected a non-empty list of values, got {v!r}", path=path,
+                              key=f"sweep.{k}")
     keys = list(sweep)
+    total = len(variants) * math.prod(len(sweep[k]) for k in keys)
+    if total > MAX_RUNS:
+        raise ConfigError(f"{len(variants)} variants x {total // len(variants):,} sweep points "
+                          f"= {total:,} runs, more than {MAX_RUNS} (a hard limit); split the "
+                          f"sweep into several files", path=path, key="sweep" if keys else
+                          "variants")
     runs = []
     for variant in variants:
         for combo in itertools.product(*(sweep[k] for k in keys)) if keys else [()]:
             d = copy.deepcopy(raw)
             for k, v in variant.items():
-                set_dotted(d, str(k), copy.deepcopy(v), path)
+                set_dotted(d, k, copy.deepcopy(v), path)
             for k, v in zip(keys, combo):
                 set_dotted(d, k, copy.deepcopy(v), path)
             runs.append((d, dict(zip(keys, combo))))
@@ -379,42 +604,54 @@ def expand(raw, path=None):
 def _label(exp, sweep_point):
     base = exp.run_label
     if sweep_point:
-        base += "," + ",".join(f"{k.split('.')[-1]}={v}" for k, v in sweep_point.items())
+        # a unit such as 1.2/s must not become a directory separator: '/' reads 'per'
+        base += "," + ",".join(f"{k.split('.')[-1]}={v}".replace("/", "_per_")
+                               for k, v in sweep_point.items())
     return base
 
 
-def validate(raw, path=None, sweep_point=None):
-    """One expanded mapping -> Experiment (raises ConfigError naming file and key)."""
+def validate(raw, path=None, sweep_point=None, traces_read=None):
+    """One expanded mapping -> Experiment (raises ConfigError naming file and key).
+
+    Everything that can be checked on paper is checked here, before anything is built or
+    written: units and ranges, the link (rates, delays, loss, queues, backend, every scheduled
+    change, the rate trace's rows), the workload (request caps, the trace's every line), the
+    profile and the run's directory name.
+    """
+    traces_read = {} if traces_read is None else traces_read
     try:
         exp = build(Experiment, raw)
+        base = pathlib.Path(path).parent if path is not None else pathlib.Path.cwd()
         if path is not None:   # trace paths are relative to the experiment file
-            base = pathlib.Path(path).parent
             exp = dataclasses.replace(exp, workload=exp.workload.resolve_paths(base))
-            exp = _resolve_rate_trace(exp, base)
+        exp, rate_rows = _resolve_rate_trace(exp, base)
+        prof = profiles.load(exp.model.profile)
+        for where, acc in (("clusters.prfaas.accelerator", exp.clusters.prfaas.accelerator),
+                           ("clusters.local.accelerator", exp.clusters.local.accelerator)):
+            if acc not in prof.prefill:
+                raise ConfigError(f"profile {prof.name!r} has no accelerator {acc!r}; it has "
+                                  f"{', '.join(prof.prefill)}", key=where)
+        _check_scale(exp, None)
+        _check_link(exp, rate_rows)
+        _check_workload(exp, base, traces_read)
+        label = _label(exp, sweep_point or {})
+        try:
+            path_component(label)
+        except ValueError as e:
+            raise ConfigError(f"the run's label {e}", key="sweep" if sweep_point else "label")
     except ConfigError as e:
+        if e.path:
+            raise
         raise ConfigError(str(e), path=path) from None
-    prof = profiles.load(exp.model.profile)
-    for where, acc in (("clusters.prfaas.accelerator", exp.clusters.prfaas.accelerator),
-                       ("clusters.local.accelerator", exp.clusters.local.accelerator)):
-        if acc not in prof.prefill:
-            raise ConfigError(f"profile {prof.name!r} has no accelerator {acc!r}; it has "
-                              f"{', '.join(prof.prefill)}", path=path, key=where)
-    _check_scale(exp, path)
-    return dataclasses.replace(exp, label=_label(exp, sweep_point or {}))
+    return dataclasses.replace(exp, label=label)
 
 
 def read_yaml(path):
-    p = pathlib.Path(path)
-    if not p.is_file():
-        raise ConfigError("no such experiment file", path=str(path))
-    try:
-        raw = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"not valid YAML{where}: {getattr(e, 'problem', e)}", path=str(path))
+    raw = yamlload.load_file(path, "an experiment file (YAML)")
     if not isinstance(raw, dict):
-        raise ConfigError("expected a mapping at the top level", path=str(path))
+        raise ConfigError(f"expected a mapping of keys at the top level, got "
+                          f"{'an empty file' if raw is None else type(raw).__name__}",
+                          path=str(path))
     return raw
 
 
@@ -424,7 +661,11 @@ def load_experiment(path, overrides=()):
     for text in overrides:
         key, value = parse_override(text, path)
         set_dotted(raw, key, value, path)
-    runs = [validate(d, str(path), point) for d, point in expand(raw, str(path))]
+    traces_read = {}
+    try:
+        runs = [validate(d, str(path), point, traces_read) for d, point in expand(raw, str(path))]
+    except RecursionError:
+        raise ConfigError("too deeply nested to validate", path=str(path)) from None
     labels = [r.label for r in runs]
     if len(set(labels)) != len(labels):
         runs = [dataclasses.replace(r, label=f"{r.label}#{i}") for i, r in enumerate(runs)]

@@ -27,7 +27,16 @@ class ConfigError(TestbedError):
             where += f"{path}: "
         if key:
             where += f"{key}: "
-        super().__init__(where + message)
+        super().__init__(one_line(where + str(message)))
+
+
+MAX_MESSAGE_CHARS = 400
+
+
+def one_line(text, limit=MAX_MESSAGE_CHARS):
+    """`text` as one printable line: control characters escaped, at most `limit` characters."""
+    out = "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+    return out if len(out) <= limit else out[:limit - 3] + "..."
 
 
 class PrivilegeError(TestbedError):

@@ -348,13 +348,9 @@ def execute(path, overrides=(), out=None, probe=True, cli=False, progress=True):
     top.mkdir(parents=True, exist_ok=True)
     summaries = []
     for exp in runs:
-        run_dir = top / _safe(exp.label) if len(runs) > 1 else top
+        run_dir = top / exp.label if len(runs) > 1 else top   # a safe name (config.validate)
         summaries.append(Run(exp, run_dir, probe=probe, cli=cli, progress=progress).execute())
     if len(runs) > 1:
         metrics.write_sweep(top, summaries)
     plot.run_figures(top)
     return top, summaries
-
-
-def _safe(label):
-    return "".join(ch if ch.isalnum() or ch in "-_.=," else "_" for ch in label)

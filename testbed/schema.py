@@ -12,6 +12,7 @@ their own modules with the same helpers, so the schema grows where the feature l
 
 import dataclasses
 import typing
+import unicodedata
 
 from testbed.errors import ConfigError
 
@@ -84,6 +85,48 @@ def string(value):
     return value
 
 
+MAX_NAME_CHARS = 100
+
+
+def path_component(value):
+    """A name that becomes one directory name under results/: no separators, no '..', no
+    control characters, not empty, at most MAX_NAME_CHARS characters."""
+    if not isinstance(value, str):
+        raise ValueError(f"expected a name (text), got {value!r}")
+    why = None
+    if not value.strip():
+        why = "it is empty"
+    elif len(value) > MAX_NAME_CHARS:
+        why = f"it is {len(value)} characters long (at most {MAX_NAME_CHARS})"
+    elif "/" in value or "\\" in value:
+        why = "it contains a path separator"
+    elif ".." in value:
+        why = "it contains '..'"
+    elif value != value.strip():
+        why = "it starts or ends with white space"
+    elif value == ".":
+        why = "it is '.'"
+    elif any(unicodedata.category(ch)[0] in "CZ" and ch != " " for ch in value):
+        bad = next(ch for ch in value if unicodedata.category(ch)[0] in "CZ" and ch != " ")
+        why = f"it contains the control or separator character U+{ord(bad):04X}"
+    if why:
+        raise ValueError(f"expected a name usable as one directory name (letters, digits, "
+                         f"'-', '_', '.', ',', '='), but {why}: {value!r}")
+    return value
+
+
+def at_most(parse, hi, what, hint="a hard limit"):
+    """Wrap a numeric parser to require a value <= hi (`what` formats hi in messages)."""
+
+    def p(value):
+        x = parse(value)
+        if x > hi:
+            raise ValueError(f"expected at most {what} ({hint}), got {value!r}")
+        return x
+
+    return p
+
+
 def boolean(value):
     if not isinstance(value, bool):
         raise ValueError(f"expected true or false, got {value!r}")
@@ -119,7 +162,7 @@ def _takes_key(parse):
 def _call(parse, value, key):
     try:
         return parse(value, key) if _takes_key(parse) else parse(value)
-    except ValueError as e:
+    except (ValueError, TypeError, OverflowError) as e:
         raise ConfigError(str(e), key=key or None) from None
 
 
@@ -184,4 +227,5 @@ def to_dict(obj):
 
 
 __all__ = ["spec", "section", "optional", "choice", "integer", "string", "boolean", "positive",
+           "path_component", "at_most",
            "list_of", "build", "describe", "to_dict", "typing"]

@@ -5,9 +5,10 @@ units: bits per second, seconds, bytes, tokens, events per second, a probability
 raises `ValueError` with what was expected; `testbed.schema` turns that into a `ConfigError`
 naming the file and key.
 
-Prefixes: rates and byte counts use SI prefixes (k, K, M, G, T = 10^3 ...) and IEC prefixes
-(Ki, Mi, Gi = 2^10 ...); token counts use K = 1024 and M = 1024^2 as the paper does
-(128K = 131072 tokens).
+Prefixes, one rule for rates, byte counts and token counts: SI prefixes (k, K = 10^3, M = 10^6,
+G = 10^9, T = 10^12) and IEC prefixes (Ki = 2^10, Mi = 2^20, Gi = 2^30, Ti = 2^40). So "19.4K" is
+19,400 tokens (the paper's threshold, whose 49.6% offload share implies exactly that) and a
+context of "128Ki" is 131,072 tokens.
 """
 
 import math
@@ -17,7 +18,8 @@ _NUM = r"([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)"
 
 _SI = {"": 1.0, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
 _IEC = {"Ki": 2.0**10, "Mi": 2.0**20, "Gi": 2.0**30, "Ti": 2.0**40}
-_TOKENS = {"": 1, "k": 1024, "K": 1024, "M": 1024**2}
+_TOKENS = {"": 1, "k": 1000, "K": 1000, "M": 1000**2, "Ki": 1024, "Mi": 1024**2}
+MAX_TOKENS = 16 * 1024**2     # 16Mi: beyond any model's context (a hard limit)
 _TIME = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "sec": 1.0,
          "min": 60.0, "m": 60.0, "h": 3600.0}
 
@@ -26,7 +28,10 @@ def _split(value, what):
     if isinstance(value, bool):
         raise ValueError(f"expected {what}, got a boolean")
     if isinstance(value, (int, float)):
-        return float(value), ""
+        try:
+            return float(value), ""
+        except OverflowError:
+            raise ValueError(f"expected {what}, got a number out of range") from None
     if not isinstance(value, str):
         raise ValueError(f"expected {what}, got {type(value).__name__}")
     m = re.fullmatch(_NUM + r"\s*(.*)", value.strip())
@@ -92,14 +97,19 @@ def size_bytes(value):
 
 
 def tokens(value):
-    """Token count: '19.4K' (K = 1024), '128K' = 131072, plain integer. Rounded to an int."""
-    what = "a token count such as 1024, 19.4K or 128K"
+    """Token count: '19.4K' = 19400 (K = 1000), '128Ki' = 131072 (Ki = 1024), plain integer.
+
+    Rounded to an int; at most MAX_TOKENS."""
+    what = "a token count such as 1024, 19.4K (19,400) or 128Ki (131,072)"
     x, unit = _split(value, what)
     if unit not in _TOKENS:
         raise ValueError(f"expected {what}, got {value!r}")
     t = _finite(x * _TOKENS[unit], value, what)
     if t < 0:
         raise ValueError(f"expected a non-negative token count, got {value!r}")
+    if t > MAX_TOKENS:
+        raise ValueError(f"expected at most {MAX_TOKENS:,} tokens (16Mi, a hard limit), "
+                         f"got {value!r}")
     return int(round(t))
 
 

@@ -21,7 +21,7 @@ SMALL_EXPERIMENT = textwrap.dedent("""\
       wan: {rate: 100Gbit, delay: 5ms}
     workload:
       arrival: {process: poisson, rate: 1/s}
-      input: {dist: fixed, tokens: 1K}
+      input: {dist: fixed, tokens: 1Ki}
       output: {dist: fixed, tokens: 16}
     """)
 TRACES = ROOT / "experiments" / "traces"   # vendored public traces

@@ -27,7 +27,7 @@ def test_quickstart_expands_to_three_policies():
     assert [r.label for r in runs] == ["homogeneous", "naive", "prfaas"]
     homo = runs[0]
     assert homo.clusters.local.instances == 6 and homo.clusters.prfaas.instances == 0
-    assert runs[2].scheduler.threshold == round(19.4 * 1024)
+    assert runs[2].scheduler.threshold == 19_400        # K = 1000, as for bytes
 
 
 def test_scale_conversion(tmp_path):
@@ -80,12 +80,12 @@ def test_variants_and_sweep_cross(tmp_path):
 def test_set_override(tmp_path):
     runs = config.load_experiment(write(tmp_path, BASE), ["scheduler.threshold=32K",
                                                           "workload.arrival.rate=2/s"])
-    assert runs[0].scheduler.threshold == 32768
+    assert runs[0].scheduler.threshold == 32_000
     assert runs[0].workload.arrival.rate == 2.0
 
 
 def test_missing_file():
-    with pytest.raises(ConfigError, match="no such experiment file"):
+    with pytest.raises(ConfigError, match="no such file"):
         config.load_experiment("/nonexistent/x.yaml")
 
 
@@ -137,4 +137,16 @@ def test_bad_rate_trace_is_caught_before_anything_runs(tmp_path, text, expected)
     p = write(tmp_path, BASE.replace("wan: {rate: 100Gbit, delay: 5ms}",
                                      "wan: {rate: 100Gbit, rate_trace: {path: bw.csv}}"))
     with pytest.raises(ConfigError, match=expected):
+        config.load_experiment(p)
+
+
+def test_swept_units_with_a_slash_make_a_safe_label(tmp_path):
+    runs = config.load_experiment(write(tmp_path, BASE + "sweep: {workload.arrival.rate: [1/s, 2/s]}\n"))
+    assert [r.label for r in runs] == ["prfaas,rate=1_per_s", "prfaas,rate=2_per_s"]
+
+
+@pytest.mark.parametrize("name", ["/etc/x", "../../../../tmp/x", "..", "a\x07b", "", "x" * 101])
+def test_unsafe_names_are_refused(tmp_path, name):
+    p = write(tmp_path, BASE.replace("name: t", f"name: {name!r}".replace("'", '"')))
+    with pytest.raises(ConfigError, match="name"):
         config.load_experiment(p)

@@ -20,8 +20,10 @@ def test_duration(text, s):
 
 
 @pytest.mark.parametrize("text,n", [
-    ("19.4K", 19866), ("128K", 131072), (1024, 1024), ("1M", 1048576), ("512", 512)])
-def test_tokens_are_binary(text, n):
+    ("19.4K", 19400), ("128K", 128000), ("128Ki", 131072), ("19.4Ki", 19866), (1024, 1024),
+    ("1M", 1_000_000), ("1Mi", 1048576), ("1k", 1000), ("512", 512)])
+def test_tokens_follow_the_byte_rule(text, n):
+    """K = 1000, Ki = 1024, as for bytes: the paper's 19.4K threshold is 19,400 tokens."""
     assert units.tokens(text) == n
 
 
@@ -47,7 +49,7 @@ def test_number_accepts_yaml_strings():
 
 @pytest.mark.parametrize("fn,bad", [
     (units.rate_bps, "100 apples"), (units.rate_bps, "fast"), (units.duration_s, "5 parsecs"),
-    (units.tokens, "3 pages"), (units.probability, "150%"), (units.duration_s, "-1s"),
+    (units.tokens, "3 pages"), (units.tokens, "17Mi"), (units.tokens, "1G"), (units.probability, "150%"), (units.duration_s, "-1s"),
     (units.rate_bps, True), (units.number, "nan"), (units.per_s, "3/fortnight")])
 def test_bad_values_say_what_was_expected(fn, bad):
     with pytest.raises(ValueError, match="expected"):

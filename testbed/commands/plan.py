@@ -188,4 +188,4 @@ def _configured_line(c):
 
 def _k(l):
     l = int(l)
-    return f"{l // 1024}K" if l % 1024 == 0 else f"{l / 1024:.1f}K"
+    return f"{l // 1024}Ki" if l % 1024 == 0 else f"{l / 1024:.1f}Ki"

@@ -7,9 +7,18 @@ Direction names follow what crosses the link: `kv` is PrfaaS -> local (KV caches
 """
 
 import dataclasses
+import glob
+import gzip
+import os
+import platform
 
 from testbed import units
+from testbed.errors import ConfigError
 from testbed.schema import boolean, choice, list_of, optional, section, spec, string
+
+MAX_DELAY_S = 10.0                  # one-way delay or jitter, real-world (a hard limit)
+MAX_QUEUE_BYTES = 256 * 1024**2     # emulated bottleneck queue: kernel memory (a hard limit)
+MAX_QUEUE_PACKETS = 100_000         # emulated, in packets (~150 MB of full frames)
 
 
 def _queue(value):
@@ -39,6 +48,10 @@ class DirectionSpec:
 
     rate: float = spec(optional(units.rate_bps), None, "link rate, e.g. 100Gbit")
     delay: float = spec(optional(units.duration_s), None, "one-way propagation delay, e.g. 5ms")
+
+    def check(self):
+        if self.rate is not None and self.rate <= 0:
+            raise ValueError("rate: expected a rate above 0 (a link that is down is up: false)")
     jitter: float = spec(optional(units.duration_s), None, "delay variation (std dev), e.g. 1ms")
     loss: float = spec(optional(units.probability), None, "random loss probability, e.g. 0.1%")
     loss_burst: float = spec(optional(_burst), None,
@@ -60,6 +73,9 @@ class ChangeSpec:
     up: bool = spec(optional(boolean), None, "false cuts the link, true restores it")
 
     def check(self):
+        if self.rate is not None and self.rate <= 0:
+            raise ValueError("rate 0 does not cut the link: write `up: false` to take it down "
+                             "(and `up: true` later to restore it)")
         if all(getattr(self, k) is None for k in ("rate", "delay", "jitter", "loss", "up")):
             raise ValueError("a change needs at least one of rate, delay, jitter, loss, up")
 
@@ -101,6 +117,11 @@ class WanSpec:
     rate_trace: RateTraceSpec = spec(optional(section(RateTraceSpec)), None,
                                      "a time,rate CSV replayed on the link during the run")
 
+    def check(self):
+        if self.rate <= 0:
+            raise ValueError("rate: expected a rate above 0 (a link that starts down is "
+                             "up: false)")
+
     def direction(self, name):
         """Resolved link parameters of one direction ('kv' or 'request') as a dict."""
         over = getattr(self, name)
@@ -120,3 +141,97 @@ class NetworkSpec:
                                    "TCP congestion control of the KV transfers and the link probe "
                                    "(system: the machine's default; metadata.json records it); "
                                    "BBR shrugs off random loss that collapses CUBIC")
+
+
+# ---------------------------------------------------------------- checks on paper (config.validate)
+
+def check_delay(delay, jitter, key):
+    """Real-world one-way delay and jitter within MAX_DELAY_S."""
+    for name, v in (("delay", delay), ("jitter", jitter)):
+        if v > MAX_DELAY_S:
+            raise ConfigError(f"{name} {units.fmt_duration(v)} is above {MAX_DELAY_S:g} s, the "
+                              f"longest one-way {name} the link emulation holds (a hard limit)",
+                              key=f"{key}.{name}")
+
+
+def check_loss(loss, burst, key):
+    """Loss in bursts must be reachable by a Gilbert chain: loss < 1, p(good->bad) <= 1."""
+    if burst is None or not loss:
+        return
+    from testbed.net.shaping import gilbert
+    if loss >= 1 or gilbert(loss, burst)[0] > 1:
+        raise ConfigError(f"loss {loss:.4g} in bursts of {burst:g} packets is impossible (the "
+                          f"good->bad probability would exceed 1); use a lower loss or longer "
+                          f"bursts (loss <= burst / (burst + 1))", key=f"{key}.loss_burst")
+
+
+def check_queue(queue, rate_bps, rtt_s, key):
+    """The emulated queue (given, or the default BDP) within what the kernel can hold.
+
+    bfifo/pfifo limits and netem's `limit` are u32 in the kernel; the caps here are far below
+    that and bound kernel memory."""
+    from testbed.net.shaping import queue_limit
+    kind, n = queue_limit(queue, rate_bps, rtt_s)
+    given = "" if queue is not None else " (the default, one bandwidth-delay product)"
+    if kind == "bfifo" and n > MAX_QUEUE_BYTES:
+        raise ConfigError(f"emulated queue of {n:,} bytes{given} is above {MAX_QUEUE_BYTES:,} "
+                          f"bytes (256 MiB, a hard limit); give a smaller network.wan.queue or "
+                          f"lower scale.bytes", key=key)
+    if kind == "pfifo" and n > MAX_QUEUE_PACKETS:
+        raise ConfigError(f"queue of {n:,} packets is above {MAX_QUEUE_PACKETS:,} (a hard "
+                          f"limit)", key=key)
+
+
+def netem_in_kernel():
+    """True/False when the running kernel's config says whether it has netem; None: unknown.
+
+    Cheap and unprivileged: /proc/config.gz or /boot/config-RELEASE, then modules.builtin and
+    the module tree. `testbed.net.shaping.probe_backend` is the authoritative (root) probe."""
+    release = platform.release()
+    for path in ("/proc/config.gz", f"/boot/config-{release}"):
+        try:
+            opener = gzip.open if path.endswith(".gz") else open
+            with opener(path, "rt", errors="replace") as f:
+                for line in f:
+                    if line.startswith("CONFIG_NET_SCH_NETEM="):
+                        value = line.strip().split("=", 1)[1]
+                        # built in, or a module (absent only when the module tree says so)
+                        return value == "y" or (value == "m"
+                                                and _netem_module(release) is not False)
+                    if line.startswith("# CONFIG_NET_SCH_NETEM is not set"):
+                        return False
+        except OSError:
+            continue
+    return _netem_module(release)
+
+
+def _netem_module(release):
+    base = f"/lib/modules/{release}"
+    if not os.path.isdir(base):
+        return None
+    try:
+        with open(f"{base}/modules.builtin") as f:
+            if any("sch_netem" in line for line in f):
+                return True
+    except OSError:
+        pass
+    return bool(glob.glob(f"{base}/kernel/net/sched/sch_netem.ko*"))
+
+
+def check_backend(wan):
+    """A forced backend must exist here, and burst loss needs the userspace one."""
+    bursts = [f"network.wan.{d}" for d in ("kv", "request")
+              if wan.direction(d)["loss_burst"] is not None]
+    if wan.backend == "netem":
+        have = netem_in_kernel()
+        if have is None and os.geteuid() == 0:
+            from testbed.net.shaping import probe_backend
+            have = probe_backend()[0] == "netem"
+        if have is False:
+            raise ConfigError(f"backend netem requested, but this kernel ({platform.release()}) "
+                              f"has no netem qdisc; use backend: auto or userspace",
+                              key="network.wan.backend")
+    if bursts and (wan.backend == "netem" or (wan.backend == "auto" and netem_in_kernel())):
+        raise ConfigError("burst loss (loss_burst) needs the userspace backend (pyroute2 cannot "
+                          "encode netem's gemodel); set network.wan.backend: userspace",
+                          key=f"{bursts[0]}.loss_burst")

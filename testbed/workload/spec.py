@@ -14,9 +14,10 @@ import pathlib
 
 from testbed import units
 from testbed.errors import ConfigError
-from testbed.schema import (choice, integer, optional, positive, section, spec, string)
+from testbed.schema import (at_most, choice, integer, optional, positive, section, spec, string)
 
 BLOCK_TOKENS = 512  # tokens per prefix block, as in the Mooncake trace format (`hash_ids`)
+MAX_DOCUMENTS = 100_000   # synthetic shared prefixes (a hard limit)
 
 
 def _non_negative(parse):
@@ -37,7 +38,7 @@ class ArrivalSpec:
                         "workload.trace is set, else poisson")
     rate: float = spec(optional(positive(units.per_s)), None,
                        "poisson, gamma, constant: mean arrival rate (real-world), e.g. 1.2/s")
-    burstiness: float = spec(positive(units.number), 1.0,
+    burstiness: float = spec(at_most(positive(units.number), 1000, "1000"), 1.0,
                              "gamma: shape of the gap distribution; CV = 1/sqrt(burstiness), "
                              "1 = poisson, < 1 burstier")
     on_rate: float = spec(optional(positive(units.per_s)), None,
@@ -56,6 +57,8 @@ class ArrivalSpec:
             hint = ("on_rate/off_rate" if p == "onoff"
                     else "workload.trace.speedup to change the trace's rate")
             raise ValueError(f"process {p} does not use 'rate'; use {hint}")
+        if self.burstiness < 1e-3:
+            raise ValueError(f"burstiness: expected at least 1e-3, got {self.burstiness:g}")
         if p == "onoff" and None in (self.on_rate, self.on_duration, self.off_duration):
             raise ValueError("process onoff needs 'on_rate', 'on_duration' and 'off_duration'")
 
@@ -76,7 +79,8 @@ class LengthSpec:
                      "own); default: trace when workload.trace is set, else fixed")
     tokens: int = spec(optional(units.tokens), None, "fixed: the length")
     mu: float = spec(optional(units.number), None, "lognormal: mean of ln(tokens)")
-    sigma: float = spec(optional(positive(units.number)), None, "lognormal: std dev of ln(tokens)")
+    sigma: float = spec(optional(at_most(positive(units.number), 10, "10")), None,
+                        "lognormal: std dev of ln(tokens) (at most 10)")
     min: int = spec(units.tokens, 1, "lognormal, uniform: smallest length (truncation / low end)")
     max: int = spec(units.tokens, 131072, "lognormal, uniform: largest length (truncation / high end)")
 
@@ -91,15 +95,18 @@ class LengthSpec:
             raise ValueError(f"dist fixed needs tokens >= 1, got {self.tokens}")
         if self.dist == "lognormal" and (self.mu is None or self.sigma is None):
             raise ValueError("dist lognormal needs 'mu' and 'sigma'")
+        if self.mu is not None and not -10 <= self.mu <= 30:
+            raise ValueError(f"mu is ln(tokens): expected a value in [-10, 30], got {self.mu:g}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PrefixSpec:
     """Synthetic prefix sharing: `documents` shared prefixes picked with Zipf popularity."""
 
-    documents: int = spec(integer(0), 0,
-                          "number of shared prefixes (system prompts, documents); 0 = no sharing")
-    zipf: float = spec(_non_negative(units.number), 1.0,
+    documents: int = spec(integer(0, MAX_DOCUMENTS), 0,
+                          "number of shared prefixes (system prompts, documents); 0 = no sharing; "
+                          "at most 100,000")
+    zipf: float = spec(at_most(_non_negative(units.number), 100, "100"), 1.0,
                        "popularity exponent s: P(document k) ~ 1/k^s (0 = uniform)")
     length: int = spec(units.tokens, 4096,
                        "shared prefix length per request (tokens; whole 512-token blocks, at "
@@ -125,7 +132,7 @@ class TraceSpec:
     duration: float = spec(optional(positive(units.duration_s)), None,
                            "replay this much trace time (default: to the end)")
     max_requests: int = spec(optional(integer(1)), None, "replay at most this many rows")
-    speedup: float = spec(positive(units.number), 1.0,
+    speedup: float = spec(at_most(positive(units.number), 1e6, "1e6"), 1.0,
                           "divide the trace's gaps by this (2 = twice the load); real-world")
     max_input: int = spec(optional(positive(units.tokens)), None,
                           "clip input lengths (and prefix blocks) to this; clipped rows are "

@@ -13,6 +13,7 @@ Nothing here is random: `testbed.workload.generate` decides what to do with the 
 import calendar
 import csv
 import dataclasses
+import io
 import json
 import logging
 import math
@@ -20,8 +21,13 @@ import re
 
 import numpy as np
 
+from testbed import units
 from testbed.errors import ConfigError
 from testbed.workload.spec import BLOCK_TOKENS, resolve_trace_path
+
+MAX_TRACE_BYTES = 256 * 1024**2   # a trace file (a hard limit; slice bigger traces first)
+MAX_TIMESTAMP_MS = 1e15           # ~31,700 years of trace time
+_INT64 = 2**63 - 1
 
 log = logging.getLogger(__name__)
 
@@ -123,15 +129,15 @@ def _fmt(x):
 
 
 def _count(v):
-    """A token count from a trace: a positive int (bool and float are not)."""
-    return type(v) is int and v >= 1
+    """A token count from a trace: a positive int up to units.MAX_TOKENS (not bool or float)."""
+    return type(v) is int and 1 <= v <= units.MAX_TOKENS
 
 
 def _open(path):
-    try:
-        return open(path, encoding="utf-8", newline="")
-    except OSError as e:
-        raise ConfigError(f"cannot read trace: {e.strerror}", path=str(path)) from None
+    """The trace's text as a file object: UTF-8, no NUL bytes, at most MAX_TRACE_BYTES."""
+    from testbed.yamlload import read_text
+    return io.StringIO(read_text(path, "a trace file", MAX_TRACE_BYTES,
+                                 key="workload.trace.path"), newline="")
 
 
 def read_mooncake(path, on_error="fail"):
@@ -154,8 +160,10 @@ def _mooncake_row(text):
     """(None, (t_ms, input, output, ids)) or (why it is malformed, None)."""
     try:
         obj = json.loads(text)
-    except ValueError as e:
+    except json.JSONDecodeError as e:
         return f"not valid JSON ({e.msg} at column {e.colno})", None
+    except (ValueError, RecursionError):
+        return "not valid JSON (nested too deeply or a number out of range)", None
     if not isinstance(obj, dict):
         return "expected a JSON object", None
     missing = [k for k in ("timestamp", "input_length", "output_length", "hash_ids")
@@ -164,18 +172,25 @@ def _mooncake_row(text):
         return f"missing {', '.join(missing)}", None
     t, inp, out, ids = (obj["timestamp"], obj["input_length"], obj["output_length"],
                         obj["hash_ids"])
-    if type(t) not in (int, float) or not math.isfinite(t) or t < 0:
-        return f"timestamp must be a non-negative number of ms, got {t!r}", None
+    if type(t) not in (int, float) or not math.isfinite(t) or not 0 <= t <= MAX_TIMESTAMP_MS:
+        return f"timestamp must be a number of ms in [0, 1e15], got {_short(t)}", None
     if not _count(inp):
-        return f"input_length must be a positive integer, got {inp!r}", None
+        return (f"input_length must be an integer in [1, {units.MAX_TOKENS}], "
+                f"got {_short(inp)}"), None
     if not _count(out):
-        return f"output_length must be a positive integer, got {out!r}", None
-    if not isinstance(ids, list) or not all(type(h) is int for h in ids):
-        return "hash_ids must be a list of integers", None
+        return (f"output_length must be an integer in [1, {units.MAX_TOKENS}], "
+                f"got {_short(out)}"), None
+    if not isinstance(ids, list) or not all(type(h) is int and 0 <= h <= _INT64 for h in ids):
+        return "hash_ids must be a list of non-negative 64-bit integers", None
     if len(ids) != -(-inp // BLOCK_TOKENS):
         return (f"hash_ids has {len(ids)} ids but input_length {inp} needs "
                 f"{-(-inp // BLOCK_TOKENS)} blocks of {BLOCK_TOKENS}"), None
     return None, (t, inp, out, ids)
+
+
+def _short(v):
+    text = repr(v)
+    return text if len(text) <= 40 else text[:40] + "..."
 
 
 def read_azure(path, on_error="fail"):
@@ -231,8 +246,8 @@ def _azure_row(fields, width, cols):
     # Seconds since 2000 keep sub-microsecond precision in a float64.
     t = float(whole - 946684800) + (float(frac) if frac else 0.0)
     for name, v in (("ContextTokens", inp), ("GeneratedTokens", out)):
-        if not v.isdigit() or int(v) < 1:
-            return f"{name} must be a positive integer, got {v!r}", None
+        if not (v.isascii() and v.isdigit()) or len(v) > 12 or not 1 <= int(v) <= units.MAX_TOKENS:
+            return f"{name} must be an integer in [1, {units.MAX_TOKENS}], got {_short(v)}", None
     return None, (t, int(inp), int(out))
 
 

@@ -8,10 +8,9 @@ at a linear:full ratio, 3:1 by default as in Kimi Linear.
 
 import dataclasses
 
-import torch
-
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32,
-           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+# dtype name -> torch attribute; torch is imported only when a dtype is needed, so the
+# experiment loader can check a model shape without loading torch
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -72,7 +71,8 @@ class HybridConfig:
 
     @property
     def torch_dtype(self):
-        return _DTYPES[self.dtype]
+        import torch
+        return getattr(torch, _DTYPES[self.dtype])
 
     @property
     def layer_kinds(self):
