@@ -203,10 +203,24 @@ class Registry:
         return errors
 
 
+def _namespace_owner_alive(argv, starts):
+    """An undo command run inside /proc/<pid>/ns/net is only run if <pid> is still the recorded
+    process: once it is gone its namespace (and the rules in it) went with it, and the PID may
+    now belong to an unrelated process in another namespace."""
+    for a in argv:
+        if a.startswith("--net=/proc/"):
+            pid = a[len("--net=/proc/"):].split("/", 1)[0]
+            return pid.isdigit() and _alive(int(pid), starts.get(int(pid)))
+    return True
+
+
 def _undo(state):
+    starts = {p["pid"]: p["start"] for p in state.get("processes", [])}
     for p in reversed(state.get("processes", [])):
         kill_recorded(p["pid"], p["start"])
     for argv in reversed(state.get("commands", [])):
+        if not _namespace_owner_alive(argv, starts):
+            continue
         subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
     if state.get("links") or state.get("netns"):
         from pyroute2 import IPRoute, netns

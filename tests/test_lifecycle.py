@@ -299,3 +299,19 @@ def test_analyse_command_on_a_killed_run(tmp_path, small_experiment):
     r = subprocess.run([sys.executable, "-m", "testbed.cli", "analyse", str(tmp_path / "nope")],
                        capture_output=True, text=True, env=ENV, timeout=60)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_undo_commands_never_enter_a_namespace_whose_process_is_gone(tmp_path):
+    marker = tmp_path / "ran"
+    p = subprocess.Popen(["sleep", "30"])
+    try:
+        start = lifecycle.proc_start_time(p.pid)
+        cmd = ["sh", "-c", f"echo x >> {marker}", f"--net=/proc/{p.pid}/ns/net"]
+        state = {"processes": [{"pid": p.pid, "start": start + 1, "what": "reused pid"}],
+                 "commands": [cmd], "netns": [], "links": []}
+        lifecycle._undo(state)                  # the recorded process is not this one: skip
+        assert not marker.exists() and p.poll() is None
+        state["processes"][0]["start"] = start
+        assert lifecycle._namespace_owner_alive(cmd, {p.pid: start})
+    finally:
+        p.kill()
