@@ -10,21 +10,34 @@ carrying this testbed's own prefix `tb` + run id.
 
 Teardown callbacks (`on_close`) let a component register a Python-level stop function for the
 normal path; the recorded kernel objects are the fallback for the crash path.
+
+Children die with the orchestrator, even when it is SIGKILLed (no teardown runs then):
+`die_with_parent()` is a `preexec_fn` that sets the kernel's parent-death signal (SIGKILL) in the
+child before it execs, and `ORCHESTRATOR_ENV` names the orchestrator (PID and start time) so a
+worker can also watch it (`workers.common.die_with_orchestrator`). The parent-death signal fires
+when the *thread* that forked the child exits, so it is only set for children forked by the main
+thread; children forked by other threads (a delay line started by a scheduled link change) rely on
+the watch or, for the delay line, on its stdin closing.
 """
 
 import contextlib
+import ctypes
 import json
 import os
 import pathlib
 import signal
 import subprocess
+import threading
 import time
 
 STATE_DIR = pathlib.Path(os.environ.get("TESTBED_STATE_DIR", "/run/prfaas-testbed"))
+ORCHESTRATOR_ENV = "TESTBED_ORCHESTRATOR"   # "<pid>:<start time>" of the process to die with
+PR_SET_PDEATHSIG = 1
+TEARDOWN_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 
 def sigterm_unwinds():
-    """Make SIGTERM tear down like Ctrl-C (KeyboardInterrupt) in this process only.
+    """Make SIGTERM, SIGHUP and SIGQUIT tear down like Ctrl-C (KeyboardInterrupt), this process only.
 
     pyroute2 forks helper processes for namespaces; a fork inherits Python signal handlers, and a
     handler that raised there would unwind a copy of the caller's stack in the child, running its
@@ -39,7 +52,8 @@ def sigterm_unwinds():
             return
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, handler)
+    for sig in TEARDOWN_SIGNALS:
+        signal.signal(sig, handler)
 
 
 def proc_start_time(pid):
@@ -55,6 +69,63 @@ def _alive(pid, start):
     return start is not None and proc_start_time(pid) == start
 
 
+def identity(pid=None):
+    """'<pid>:<start time>' of a process (default: this one), the value of ORCHESTRATOR_ENV."""
+    pid = os.getpid() if pid is None else pid
+    return f"{pid}:{proc_start_time(pid)}"
+
+
+def identity_alive(token):
+    """Is the process named by an `identity()` string still the same process and running?"""
+    try:
+        pid, start = token.split(":")
+        return _alive(int(pid), int(start))
+    except ValueError:
+        return False
+
+
+_LIBC = None
+
+
+def _libc():
+    global _LIBC
+    if _LIBC is None:
+        _LIBC = ctypes.CDLL(None, use_errno=True)
+    return _LIBC
+
+
+def set_parent_death_signal(sig=signal.SIGKILL, expected_parent=None):
+    """prctl(PR_SET_PDEATHSIG, sig) for this process; exit at once if the parent is already gone.
+
+    The kernel sends `sig` when the thread that forked this process exits. The signal survives
+    execve (of a binary that is not set-user-ID), so a preexec_fn can set it for the program it
+    starts. If `expected_parent` died before the prctl, nobody would signal: exit instead.
+    """
+    if _libc().prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        return False
+    if expected_parent is not None and os.getppid() != expected_parent:
+        os._exit(1)
+    return True
+
+
+def die_with_parent(sig=signal.SIGKILL):
+    """A `preexec_fn` tying the child's life to this process, or None off the main thread.
+
+    Off the main thread, the signal would fire when that thread ends, not when the orchestrator
+    does, so it is not set there (the child's own watch covers it).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    _libc()                          # loaded before the fork: the child only calls into it
+    parent = os.getpid()
+    return lambda: set_parent_death_signal(sig, parent)
+
+
+def orchestrator_env(env=None):
+    """`env` (default os.environ) plus ORCHESTRATOR_ENV naming this process."""
+    return dict(os.environ if env is None else env, **{ORCHESTRATOR_ENV: identity()})
+
+
 def kill_recorded(pid, start, grace_s=2.0):
     """SIGTERM, then SIGKILL after `grace_s`, the process `pid` only if it is the one recorded."""
     if not _alive(pid, start):
@@ -66,8 +137,9 @@ def kill_recorded(pid, start, grace_s=2.0):
         if not _alive(pid, start):
             return True
         time.sleep(0.02)
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
+    if _alive(pid, start):           # checked again: the PID may have been reused meanwhile
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     return True
 
 
@@ -79,8 +151,8 @@ class Registry:
         self.state_dir = pathlib.Path(state_dir or STATE_DIR)
         self.path = self.state_dir / f"{run_id}.json"
         self.state = {"run_id": run_id, "kind": kind, "owner_pid": os.getpid(),
-                      "created": time.time(), "processes": [], "netns": [], "links": [],
-                      "commands": []}
+                      "owner_start": proc_start_time(os.getpid()), "created": time.time(),
+                      "processes": [], "netns": [], "links": [], "commands": []}
         self._callbacks = []
         self._save()
 
@@ -131,10 +203,24 @@ class Registry:
         return errors
 
 
+def _namespace_owner_alive(argv, starts):
+    """An undo command run inside /proc/<pid>/ns/net is only run if <pid> is still the recorded
+    process: once it is gone its namespace (and the rules in it) went with it, and the PID may
+    now belong to an unrelated process in another namespace."""
+    for a in argv:
+        if a.startswith("--net=/proc/"):
+            pid = a[len("--net=/proc/"):].split("/", 1)[0]
+            return pid.isdigit() and _alive(int(pid), starts.get(int(pid)))
+    return True
+
+
 def _undo(state):
+    starts = {p["pid"]: p["start"] for p in state.get("processes", [])}
     for p in reversed(state.get("processes", [])):
         kill_recorded(p["pid"], p["start"])
     for argv in reversed(state.get("commands", [])):
+        if not _namespace_owner_alive(argv, starts):
+            continue
         subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
     if state.get("links") or state.get("netns"):
         from pyroute2 import IPRoute, netns
@@ -150,20 +236,61 @@ def _undo(state):
                 netns.remove(name)
 
 
+class CorruptState(Exception):
+    """A state file that cannot be read as a run's record: reported, never deleted."""
+
+
+def read_state(path):
+    """The record in a state file, checked for shape; CorruptState says what is wrong."""
+    try:
+        state = json.loads(pathlib.Path(path).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise CorruptState(f"not readable as JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(state, dict):
+        raise CorruptState(f"expected a JSON object, found {type(state).__name__}")
+    for key, kind in (("processes", list), ("netns", list), ("links", list), ("commands", list)):
+        if not isinstance(state.get(key, []), kind):
+            raise CorruptState(f"{key!r} is not a list")
+    for p in state.get("processes", []):
+        if not (isinstance(p, dict) and isinstance(p.get("pid"), int)
+                and isinstance(p.get("start"), (int, type(None)))):
+            raise CorruptState(f"process entry {p!r} lacks an integer pid and start time")
+    if not all(isinstance(n, str) for n in state.get("netns", []) + state.get("links", [])):
+        raise CorruptState("a namespace or interface name is not a string")
+    if not all(isinstance(c, list) and c and all(isinstance(a, str) for a in c)
+               for c in state.get("commands", [])):
+        raise CorruptState("an undo command is not a list of strings")
+    return state
+
+
+def owner_alive(state):
+    """Is the process that wrote `state` still running (PID and start time both match)?"""
+    owner = state.get("owner_pid")
+    if not isinstance(owner, int):
+        return False
+    start = state.get("owner_start")
+    if start is None:        # a record written before start times were kept: PID only
+        return pathlib.Path(f"/proc/{owner}").exists()
+    return _alive(owner, start)
+
+
 def cleanup_all(state_dir=None, include_live=False):
-    """Undo every recorded run whose owner is gone (or all, with include_live). Returns a report."""
+    """Undo every recorded run whose owner is gone (or all, with include_live).
+
+    Returns (report lines, corrupt lines): a state file that cannot be read is left in place and
+    reported (its path and what is wrong), so nothing is forgotten silently.
+    """
     d = pathlib.Path(state_dir or STATE_DIR)
-    report = []
+    report, corrupt = [], []
     for f in sorted(d.glob("*.json")) if d.is_dir() else []:
         try:
-            state = json.loads(f.read_text())
-        except (OSError, ValueError):
-            f.unlink(missing_ok=True)
+            state = read_state(f)
+        except CorruptState as e:
+            corrupt.append(f"{f}: corrupt state file, left in place: {e}")
             continue
-        owner = state.get("owner_pid")
-        if owner and not include_live and pathlib.Path(f"/proc/{owner}").exists() \
-                and owner != os.getpid():
-            report.append(f"{state.get('run_id')}: still running (pid {owner}), left alone")
+        if not include_live and owner_alive(state) and state.get("owner_pid") != os.getpid():
+            report.append(f"{state.get('run_id')}: still running (pid {state['owner_pid']}), "
+                          "left alone")
             continue
         n = (len(state.get("processes", [])), len(state.get("links", [])),
              len(state.get("netns", [])))
@@ -171,4 +298,19 @@ def cleanup_all(state_dir=None, include_live=False):
         f.unlink(missing_ok=True)
         report.append(f"{state.get('run_id')}: removed {n[0]} process(es), {n[1]} interface(s), "
                       f"{n[2]} namespace(s)")
-    return report
+    return report, corrupt
+
+
+@contextlib.contextmanager
+def scratch_netns(name, kind="scratch"):
+    """A named network namespace on record while it exists (`testbed clean` removes it if the
+    process dies first); yields the Registry, for processes started in it."""
+    from pyroute2 import netns
+
+    reg = Registry(name, kind=kind)
+    try:
+        reg.add_netns(name)
+        netns.create(name)
+        yield reg
+    finally:
+        reg.close()

@@ -13,14 +13,25 @@ is kept and marked failed with the reason. Metric definitions follow `vllm bench
 Times measured on the emulated timeline are converted back to real-world units by multiplying
 durations by `scale.time`; byte rates by dividing by `scale.bytes * scale.time`. The summary keys
 are real-world milliseconds, seconds, requests/s and Gbit/s (1e9 bit/s).
+
+Everything is read from the run directory, so a run that was killed (SIGKILL, power cut) can be
+analysed afterwards: `analyse_dir` (`testbed analyse RUN_DIR`) reads the Experiment back from the
+saved `config.yaml`. `summary.json` says `incomplete: true` and why (`incomplete_reason`) when
+the records show the run did not end normally: no metadata.json (the orchestrator never reached
+its teardown), an interruption or error in events.csv, or no `finished` line from the client.
+`not_finished` counts requests sent without a reply on record, `not_sent` those never sent; both
+are among `failed`.
 """
 
+import csv
+import io
 import json
 import math
 import pathlib
 
 import numpy as np
 import pandas as pd
+import yaml
 
 SUMMARY_KEYS = [
     "label", "policy", "completed", "failed", "duration_s", "request_throughput",
@@ -264,6 +275,71 @@ def predicted(exp, input_lengths=None):
         return {"error": f"{type(e).__name__}: {e}"}
 
 
+def read_timeseries(path):
+    """timeseries.csv as numbers, or None; a last line cut by a crash is dropped."""
+    p = pathlib.Path(path)
+    if not p.exists():
+        return None
+    text = p.read_text(errors="replace")
+    if not text.endswith("\n"):
+        text = text[:text.rfind("\n") + 1]
+    lines = text.splitlines()
+    if len(lines) < 2:
+        return None
+    ts = pd.read_csv(io.StringIO(text), on_bad_lines="skip")
+    return ts.apply(pd.to_numeric, errors="coerce").dropna().reset_index(drop=True)
+
+
+def incomplete_reasons(run_dir):
+    """Why a run directory's records are incomplete; [] when the run ended normally."""
+    d = pathlib.Path(run_dir)
+    reasons = []
+    if not (d / "metadata.json").exists():
+        reasons.append("the orchestrator stopped before its teardown (no metadata.json: killed)")
+    if (d / "events.csv").exists():
+        with open(d / "events.csv", newline="", errors="replace") as f:
+            for row in csv.reader(f):
+                if len(row) >= 2 and row[1] == "interrupted":
+                    reasons.append("interrupted (Ctrl-C, SIGTERM, SIGHUP or SIGQUIT)")
+                elif len(row) >= 3 and row[1] == "error":
+                    reasons.append(f"the run failed: {row[2]}")
+    finished = False
+    if (d / "requests.jsonl").exists():
+        with open(d / "requests.jsonl", errors="replace") as f:
+            finished = any('"ev":"finished"' in line for line in f)
+    if not finished:
+        reasons.append("the client did not finish (no 'finished' record in requests.jsonl)")
+    return reasons
+
+
+def load_experiment(run_dir):
+    """The Experiment a run directory was made with, read back from its config.yaml."""
+    from testbed import config
+    from testbed.errors import ConfigError
+
+    path = pathlib.Path(run_dir) / "config.yaml"
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise ConfigError(f"cannot read the run's configuration ({type(e).__name__})",
+                          path=str(path)) from None
+    if not isinstance(raw, dict):
+        raise ConfigError("expected the resolved configuration (a mapping)", path=str(path))
+    return config.validate(raw, str(path))
+
+
+def analyse_dir(run_dir):
+    """`analyse` for a run directory alone (a killed run included): the Experiment comes from
+    its config.yaml."""
+    d = pathlib.Path(run_dir)
+    from testbed.errors import ConfigError
+    for name in ("config.yaml", "workload.parquet"):
+        if not (d / name).exists():
+            raise ConfigError(f"no {name}: not a run directory, or the run was killed before it "
+                              "started sending", path=str(d))
+    return analyse(d, load_experiment(d))
+
+
 def analyse(run_dir, exp):
     """requests.jsonl + workload.parquet + timeseries.csv -> requests.parquet, summary.json."""
     d = pathlib.Path(run_dir)
@@ -273,16 +349,25 @@ def analyse(run_dir, exp):
     tokens_table(df, exp.scale.time).to_parquet(d / "tokens.parquet", index=False)
     df.drop(columns=["token_times", "client_times"], errors="ignore").to_parquet(
         d / "requests.parquet", index=False)
-    ts = pd.read_csv(d / "timeseries.csv") if (d / "timeseries.csv").exists() else None
+    ts = read_timeseries(d / "timeseries.csv")
     meta = json.loads((d / "metadata.json").read_text()) if (d / "metadata.json").exists() else {}
     summary = summarize(df, exp, ts, meta.get("wan_counters"))
+    reasons = incomplete_reasons(d)
+    ids = set(int(i) for i in workload.id)
+    summary["incomplete"] = bool(reasons)
+    summary["incomplete_reason"] = "; ".join(reasons) or None
+    summary["not_finished"] = len((set(sent) - set(done)) & ids)
+    summary["not_sent"] = len(ids - set(sent) - set(done))
     from testbed.workload import summarize as workload_stats
     summary["workload"] = workload_stats(workload)
     summary["run_dir"] = str(d)
     fid = meta.get("link_fidelity") or {}
     summary["link_warnings"] = fid.get("warnings", [])
     summary["warnings"] = summary["link_warnings"] + (summary.get("emulation") or {}).get(
-        "warnings", [])
+        "warnings", []) + [f"scheduled link change at {e['at_s']:g}s (emulated) failed: "
+                           f"{e['error']}" for e in meta.get("link_schedule_errors") or []]
+    if reasons:
+        summary["warnings"].append(f"incomplete run: {summary['incomplete_reason']}")
     (d / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 

@@ -22,8 +22,8 @@ import time
 
 import yaml
 
-from testbed import __version__, config, kvwire, lifecycle, metrics, plot
-from testbed.errors import PrivilegeError, RunInterrupted, WorkerError
+from testbed import __version__, config, kvwire, lifecycle, metrics, ownership, plot
+from testbed.errors import ConfigError, PrivilegeError, RunInterrupted, WorkerError
 from testbed.measure import CounterSampler, EventLog
 from testbed.workload import generate
 
@@ -288,7 +288,7 @@ class Run:
             paths["probe_remote"], paths["probe_local"], net.ip("probe_local"),
             configured=self.exp.emulated_direction("kv"))
 
-    def _link_schedule(self, net, events):
+    def _link_schedule(self, net, events, warn):
         from testbed.net.schedule import LinkSchedule
 
         trace = self.exp.network.wan.rate_trace
@@ -299,7 +299,7 @@ class Run:
             if period > 0:
                 n = int(horizon / period) + 1
                 rows = [(t + k * period, r) for k in range(n) for t, r in rows]
-        return LinkSchedule(net.wan, self.exp.emulated_changes(rows), events)
+        return LinkSchedule(net.wan, self.exp.emulated_changes(rows), events, warn)
 
     def _drive(self, net, rt, workload, events):
         records = self.dir / "requests.jsonl"
@@ -309,10 +309,10 @@ class Run:
                     ["--workload", str(self.dir / "workload.parquet"), "--out", str(records),
                      "--start-at", f"{start_at:.6f}"])
         events("client_started", requests=len(workload))
-        schedule = self._link_schedule(net, events).start(start_at)
+        progress = Progress(records, len(workload), self.exp.label, self.progress)
+        schedule = self._link_schedule(net, events, progress.write).start(start_at)
         last_arrival = float(workload.arrival_s.max()) if len(workload) else 0.0
         bound = start_at + last_arrival / self.exp.scale.time + rt["drain_timeout_s"] + 30.0
-        progress = Progress(records, len(workload), self.exp.label, self.progress)
         dead = set()
         client = self.procs["client"]
         try:
@@ -335,6 +335,9 @@ class Run:
         finally:
             schedule.stop()
             progress.close()
+            self.meta["link_schedule_errors"] = [
+                {"at_s": t, "direction": d or "both", "changes": c, "error": e}
+                for t, d, c, e in schedule.errors]
         events("client_finished", code=client.returncode)
         self.meta["dead_workers"] = sorted(dead)
 
@@ -342,15 +345,41 @@ class Run:
 def execute(path, overrides=(), out=None, probe=True, cli=False, progress=True):
     """Run every variant of an experiment file; returns (top run dir, list of summaries)."""
     runs = config.load_experiment(path, overrides)
+    if out:
+        check_out(out)
     if os.geteuid() != 0:
         raise PrivilegeError("testbed run builds network namespaces and needs root: use sudo")
     top = pathlib.Path(out) if out else default_out(runs[0].name)
+    made = ownership.missing_ancestors(top)
     top.mkdir(parents=True, exist_ok=True)
     summaries = []
-    for exp in runs:
-        run_dir = top / exp.label if len(runs) > 1 else top   # a safe name (config.validate)
-        summaries.append(Run(exp, run_dir, probe=probe, cli=cli, progress=progress).execute())
-    if len(runs) > 1:
-        metrics.write_sweep(top, summaries)
-    plot.run_figures(top)
+    try:
+        for exp in runs:
+            run_dir = top / exp.label if len(runs) > 1 else top   # a safe name (config.validate)
+            summaries.append(Run(exp, run_dir, probe=probe, cli=cli, progress=progress).execute())
+        if len(runs) > 1:
+            metrics.write_sweep(top, summaries)
+        plot.run_figures(top)
+    finally:    # also on Ctrl-C and errors: what sudo made belongs to the user who ran it
+        ownership.hand_back(top)
+        ownership.hand_back(*made[1:], recursive=False)
     return top, summaries
+
+
+def check_out(out):
+    """`--out` must not exist yet or be an empty directory: a run never appends to old records."""
+    p = pathlib.Path(out)
+    if not p.exists() and not p.is_symlink():
+        return
+    if not p.is_dir():
+        raise ConfigError("--out exists and is not a directory; give a new or empty directory",
+                          path=str(out))
+    try:
+        n = sum(1 for _ in p.iterdir())
+    except OSError as e:
+        raise ConfigError(f"--out cannot be read ({e.strerror}); give a new or empty directory",
+                          path=str(out)) from None
+    if n:
+        raise ConfigError(f"--out is not empty ({n} entries); give a new or empty directory "
+                          "(a run never adds to an earlier run's records)", path=str(out))
+

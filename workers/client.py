@@ -122,7 +122,9 @@ def main():
     p.add_argument("--workload", required=True, help="workload.parquet")
     p.add_argument("--out", required=True, help="requests.jsonl to append to")
     p.add_argument("--start-at", type=float, default=0.0, help="Unix time of arrival 0")
-    asyncio.run(run(p.parse_args()))
+    args = p.parse_args()
+    common.die_with_orchestrator()
+    asyncio.run(run(args))
 
 
 if __name__ == "__main__":

@@ -4,15 +4,26 @@ The runner writes `runtime.json` in the run directory: the instances (name, role
 accelerator, IP, ports), the scheduler's policy and the scaled timing parameters. A worker starts
 its servers, then writes `ready/<name>`; the runner waits for those files (bounded) instead of
 sleeping. SIGTERM stops a worker cleanly (the runner sends it at the end of a run).
+
+A worker never outlives the runner (the orchestrator), even a SIGKILLed one: the runner starts it
+with a parent-death signal (`testbed.lifecycle.die_with_parent`), and `die_with_orchestrator`, called
+at start-up, also watches the orchestrator named in the environment (PID and start time) from a
+thread, for the cases the kernel signal does not cover.
 """
 
 import argparse
 import asyncio
 import json
 import logging
+import os
 import pathlib
 import signal
+import threading
 import time
+
+from testbed import lifecycle
+
+WATCH_INTERVAL_S = 0.2
 
 
 def parse_args(description):
@@ -40,8 +51,31 @@ def mark_ready(rt, name):
     (d / name).write_text(str(time.time()))
 
 
+def die_with_orchestrator(interval_s=WATCH_INTERVAL_S):
+    """Exit (SIGKILL to this process) within `interval_s` of the orchestrator's end.
+
+    The orchestrator is named by `lifecycle.ORCHESTRATOR_ENV` ('<pid>:<start time>'); without it
+    (a worker started by hand) nothing is watched. Returns the watching thread or None.
+    """
+    token = os.environ.get(lifecycle.ORCHESTRATOR_ENV)
+    if not token:
+        return None
+    if not lifecycle.identity_alive(token):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def watch():
+        while lifecycle.identity_alive(token):
+            time.sleep(interval_s)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    t = threading.Thread(target=watch, name="orchestrator-watch", daemon=True)
+    t.start()
+    return t
+
+
 def startup(description):
     """(args, runtime, this instance, logger) of a worker process."""
+    die_with_orchestrator()
     args = parse_args(description)
     rt = load_runtime(args.runtime)
     return args, rt, instance(rt, args.name), setup_logging(args.name)

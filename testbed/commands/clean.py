@@ -2,10 +2,13 @@
 
 Reads every state file in /run/prfaas-testbed/ (written by `testbed.lifecycle.Registry` as a run
 creates things) and removes exactly the processes (PID + start time checked), interfaces,
-namespaces and firewall rules recorded there. Never `mn -c`, never a kill by name.
+namespaces and firewall rules recorded there. Never `mn -c`, never a kill by name. A record whose
+owner is still running (same PID and start time) is left alone unless `--all`. A state file that
+cannot be read is left in place and reported, one line each, and the exit code is 1.
 """
 
 import os
+import sys
 
 from testbed import lifecycle
 from testbed.errors import PrivilegeError
@@ -21,9 +24,11 @@ def register(sub):
 def main(args):
     if os.geteuid() != 0:
         raise PrivilegeError("testbed clean removes namespaces and interfaces: use sudo")
-    report = lifecycle.cleanup_all(include_live=args.all)
+    report, corrupt = lifecycle.cleanup_all(include_live=args.all)
     for line in report:
         print(line)
-    if not report:
+    for line in corrupt:
+        print(f"testbed clean: {line}", file=sys.stderr)
+    if not report and not corrupt:
         print("nothing to clean")
-    return 0
+    return 1 if corrupt else 0

@@ -1,7 +1,9 @@
 """`testbed doctor`: what this machine offers the link emulation, and which backend `auto` picks.
 
 Each check creates nothing outside scratch namespaces (`tbdoc<pid>`, always removed): qdisc kinds
-are tried on `lo` of a scratch namespace, NFQUEUE by binding the delay line's queue there.
+are tried on `lo` of a scratch namespace, NFQUEUE by binding the delay line's queue there. The
+namespace and the delay line are on record (a state file, `testbed.lifecycle.scratch_netns`) while
+they exist, so a killed doctor leaves nothing that `testbed clean` cannot remove.
 """
 
 import contextlib
@@ -37,15 +39,18 @@ def _qdisc_available(ns, idx, kind):
     return True, ""
 
 
-def _nfqueue_available(ns_path):
+def _nfqueue_available(ns_path, registry):
+    from testbed import lifecycle
     from testbed.net.shaping import delayline_binary
     try:
         binary = delayline_binary()
     except Exception as e:
         return False, str(e)
     p = subprocess.Popen(["nsenter", f"--net={ns_path}", str(binary), "7", "16", "0", "0",
-                          "normal", "0", "0", "1", "0", "1", "1"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+                          "normal", "0", "0", "1", "0", "1", "1"], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lifecycle.die_with_parent())
+    registry.add_process(p.pid, "tb-delayline (doctor's NFQUEUE check)")
     try:
         out, err = p.communicate("", timeout=5)   # empty stdin: binds, says ready, exits
     except subprocess.TimeoutExpired:
@@ -85,11 +90,12 @@ def main(args):
 
 
 def _kernel_rows():
-    from pyroute2 import NetNS, netns
+    from pyroute2 import NetNS
+
+    from testbed import lifecycle
     name = f"tbdoc{os.getpid()}"
     rows = []
-    netns.create(name)
-    try:
+    with lifecycle.scratch_netns(name, kind="doctor") as registry:
         path = f"/var/run/netns/{name}"
         with NetNS(path) as ns:
             lo = ns.link_lookup(ifname="lo")[0]
@@ -97,9 +103,6 @@ def _kernel_rows():
             for kind in QDISCS:
                 ok, why = _qdisc_available(ns, lo, kind)
                 rows.append((f"qdisc {kind}", ok, why))
-        ok, why = _nfqueue_available(path)
+        ok, why = _nfqueue_available(path, registry)
         rows.append(("NFQUEUE (tb-delayline binds)", ok, why))
-    finally:
-        with contextlib.suppress(Exception):
-            netns.remove(name)
     return rows

@@ -2,7 +2,7 @@
 
 import pathlib
 
-from testbed import plot
+from testbed import ownership, plot
 from testbed.errors import ConfigError
 
 
@@ -15,8 +15,12 @@ def register(sub):
 def main(args):
     d = pathlib.Path(args.run_dir)
     if not plot.find_runs(d):
-        raise ConfigError("no summary.json here or one level below: not a run directory",
-                          path=str(d))
-    for path in plot.run_figures(d):
+        raise ConfigError("no summary.json here or one level below: not a run directory (a "
+                          "killed run: `testbed analyse` it first)", path=str(d))
+    try:
+        paths = plot.run_figures(d)
+    finally:    # under sudo, the figures (only ever made by the testbed) go to the invoking user
+        ownership.hand_back(d / "figures")
+    for path in paths:
         print(path)
     return 0

@@ -8,7 +8,7 @@ reasons, and the figures. Written to RUN_DIR/report.md; its path is printed.
 import json
 import pathlib
 
-from testbed import metrics, plot
+from testbed import metrics, ownership, plot
 from testbed.errors import ConfigError
 
 
@@ -48,8 +48,13 @@ def _run_section(d, s):
         lines.append(f"- emulation timing: decode step x{_fmt(emu.get('decode_step_ratio'))}, "
                      f"prefill x{_fmt(emu.get('prefill_ratio'))} of the profile; first-token lag "
                      f"{_fmt(emu.get('first_token_lag_ms'))} ms")
+    if s.get("incomplete"):
+        lines.append(f"- **incomplete run**: {s.get('incomplete_reason')}; "
+                     f"{s.get('not_finished', 0)} requests sent but not finished, "
+                     f"{s.get('not_sent', 0)} never sent (all counted as failed)")
     for w in s.get("warnings") or []:
-        lines.append(f"- **warning**: {w}")
+        if not w.startswith("incomplete run:"):
+            lines.append(f"- **warning**: {w}")
     if s.get("failed"):
         lines.append(f"- failed requests: {s['failed']}: {s.get('failure_reasons')}")
     return lines + [""]
@@ -59,8 +64,8 @@ def main(args):
     top = pathlib.Path(args.run_dir)
     runs = plot.find_runs(top)
     if not runs:
-        raise ConfigError("no summary.json here or one level below: not a run directory",
-                          path=str(top))
+        raise ConfigError("no summary.json here or one level below: not a run directory (a "
+                          "killed run: `testbed analyse` it first)", path=str(top))
     summaries = [json.loads((d / "summary.json").read_text()) for d in runs]
     name = json.loads((runs[0] / "metadata.json").read_text()).get("name", top.name) \
         if (runs[0] / "metadata.json").exists() else top.name
@@ -71,12 +76,16 @@ def main(args):
     out += ["## Runs", ""]
     for d, s in zip(runs, summaries):
         out += _run_section(d, s)
-    figures = sorted((top / "figures").glob("*.png")) if (top / "figures").is_dir() else []
-    if not figures:
-        figures = plot.run_figures(top)
-    if figures:
-        out += ["## Figures", ""] + [f"![{p.stem}](figures/{p.name})" for p in figures] + [""]
     path = top / "report.md"
-    path.write_text("\n".join(out))
+    try:
+        figures = sorted((top / "figures").glob("*.png")) if (top / "figures").is_dir() else []
+        if not figures:
+            figures = plot.run_figures(top)
+        if figures:
+            out += ["## Figures", ""] + [f"![{p.stem}](figures/{p.name})" for p in figures] + [""]
+        path.write_text("\n".join(out))
+    finally:    # under sudo, what this wrote goes to the invoking user
+        ownership.hand_back(top / "figures")
+        ownership.hand_back(path, recursive=False)
     print(path)
     return 0

@@ -10,6 +10,7 @@ up exactly (`testbed clean`); `stop()` tears down in reverse order.
 import os
 import subprocess
 
+from testbed import lifecycle
 from testbed.errors import NetworkError, PrivilegeError
 
 
@@ -121,10 +122,18 @@ class Network:
                 for role, name in self.topo.roles.items() if role not in ("sR", "sL")}
 
     def popen(self, role, argv, log_path, env=None):
-        """Start `argv` inside host `role`, output to `log_path`; the PID goes on record."""
+        """Start `argv` inside host `role`, output to `log_path`; the PID goes on record.
+
+        Mininet runs `mnexec -da <host shell pid> argv` as a child of this process (not of the
+        host's shell); mnexec joins the namespace, calls setsid() and execs `argv`, so the
+        parent-death signal set here (before the exec) ties `argv` to this process. The
+        environment names this process (ORCHESTRATOR_ENV) for the worker's own watch.
+        """
         log = open(log_path, "ab")
         try:
-            proc = self.host(role).popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+            proc = self.host(role).popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                         env=lifecycle.orchestrator_env(env),
+                                         preexec_fn=lifecycle.die_with_parent())
         finally:
             log.close()
         self.registry.add_process(proc.pid, f"{role}: {' '.join(map(str, argv[:4]))}")

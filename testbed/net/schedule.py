@@ -2,21 +2,32 @@
 
 `LinkSchedule(wan, items)` applies each `(t_s, direction, changes)` (emulation units, from
 `Experiment.emulated_changes`) through `Wan.set` at `t0 + t_s`, in a thread; `Wan.set` logs each
-change, with how long it took to apply, to the run's events.csv. An error in a change stops the
-schedule, is logged, and the run goes on measuring.
+change, with how long it took to apply, to the run's events.csv. A change that fails is reported
+(a `link_schedule_error` row in events.csv and a warning line) and kept in `errors`; the later
+changes are still applied, and the run goes on measuring.
 """
 
+import sys
 import threading
 import time
 
 
+def _stderr(msg):
+    print(msg, file=sys.stderr)
+
+
 class LinkSchedule:
-    def __init__(self, wan, items, events=None):
-        self.wan, self.items, self.events = wan, list(items), events
+    def __init__(self, wan, items, events=None, warn=_stderr):
+        self.wan, self.items, self.events, self.warn = wan, list(items), events, warn
         self._stop = threading.Event()
         self._thread = None
         self.applied = 0
-        self.error = None
+        self.errors = []        # (t_s, direction, changes, error text) of each failed change
+
+    @property
+    def error(self):
+        """The first failed change's error text, or None."""
+        return self.errors[0][3] if self.errors else None
 
     def start(self, t0):
         """Start applying; `t0` is the Unix time that t_s = 0 refers to (the first arrival)."""
@@ -33,11 +44,16 @@ class LinkSchedule:
             try:
                 self.wan.set(direction, **changes)
                 self.applied += 1
-            except Exception as e:   # keep measuring; say what failed
-                self.error = e
+            except Exception as e:   # keep measuring and keep applying; say what failed
+                err = f"{type(e).__name__}: {e}"
+                self.errors.append((t, direction, changes, err))
                 if self.events:
-                    self.events("link_schedule_error", at=t, error=e)
-                return
+                    self.events("link_schedule_error", at=t, direction=direction or "both",
+                                changes=changes, error=err)
+                if self.warn:
+                    self.warn(f"warning: scheduled link change at {t:g}s (emulated) "
+                              f"{direction or 'both'} {changes} failed: {err}; later changes "
+                              "still apply")
 
     def stop(self):
         self._stop.set()

@@ -44,7 +44,7 @@ import tempfile
 import threading
 import time
 
-from testbed import units
+from testbed import lifecycle, units
 from testbed.errors import ConfigError, NetworkError
 
 DIRECTIONS = ("kv", "request")
@@ -228,37 +228,38 @@ def _leaf_stats(msgs, handle):
 def probe_backend():
     """('netem'|'userspace', reason): try HTB + a netem child on `lo` of a scratch namespace.
 
-    Cached per process; needs root. The scratch namespace is `tbprobe<pid>` and always removed.
+    Cached per process; needs root. The scratch namespace is `tbprobe<pid>`, on record (state
+    file) while it exists, so `testbed clean` removes it if this process is killed meanwhile.
     """
-    from pyroute2 import netns
-    from pyroute2.netlink.exceptions import NetlinkError
     name = f"tbprobe{os.getpid()}"
-    try:
-        netns.create(name)
-    except Exception as e:  # not root, or namespaces unavailable: no kernel answer to give
-        return "userspace", f"could not create a scratch namespace to probe netem ({e})"
-    try:
-        with _open_netns(f"/var/run/netns/{name}") as ns:
-            lo = ns.link_lookup(ifname="lo")[0]
-            ns.link("set", index=lo, state="up")
-            try:
-                ns.tc("add", "htb", index=lo, handle=HTB_HANDLE, default=0x10)
-                ns.tc("add-class", "htb", index=lo, handle=CLASS_HANDLE, parent=HTB_HANDLE,
-                      rate="1gbit", ceil="1gbit", burst=htb_burst_bytes(1e9),
-                      cburst=htb_burst_bytes(1e9))
-            except NetlinkError as e:
-                return "userspace", f"htb qdisc not usable ({os.strerror(e.code)})"
-            try:
-                ns.tc("add", "netem", index=lo, handle=LEAF_HANDLE, parent=CLASS_HANDLE,
-                      delay=1000, limit=1000)
-            except NetlinkError as e:
-                return "userspace", (f"netem qdisc missing from this kernel (errno {e.code} "
-                                     f"{errno_mod.errorcode.get(e.code, '')} adding it); "
-                                     "HTB + bfifo + NFQUEUE delay line instead")
-            return "netem", "netem qdisc accepted as an HTB child in a scratch namespace"
-    finally:
-        with contextlib.suppress(Exception):
-            netns.remove(name)
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(lifecycle.scratch_netns(name, kind="netem-probe"))
+        except Exception as e:  # not root, or namespaces unavailable: no kernel answer to give
+            return "userspace", f"could not create a scratch namespace to probe netem ({e})"
+        return _probe_netem(name)
+
+
+def _probe_netem(name):
+    from pyroute2.netlink.exceptions import NetlinkError
+    with _open_netns(f"/var/run/netns/{name}") as ns:
+        lo = ns.link_lookup(ifname="lo")[0]
+        ns.link("set", index=lo, state="up")
+        try:
+            ns.tc("add", "htb", index=lo, handle=HTB_HANDLE, default=0x10)
+            ns.tc("add-class", "htb", index=lo, handle=CLASS_HANDLE, parent=HTB_HANDLE,
+                  rate="1gbit", ceil="1gbit", burst=htb_burst_bytes(1e9),
+                  cburst=htb_burst_bytes(1e9))
+        except NetlinkError as e:
+            return "userspace", f"htb qdisc not usable ({os.strerror(e.code)})"
+        try:
+            ns.tc("add", "netem", index=lo, handle=LEAF_HANDLE, parent=CLASS_HANDLE,
+                  delay=1000, limit=1000)
+        except NetlinkError as e:
+            return "userspace", (f"netem qdisc missing from this kernel (errno {e.code} "
+                                 f"{errno_mod.errorcode.get(e.code, '')} adding it); "
+                                 "HTB + bfifo + NFQUEUE delay line instead")
+        return "netem", "netem qdisc accepted as an HTB child in a scratch namespace"
 
 
 # ---------------------------------------------------------------- the delay line process
@@ -392,9 +393,12 @@ class DelayLine:
         p = self._params
         argv = ["nsenter", f"--net={self.netns_path}", str(binary), str(self.queue_num),
                 str(self.capacity), *self._args(p), str(self.seed)]
-        # nsenter execs the binary (no fork for --net alone), so proc.pid is the delay line.
+        # nsenter execs the binary (no fork for --net alone), so proc.pid is the delay line. It
+        # dies with this process: stdin closes (EOF stops it), and when started by the main
+        # thread the kernel also sends it SIGKILL (parent-death signal, kept across the exec).
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, bufsize=1)
+                                     stderr=subprocess.PIPE, text=True, bufsize=1,
+                                     preexec_fn=lifecycle.die_with_parent())
         if self.registry is not None:
             self.registry.add_process(self.proc.pid, f"tb-delayline queue {self.queue_num}")
         line = self._read_line(self.READY_TIMEOUT_S)
