@@ -73,6 +73,9 @@ def _torch_config(value):
     if not isinstance(value, dict):
         raise ValueError(f"expected a mapping of model config keys, got {value!r}")
     try:
+        import importlib.util
+        if importlib.util.find_spec("torch") is None:   # found without importing it (fast)
+            raise ModuleNotFoundError("No module named 'torch'")
         from workers.model.config import HybridConfig   # imports torch only for the dtype
     except ImportError as e:
         raise ValueError(f"the torch engine needs PyTorch ({e}): `make deps` installs it "
