@@ -164,6 +164,23 @@ class RunSpec:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class SloSpec:
+    """Service-level objectives, as `vllm bench serve --goodput` and aiperf define them: a request
+    is good when it completed and meets every objective given (real-world times)."""
+    ttft: float = spec(optional(positive(units.duration_s)), None,
+                       "time to first token at most this (real-world)")
+    tpot: float = spec(optional(positive(units.duration_s)), None,
+                       "time per output token after the first at most this (real-world)")
+    e2el: float = spec(optional(positive(units.duration_s)), None,
+                       "end-to-end latency at most this (real-world)")
+
+    def objectives_ms(self):
+        """{metric: limit in ms} of the objectives that are set."""
+        return {k: getattr(self, k) * 1e3 for k in ("ttft", "tpot", "e2el")
+                if getattr(self, k) is not None}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Experiment:
     name: str = spec(string, doc="experiment name; results go to results/<name>/")
     seed: int = spec(integer(0), 1, "seed of every random choice (workload, jitter, loss)")
@@ -178,6 +195,8 @@ class Experiment:
                                     doc="request routing")
     workload: WorkloadSpec = spec(section(WorkloadSpec), doc="what requests are sent")
     run: RunSpec = spec(section(RunSpec), factory=RunSpec, doc="timeouts of the run itself")
+    slo: SloSpec = spec(section(SloSpec), factory=SloSpec,
+                        doc="objectives for goodput and SLO attainment (none: no goodput)")
     label: str = spec(optional(string), None, "name of this run in tables (default: the policy)")
 
     def check(self):

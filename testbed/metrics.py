@@ -146,6 +146,7 @@ def summarize(df, exp, timeseries=None, counters=None):
         "p99_send_lateness_ms": _pct(df.lateness_ms, 99),
         "scale_time": T, "scale_bytes": B,
     }
+    out.update(goodput(df, exp.slo.objectives_ms(), duration_s))
     out.update(egress(timeseries, t0, t1, T, B))
     if counters:
         out["wan_bytes_counted"] = counters.get("kv", {}).get("tx_bytes")
@@ -155,6 +156,38 @@ def summarize(df, exp, timeseries=None, counters=None):
     out["emulation"] = emulation_fidelity(ok, exp)
     out["prediction"] = predicted(exp, df.input_len.to_numpy())
     return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in out.items()}
+
+
+def meets_slo(df, objectives_ms):
+    """Per request: completed and within every objective ({"ttft"|"tpot"|"e2el": ms}).
+
+    As `vllm bench serve --goodput`: a request with a single output token has no TPOT and meets
+    a TPOT objective; a failed request meets none.
+    """
+    good = df.status == "ok"
+    for metric, limit in objectives_ms.items():
+        value = df[f"{metric}_ms"]
+        if metric == "tpot":
+            value = value.fillna(0.0)
+        good &= value <= limit
+    return good
+
+
+def goodput(df, objectives_ms, duration_s):
+    """request_goodput (good requests per real-world second over the measured span) and SLO
+    attainment per objective and for all together, over completed and over sent requests."""
+    if not objectives_ms:
+        return {"request_goodput": None, "slo": None}
+    ok = df[df.status == "ok"]
+    good = meets_slo(df, objectives_ms)
+    attained = {m: float(meets_slo(ok, {m: v}).mean()) if len(ok) else None
+                for m, v in objectives_ms.items()}
+    attained["all"] = float(good[df.status == "ok"].mean()) if len(ok) else None
+    rate = int(good.sum()) / duration_s if duration_s and duration_s > 0 else 0.0
+    return {"request_goodput": rate,
+            "slo": {"objectives_ms": objectives_ms, "good": int(good.sum()),
+                    "attainment": attained,
+                    "attainment_of_sent": float(good.mean()) if len(df) else None}}
 
 
 def steady_throughput(completions, time_scale, lo=0.1, hi=0.9):
@@ -270,6 +303,7 @@ def analyse(run_dir, exp):
     workload = pd.read_parquet(d / "workload.parquet")
     sent, done = read_records(d / "requests.jsonl")
     df = build_requests(workload, sent, done, exp.scale.time)
+    df["slo_ok"] = meets_slo(df, exp.slo.objectives_ms())
     tokens_table(df, exp.scale.time).to_parquet(d / "tokens.parquet", index=False)
     df.drop(columns=["token_times", "client_times"], errors="ignore").to_parquet(
         d / "requests.parquet", index=False)
@@ -301,6 +335,8 @@ def table(summaries):
             ("egress_mean_gbps", "egress Gb/s", "{:.2f}"),
             ("offload_fraction", "offload", "{:.2f}")]
     cols.insert(4, ("steady_throughput", "steady", "{:.3f}"))
+    if any(s.get("request_goodput") is not None for s in summaries):
+        cols.insert(5, ("request_goodput", "goodput", "{:.3f}"))
     header = [c[1] for c in cols] + ["predicted (paper)", "predicted (E[T])"]
     body = []
     for s in summaries:

@@ -95,3 +95,34 @@ def test_tokens_table_has_both_clocks(exp):
     assert list(t["index"]) == [0, 1, 2, 3, 4]
     assert t.itl_decode_ms.iloc[1:].tolist() == pytest.approx([1000.0] * 4)
     assert t.itl_client_ms.iloc[1:].tolist() == pytest.approx([2500.0, 0.0, 0.0, 1500.0])
+
+
+def test_goodput_follows_vllm_definition(exp):
+    """vllm bench serve --goodput: good = completed and within every objective; goodput = good
+    requests / benchmark duration; a failed request is never good."""
+    import dataclasses
+
+    d = {i: done(i, 10.0 + i, 10.0 + i + 0.1 * (i + 1), 10.0 + i + 1.0) for i in range(4)}
+    d[3]["status"] = "failed"
+    sent = {i: {"id": i, "send_time": 10.0 + i} for i in range(4)}
+    df = metrics.build_requests(workload(4), sent, d, time_scale=10)
+    # TTFT 1000, 2000, 3000 ms; TPOT (10000 - TTFT) / 4 = 2250, 2000, 1750 ms; span 30 s.
+    both = dataclasses.replace(exp, slo=config.SloSpec(ttft=2.5, tpot=2.1))
+    s = metrics.summarize(df, both)
+    assert s["slo"]["good"] == 1                               # only request 1 meets both
+    assert s["request_goodput"] == pytest.approx(1 / 30.0)
+    assert s["slo"]["attainment"] == pytest.approx({"ttft": 2 / 3, "tpot": 2 / 3, "all": 1 / 3})
+    assert s["slo"]["attainment_of_sent"] == pytest.approx(1 / 4)
+    assert list(metrics.meets_slo(df, both.slo.objectives_ms())) == [False, True, False, False]
+    assert metrics.summarize(df, exp)["request_goodput"] is None   # no objectives: no goodput
+    assert "goodput" in metrics.table([s]) and "0.033" in metrics.table([s])
+
+
+def test_slo_keys_parse_real_world_durations(tmp_path, small_experiment):
+    p = tmp_path / "e.yaml"
+    p.write_text(small_experiment + "slo: {ttft: 10s, tpot: 25ms}\n")
+    (e,) = config.load_experiment(p)
+    assert e.slo.objectives_ms() == {"ttft": 10000.0, "tpot": 25.0}
+    p.write_text(small_experiment + "slo: {ttft: -1s}\n")
+    with pytest.raises(config.ConfigError):
+        config.load_experiment(p)
