@@ -72,6 +72,14 @@ class ModelSpec:
     decode_step: float = spec(optional(units.duration_s), None,
                               "T_decode per decode step (real-world); default from the profile")
     bs_max: int = spec(optional(integer(1)), None, "BS_max, largest decode batch; default from profile")
+    decode_model: str = spec(choice("profile", "constant"), "profile",
+                             "profile: a decode step takes T_step(batch, context) from the profile "
+                             "(T_decode for a full batch at the reference context) | constant: "
+                             "T_decode whatever the batch, as the paper's model")
+    decode_kv_capacity: float = spec(optional(positive(units.size_bytes)), None,
+                                     "KV memory of one decode instance (real-world bytes); a "
+                                     "request waits to join the batch until S_kv(input + output) "
+                                     "fits; default from the profile")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -214,6 +222,13 @@ class Experiment:
         if pol == "prfaas" and (c.prfaas.instances < 1 or c.local.prefill < 1):
             raise ValueError("policy prfaas needs clusters.prfaas.instances >= 1 and "
                              "clusters.local.prefill >= 1")
+
+    def decode_model(self):
+        """The decode step model (testbed.profile.DecodeModel) with this experiment's overrides,
+        real-world seconds."""
+        m = profiles.load(self.model.profile).decode.with_step(
+            self.model.decode_step, self.model.bs_max, self.model.decode_kv_capacity)
+        return m.constant() if self.model.decode_model == "constant" else m
 
     # ---- derived, emulated quantities (real-world value -> what the emulator runs) ----
     @property

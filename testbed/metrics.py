@@ -87,6 +87,7 @@ def build_requests(workload, sent, done, time_scale):
     df["prefill_queue_ms"] = (df.prefill_start - df.prefill_queued) * ms
     df["transfer_ms"] = (df.kv_recv_end - df.kv_recv_start) * ms
     df["transfer_after_prefill_ms"] = (df.kv_recv_end - df.prefill_end) * ms
+    df["decode_queue_ms"] = (df.decode_join - df.kv_recv_end) * ms   # waiting for a batch slot
     df["mean_itl_ms"] = [
         float(np.mean(np.diff(t))) * ms if isinstance(t, list) and len(t) > 1 else np.nan
         for t in df.get("token_times", pd.Series([None] * len(df)))]
@@ -118,6 +119,35 @@ def tokens_table(df, time_scale):
     return out
 
 
+def decode_steps(df, model, time_scale):
+    """Every decode step, rebuilt from the tokens: all tokens one step emits carry the same
+    time stamp at their decode instance. One row per step with its batch size, the context
+    tokens the batch held, the measured step time (since the instance's previous step, only
+    where a request continued from that step, so idle gaps are not counted) and what the
+    decode model (`testbed.profile.DecodeModel`, real-world) asked for; both real-world ms."""
+    rows = []
+    for inst, rid, n_in, times in zip(df.decode_instance, df.id, df.input_len,
+                                      df.get("token_times", [None] * len(df))):
+        if isinstance(times, list):
+            rows += [(inst, t, rid, n_in + k) for k, t in enumerate(times)]
+    cols = ["decode_instance", "time", "batch", "context", "measured_ms", "expected_ms"]
+    if not rows:
+        return pd.DataFrame(columns=cols)
+    tok = pd.DataFrame(rows, columns=["decode_instance", "time", "id", "context"])
+    steps = tok.groupby(["decode_instance", "time"]).agg(
+        batch=("id", "size"), context=("context", "sum"), ids=("id", frozenset)).reset_index()
+    steps = steps.sort_values(["decode_instance", "time"])
+    prev = steps.groupby("decode_instance").shift(1)
+    continued = [isinstance(a, frozenset) and bool(a & b) for a, b in zip(prev.ids, steps.ids)]
+    steps["measured_ms"] = np.where(continued, (steps.time - prev.time) * 1e3 * time_scale,
+                                    np.nan)
+    # A token's index is how many its request held before the step: `context` is what the
+    # decode worker summed when it chose the step's duration.
+    steps["expected_ms"] = [model.step_time(b, c) * 1e3
+                            for b, c in zip(steps.batch, steps.context)]
+    return steps[cols].reset_index(drop=True)
+
+
 def _pct(series, q):
     s = series.dropna()
     return float(np.percentile(s, q)) if len(s) else float("nan")
@@ -139,6 +169,8 @@ def summarize(df, exp, timeseries=None, counters=None):
         "p90_ttft_ms": _pct(ok.ttft_ms, 90), "p99_ttft_ms": _pct(ok.ttft_ms, 99),
         "mean_tpot_ms": float(ok.tpot_ms.mean()), "p99_tpot_ms": _pct(ok.tpot_ms, 99),
         "mean_itl_ms": float(ok.mean_itl_ms.mean()), "mean_e2el_ms": float(ok.e2el_ms.mean()),
+        "mean_decode_queue_ms": float(ok.decode_queue_ms.mean()),
+        "p90_decode_queue_ms": _pct(ok.decode_queue_ms, 90),
         "offload_fraction": float((df.route == "remote").mean()) if len(df) else 0.0,
         "kv_bytes_sent_remote": int(df.kv_bytes_sent[df.route == "remote"].fillna(0).sum()),
         "kv_bytes_received_remote": int(df.kv_bytes[df.route == "remote"].fillna(0).sum()),
@@ -218,8 +250,12 @@ def emulation_fidelity(ok, exp, tolerance=0.05):
     from testbed import profile as profiles
 
     prof = profiles.load(exp.model.profile)
-    step_ms = (exp.model.decode_step or prof.decode_step_s) * 1e3
-    out = {"decode_step_ratio": float(ok.mean_itl_ms.mean() / step_ms), "warnings": []}
+    steps = decode_steps(ok, exp.decode_model(), exp.scale.time).dropna(subset=["measured_ms"])
+    out = {"warnings": []}
+    if len(steps):
+        # Time-weighted: the measured decode time over what the model asked for those steps.
+        out["decode_step_ratio"] = float(steps.measured_ms.sum() / steps.expected_ms.sum())
+        out["decode_batch_mean"] = float(steps.batch.mean())
     accel = {"remote": exp.clusters.prfaas.accelerator, "local": exp.clusters.local.accelerator}
     ratios = []
     for route, acc in accel.items():

@@ -126,3 +126,36 @@ def test_slo_keys_parse_real_world_durations(tmp_path, small_experiment):
     p.write_text(small_experiment + "slo: {ttft: -1s}\n")
     with pytest.raises(config.ConfigError):
         config.load_experiment(p)
+
+
+def test_decode_steps_rebuilt_from_token_stamps(exp):
+    """Steps are the shared time stamps of an instance's tokens; a step's measured time counts
+    only when a request continued from the previous step (no idle gap)."""
+    from testbed.profile import DecodeModel
+
+    model = DecodeModel(step_s=0.025, bs_max=20, base=0.5, per_request=0.3, context=0.2,
+                        reference_context=1000)
+    d = {0: done(0, 0.0, 1.0, 1.3, n=4), 1: done(1, 0.0, 1.1, 1.2, n=2),
+         2: done(2, 0.0, 5.0, 5.1, n=2)}
+    d[0]["token_times"] = [1.0, 1.1, 1.2, 1.3]
+    d[1]["token_times"] = [1.1, 1.2]
+    d[2]["token_times"] = [5.0, 5.1]
+    for r in d.values():
+        r["decode_instance"] = "ld0"
+    df = metrics.build_requests(workload(3), {}, d, time_scale=10)
+    steps = metrics.decode_steps(df, model, time_scale=10)
+    assert list(steps.batch) == [1, 2, 2, 1, 1, 1]
+    # 1.0 and 5.0 start after idle: not measured. The others are 0.1 s emulated = 1000 ms.
+    assert steps.measured_ms.isna().tolist() == [True, False, False, False, True, False]
+    assert steps.measured_ms.dropna().tolist() == pytest.approx([1000.0] * 4)
+    # The step at 1.1 ran two requests holding 1001 + 1000 tokens before it.
+    assert steps.expected_ms[1] == pytest.approx(model.step_time(2, 2001) * 1e3)
+
+
+def test_decode_model_full_batch_at_reference_is_t_decode():
+    from testbed import profile
+
+    m = profile.load("kimi-linear-1t").decode
+    assert m.step_time(m.bs_max, m.bs_max * m.reference_context) == pytest.approx(m.step_s)
+    assert m.step_time(1, 1000) < m.step_s < m.step_time(m.bs_max, m.bs_max * 128_000)
+    assert m.constant().step_time(1, 0) == m.step_s
