@@ -127,6 +127,14 @@ class ModelSpec:
                               "T_decode per decode step (real-world); default from the profile")
     bs_max: int = spec(optional(integer(1, 4096)), None,
                        "BS_max, largest decode batch; default from profile")
+    decode_model: str = spec(choice("profile", "constant"), "profile",
+                             "profile: a decode step takes T_step(batch, context) from the profile "
+                             "(T_decode for a full batch at the reference context) | constant: "
+                             "T_decode whatever the batch, as the paper's model")
+    decode_kv_capacity: float = spec(optional(positive(units.size_bytes)), None,
+                                     "KV memory of one decode instance (real-world bytes); a "
+                                     "request waits to join the batch until S_kv(input + output) "
+                                     "fits; default from the profile")
 
     def check(self):
         if self.profile not in profiles.available():
@@ -230,6 +238,23 @@ class RunSpec:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class SloSpec:
+    """Service-level objectives, as `vllm bench serve --goodput` and aiperf define them: a request
+    is good when it completed and meets every objective given (real-world times)."""
+    ttft: float = spec(optional(positive(units.duration_s)), None,
+                       "time to first token at most this (real-world)")
+    tpot: float = spec(optional(positive(units.duration_s)), None,
+                       "time per output token after the first at most this (real-world)")
+    e2el: float = spec(optional(positive(units.duration_s)), None,
+                       "end-to-end latency at most this (real-world)")
+
+    def objectives_ms(self):
+        """{metric: limit in ms} of the objectives that are set."""
+        return {k: getattr(self, k) * 1e3 for k in ("ttft", "tpot", "e2el")
+                if getattr(self, k) is not None}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Experiment:
     name: str = spec(path_component, doc="experiment name; results go to results/<name>/ (one "
                                          "directory name: no '/', '..' or control characters)")
@@ -246,6 +271,8 @@ class Experiment:
                                     doc="request routing")
     workload: WorkloadSpec = spec(section(WorkloadSpec), doc="what requests are sent")
     run: RunSpec = spec(section(RunSpec), factory=RunSpec, doc="timeouts of the run itself")
+    slo: SloSpec = spec(section(SloSpec), factory=SloSpec,
+                        doc="objectives for goodput and SLO attainment (none: no goodput)")
     label: str = spec(optional(path_component), None,
                       "name of this run in tables and its directory (default: the policy)")
 
@@ -264,6 +291,13 @@ class Experiment:
         if pol == "prfaas" and (c.prfaas.instances < 1 or c.local.prefill < 1):
             raise ValueError("policy prfaas needs clusters.prfaas.instances >= 1 and "
                              "clusters.local.prefill >= 1")
+
+    def decode_model(self):
+        """The decode step model (testbed.profile.DecodeModel) with this experiment's overrides,
+        real-world seconds."""
+        m = profiles.load(self.model.profile).decode.with_step(
+            self.model.decode_step, self.model.bs_max, self.model.decode_kv_capacity)
+        return m.constant() if self.model.decode_model == "constant" else m
 
     # ---- derived, emulated quantities (real-world value -> what the emulator runs) ----
     @property

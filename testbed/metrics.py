@@ -98,6 +98,7 @@ def build_requests(workload, sent, done, time_scale):
     df["prefill_queue_ms"] = (df.prefill_start - df.prefill_queued) * ms
     df["transfer_ms"] = (df.kv_recv_end - df.kv_recv_start) * ms
     df["transfer_after_prefill_ms"] = (df.kv_recv_end - df.prefill_end) * ms
+    df["decode_queue_ms"] = (df.decode_join - df.kv_recv_end) * ms   # waiting for a batch slot
     df["mean_itl_ms"] = [
         float(np.mean(np.diff(t))) * ms if isinstance(t, list) and len(t) > 1 else np.nan
         for t in df.get("token_times", pd.Series([None] * len(df)))]
@@ -129,6 +130,35 @@ def tokens_table(df, time_scale):
     return out
 
 
+def decode_steps(df, model, time_scale):
+    """Every decode step, rebuilt from the tokens: all tokens one step emits carry the same
+    time stamp at their decode instance. One row per step with its batch size, the context
+    tokens the batch held, the measured step time (since the instance's previous step, only
+    where a request continued from that step, so idle gaps are not counted) and what the
+    decode model (`testbed.profile.DecodeModel`, real-world) asked for; both real-world ms."""
+    rows = []
+    for inst, rid, n_in, times in zip(df.decode_instance, df.id, df.input_len,
+                                      df.get("token_times", [None] * len(df))):
+        if isinstance(times, list):
+            rows += [(inst, t, rid, n_in + k) for k, t in enumerate(times)]
+    cols = ["decode_instance", "time", "batch", "context", "measured_ms", "expected_ms"]
+    if not rows:
+        return pd.DataFrame(columns=cols)
+    tok = pd.DataFrame(rows, columns=["decode_instance", "time", "id", "context"])
+    steps = tok.groupby(["decode_instance", "time"]).agg(
+        batch=("id", "size"), context=("context", "sum"), ids=("id", frozenset)).reset_index()
+    steps = steps.sort_values(["decode_instance", "time"])
+    prev = steps.groupby("decode_instance").shift(1)
+    continued = [isinstance(a, frozenset) and bool(a & b) for a, b in zip(prev.ids, steps.ids)]
+    steps["measured_ms"] = np.where(continued, (steps.time - prev.time) * 1e3 * time_scale,
+                                    np.nan)
+    # A token's index is how many its request held before the step: `context` is what the
+    # decode worker summed when it chose the step's duration.
+    steps["expected_ms"] = [model.step_time(b, c) * 1e3
+                            for b, c in zip(steps.batch, steps.context)]
+    return steps[cols].reset_index(drop=True)
+
+
 def _pct(series, q):
     s = series.dropna()
     return float(np.percentile(s, q)) if len(s) else float("nan")
@@ -150,6 +180,8 @@ def summarize(df, exp, timeseries=None, counters=None):
         "p90_ttft_ms": _pct(ok.ttft_ms, 90), "p99_ttft_ms": _pct(ok.ttft_ms, 99),
         "mean_tpot_ms": float(ok.tpot_ms.mean()), "p99_tpot_ms": _pct(ok.tpot_ms, 99),
         "mean_itl_ms": float(ok.mean_itl_ms.mean()), "mean_e2el_ms": float(ok.e2el_ms.mean()),
+        "mean_decode_queue_ms": float(ok.decode_queue_ms.mean()),
+        "p90_decode_queue_ms": _pct(ok.decode_queue_ms, 90),
         "offload_fraction": float((df.route == "remote").mean()) if len(df) else 0.0,
         "kv_bytes_sent_remote": int(df.kv_bytes_sent[df.route == "remote"].fillna(0).sum()),
         "kv_bytes_received_remote": int(df.kv_bytes[df.route == "remote"].fillna(0).sum()),
@@ -157,6 +189,7 @@ def summarize(df, exp, timeseries=None, counters=None):
         "p99_send_lateness_ms": _pct(df.lateness_ms, 99),
         "scale_time": T, "scale_bytes": B,
     }
+    out.update(goodput(df, exp.slo.objectives_ms(), duration_s))
     out.update(egress(timeseries, t0, t1, T, B))
     if counters:
         out["wan_bytes_counted"] = counters.get("kv", {}).get("tx_bytes")
@@ -166,6 +199,38 @@ def summarize(df, exp, timeseries=None, counters=None):
     out["emulation"] = emulation_fidelity(ok, exp)
     out["prediction"] = predicted(exp, df.input_len.to_numpy())
     return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in out.items()}
+
+
+def meets_slo(df, objectives_ms):
+    """Per request: completed and within every objective ({"ttft"|"tpot"|"e2el": ms}).
+
+    As `vllm bench serve --goodput`: a request with a single output token has no TPOT and meets
+    a TPOT objective; a failed request meets none.
+    """
+    good = df.status == "ok"
+    for metric, limit in objectives_ms.items():
+        value = df[f"{metric}_ms"]
+        if metric == "tpot":
+            value = value.fillna(0.0)
+        good &= value <= limit
+    return good
+
+
+def goodput(df, objectives_ms, duration_s):
+    """request_goodput (good requests per real-world second over the measured span) and SLO
+    attainment per objective and for all together, over completed and over sent requests."""
+    if not objectives_ms:
+        return {"request_goodput": None, "slo": None}
+    ok = df[df.status == "ok"]
+    good = meets_slo(df, objectives_ms)
+    attained = {m: float(meets_slo(ok, {m: v}).mean()) if len(ok) else None
+                for m, v in objectives_ms.items()}
+    attained["all"] = float(good[df.status == "ok"].mean()) if len(ok) else None
+    rate = int(good.sum()) / duration_s if duration_s and duration_s > 0 else 0.0
+    return {"request_goodput": rate,
+            "slo": {"objectives_ms": objectives_ms, "good": int(good.sum()),
+                    "attainment": attained,
+                    "attainment_of_sent": float(good.mean()) if len(df) else None}}
 
 
 def steady_throughput(completions, time_scale, lo=0.1, hi=0.9):
@@ -196,8 +261,12 @@ def emulation_fidelity(ok, exp, tolerance=0.05):
     from testbed import profile as profiles
 
     prof = profiles.load(exp.model.profile)
-    step_ms = (exp.model.decode_step or prof.decode_step_s) * 1e3
-    out = {"decode_step_ratio": float(ok.mean_itl_ms.mean() / step_ms), "warnings": []}
+    steps = decode_steps(ok, exp.decode_model(), exp.scale.time).dropna(subset=["measured_ms"])
+    out = {"warnings": []}
+    if len(steps):
+        # Time-weighted: the measured decode time over what the model asked for those steps.
+        out["decode_step_ratio"] = float(steps.measured_ms.sum() / steps.expected_ms.sum())
+        out["decode_batch_mean"] = float(steps.batch.mean())
     accel = {"remote": exp.clusters.prfaas.accelerator, "local": exp.clusters.local.accelerator}
     ratios = []
     for route, acc in accel.items():
@@ -346,6 +415,7 @@ def analyse(run_dir, exp):
     workload = pd.read_parquet(d / "workload.parquet")
     sent, done = read_records(d / "requests.jsonl")
     df = build_requests(workload, sent, done, exp.scale.time)
+    df["slo_ok"] = meets_slo(df, exp.slo.objectives_ms())
     tokens_table(df, exp.scale.time).to_parquet(d / "tokens.parquet", index=False)
     df.drop(columns=["token_times", "client_times"], errors="ignore").to_parquet(
         d / "requests.parquet", index=False)
@@ -386,6 +456,8 @@ def table(summaries):
             ("egress_mean_gbps", "egress Gb/s", "{:.2f}"),
             ("offload_fraction", "offload", "{:.2f}")]
     cols.insert(4, ("steady_throughput", "steady", "{:.3f}"))
+    if any(s.get("request_goodput") is not None for s in summaries):
+        cols.insert(5, ("request_goodput", "goodput", "{:.3f}"))
     header = [c[1] for c in cols] + ["predicted (paper)", "predicted (E[T])"]
     body = []
     for s in summaries:

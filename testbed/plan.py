@@ -353,15 +353,19 @@ def inputs_for(exp, lengths=None, b_out_bps=None, base_dir=None):
     `base_dir` (the experiment file's folder) resolves a relative trace path."""
     prof = _profile(exp.model.profile)
     wan = wan_kv_rate_bps(exp)
+    dist = input_distribution(exp, lengths, base_dir)
+    l_out = mean_output_length(exp, base_dir)
+    decode = exp.decode_model()
     return Inputs(
         profile=prof,
         remote=exp.clusters.prfaas.accelerator,
         local=exp.clusters.local.accelerator,
-        lengths=input_distribution(exp, lengths, base_dir),
-        l_out=mean_output_length(exp, base_dir),
-        t_decode_s=exp.model.decode_step if exp.model.decode_step is not None
-        else prof.decode_step_s,
-        bs_max=exp.model.bs_max if exp.model.bs_max is not None else prof.bs_max,
+        lengths=dist,
+        l_out=l_out,
+        # A full batch at the mean context a request holds while it decodes (input + half its
+        # output): T_decode exactly when that is the profile's reference context.
+        t_decode_s=decode.step_time(decode.bs_max, decode.bs_max * (dist.mean + l_out / 2)),
+        bs_max=decode.bs_max,
         b_out_Bps=(wan if b_out_bps is None else float(b_out_bps)) / 8.0,
         wan_rate_bps=wan,
     )

@@ -50,6 +50,60 @@ def fit(points, degree):
 
 
 @dataclasses.dataclass(frozen=True)
+class DecodeModel:
+    """Decode step time as a function of the batch: T_step(B, C), real-world seconds.
+
+    T_step(B, C) = T_decode * (base + per_request * B / BS_max + context * C / (BS_max * C_ref))
+
+    B is the number of requests in the step and C the context tokens they hold together. The
+    three shares sum to 1, so a full batch (B = BS_max) of requests at the reference context
+    C_ref takes exactly T_decode, the paper's constant: the planner's decode stage is unchanged
+    at saturation, while a lighter batch steps faster and longer contexts step slower. Decode is
+    memory-bound: `base` is the weights read once per step, `per_request` what each sequence adds
+    whatever its length (the linear-attention state, expert spread), `context` the full-attention
+    KV read, proportional to the tokens held. `constant()` is the paper's model (share 1 on
+    base). `kv_capacity` (bytes, None = unbounded) is the memory an instance has for the KV of the
+    requests it decodes; a request reserves S_kv(input + output) when it joins the batch.
+    """
+
+    step_s: float
+    bs_max: int
+    base: float = 1.0
+    per_request: float = 0.0
+    context: float = 0.0
+    reference_context: float = 1.0
+    kv_capacity: float | None = None
+
+    def step_time(self, batch, context_tokens):
+        return self.step_s * (self.base + self.per_request * batch / self.bs_max
+                              + self.context * context_tokens
+                              / (self.bs_max * self.reference_context))
+
+    def constant(self):
+        return dataclasses.replace(self, base=1.0, per_request=0.0, context=0.0)
+
+    def with_step(self, step_s=None, bs_max=None, kv_capacity=None):
+        return dataclasses.replace(
+            self, step_s=self.step_s if step_s is None else step_s,
+            bs_max=self.bs_max if bs_max is None else bs_max,
+            kv_capacity=self.kv_capacity if kv_capacity is None else kv_capacity)
+
+
+def _decode_model(dec):
+    shares = dec.get("step_shares") or {"base": 1.0}
+    if not isinstance(shares, dict) or set(shares) - {"base", "per_request", "context"}:
+        raise ConfigError("expected {base, per_request, context} shares", key="decode.step_shares")
+    vals = {k: float(shares.get(k, 0.0)) for k in ("base", "per_request", "context")}
+    if any(v < 0 for v in vals.values()) or abs(sum(vals.values()) - 1.0) > 1e-6:
+        raise ConfigError(f"shares must be >= 0 and sum to 1, got {vals}", key="decode.step_shares")
+    cap = dec.get("kv_capacity")
+    return DecodeModel(step_s=units.duration_s(dec.get("step_time", "25ms")),
+                       bs_max=int(dec.get("bs_max", 20)), **vals,
+                       reference_context=float(units.tokens(dec.get("reference_context", 1))),
+                       kv_capacity=None if cap is None else float(units.size_bytes(cap)))
+
+
+@dataclasses.dataclass(frozen=True)
 class Profile:
     name: str
     kv_size: Fit                  # S_kv(l), bytes
@@ -59,6 +113,7 @@ class Profile:
     decode_step_s: float          # T_decode
     bs_max: int                   # BS_max
     stream_chunks: int
+    decode: DecodeModel = None    # T_step(B, C) and the decode memory
 
     def t_prefill(self, accelerator, l):
         return self.prefill[accelerator](l)
@@ -110,6 +165,7 @@ def load(name_or_path):
             decode_step_s=units.duration_s(dec.get("step_time", "25ms")),
             bs_max=int(dec.get("bs_max", 20)),
             stream_chunks=int(data.get("stream_chunks", 16)),
+            decode=_decode_model(dec),
         )
     except ConfigError as e:
         raise ConfigError(str(e), path=str(path)) from None

@@ -9,6 +9,7 @@ directory afterwards.
 """
 
 import contextlib
+import dataclasses
 import datetime
 import json
 import os
@@ -101,7 +102,8 @@ def runtime_for(exp, net):
         "profile": exp.model.profile, "engine": exp.model.engine,
         "device": exp.model.device, "torch": {"seed": exp.seed, **exp.model.torch},
         "decode": {"step_s": prof_decode if prof_decode is not None else prof.decode_step_s,
-                   "bs_max": exp.model.bs_max or prof.bs_max},
+                   "bs_max": exp.model.bs_max or prof.bs_max,
+                   "model": dataclasses.asdict(exp.decode_model())},     # real-world
         "scheduler": {"policy": exp.scheduler.policy, "threshold": exp.scheduler.threshold,
                       "failover": exp.scheduler.failover.enabled,
                       "health_interval_s": exp.scheduler.failover.interval / t,

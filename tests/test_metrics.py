@@ -95,3 +95,67 @@ def test_tokens_table_has_both_clocks(exp):
     assert list(t["index"]) == [0, 1, 2, 3, 4]
     assert t.itl_decode_ms.iloc[1:].tolist() == pytest.approx([1000.0] * 4)
     assert t.itl_client_ms.iloc[1:].tolist() == pytest.approx([2500.0, 0.0, 0.0, 1500.0])
+
+
+def test_goodput_follows_vllm_definition(exp):
+    """vllm bench serve --goodput: good = completed and within every objective; goodput = good
+    requests / benchmark duration; a failed request is never good."""
+    import dataclasses
+
+    d = {i: done(i, 10.0 + i, 10.0 + i + 0.1 * (i + 1), 10.0 + i + 1.0) for i in range(4)}
+    d[3]["status"] = "failed"
+    sent = {i: {"id": i, "send_time": 10.0 + i} for i in range(4)}
+    df = metrics.build_requests(workload(4), sent, d, time_scale=10)
+    # TTFT 1000, 2000, 3000 ms; TPOT (10000 - TTFT) / 4 = 2250, 2000, 1750 ms; span 30 s.
+    both = dataclasses.replace(exp, slo=config.SloSpec(ttft=2.5, tpot=2.1))
+    s = metrics.summarize(df, both)
+    assert s["slo"]["good"] == 1                               # only request 1 meets both
+    assert s["request_goodput"] == pytest.approx(1 / 30.0)
+    assert s["slo"]["attainment"] == pytest.approx({"ttft": 2 / 3, "tpot": 2 / 3, "all": 1 / 3})
+    assert s["slo"]["attainment_of_sent"] == pytest.approx(1 / 4)
+    assert list(metrics.meets_slo(df, both.slo.objectives_ms())) == [False, True, False, False]
+    assert metrics.summarize(df, exp)["request_goodput"] is None   # no objectives: no goodput
+    assert "goodput" in metrics.table([s]) and "0.033" in metrics.table([s])
+
+
+def test_slo_keys_parse_real_world_durations(tmp_path, small_experiment):
+    p = tmp_path / "e.yaml"
+    p.write_text(small_experiment + "slo: {ttft: 10s, tpot: 25ms}\n")
+    (e,) = config.load_experiment(p)
+    assert e.slo.objectives_ms() == {"ttft": 10000.0, "tpot": 25.0}
+    p.write_text(small_experiment + "slo: {ttft: -1s}\n")
+    with pytest.raises(config.ConfigError):
+        config.load_experiment(p)
+
+
+def test_decode_steps_rebuilt_from_token_stamps(exp):
+    """Steps are the shared time stamps of an instance's tokens; a step's measured time counts
+    only when a request continued from the previous step (no idle gap)."""
+    from testbed.profile import DecodeModel
+
+    model = DecodeModel(step_s=0.025, bs_max=20, base=0.5, per_request=0.3, context=0.2,
+                        reference_context=1000)
+    d = {0: done(0, 0.0, 1.0, 1.3, n=4), 1: done(1, 0.0, 1.1, 1.2, n=2),
+         2: done(2, 0.0, 5.0, 5.1, n=2)}
+    d[0]["token_times"] = [1.0, 1.1, 1.2, 1.3]
+    d[1]["token_times"] = [1.1, 1.2]
+    d[2]["token_times"] = [5.0, 5.1]
+    for r in d.values():
+        r["decode_instance"] = "ld0"
+    df = metrics.build_requests(workload(3), {}, d, time_scale=10)
+    steps = metrics.decode_steps(df, model, time_scale=10)
+    assert list(steps.batch) == [1, 2, 2, 1, 1, 1]
+    # 1.0 and 5.0 start after idle: not measured. The others are 0.1 s emulated = 1000 ms.
+    assert steps.measured_ms.isna().tolist() == [True, False, False, False, True, False]
+    assert steps.measured_ms.dropna().tolist() == pytest.approx([1000.0] * 4)
+    # The step at 1.1 ran two requests holding 1001 + 1000 tokens before it.
+    assert steps.expected_ms[1] == pytest.approx(model.step_time(2, 2001) * 1e3)
+
+
+def test_decode_model_full_batch_at_reference_is_t_decode():
+    from testbed import profile
+
+    m = profile.load("kimi-linear-1t").decode
+    assert m.step_time(m.bs_max, m.bs_max * m.reference_context) == pytest.approx(m.step_s)
+    assert m.step_time(1, 1000) < m.step_s < m.step_time(m.bs_max, m.bs_max * 128_000)
+    assert m.constant().step_time(1, 0) == m.step_s

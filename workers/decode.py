@@ -37,6 +37,9 @@ class Slot:
         self.token_ids = []
         self.emitted = 0
         self.join = 0.0
+        self.input_len = 0
+        self.kv_need = 0.0          # real-world bytes it holds in decode memory once batched
+        self.reserved = 0.0
         self.wake = asyncio.Event()
         self.finished = False
 
@@ -58,6 +61,11 @@ class DecodeService(pbg.DecodeServicer):
         # A computing engine steps in a thread (the loop keeps receiving KV meanwhile) and
         # emits, at each step, the token fed in: the first is the one prefill predicted.
         self.emit_step = getattr(engine, "aemit_step", None)
+        # Step time and decode memory: the profile engine models them (T_step(B, C), KV
+        # capacity); an engine that computes for real takes its own time and memory.
+        self.step_seconds = getattr(engine, "step_seconds", lambda batch, ctx: engine.step_s)
+        self.kv_need = getattr(engine, "kv_need", lambda input_len, output_len: 0.0)
+        self.fits = getattr(engine, "fits", lambda need: True)
 
     # ---- KV receiver ----
     def on_frame(self, rid, seq, flags, payload, t_first, t_last):
@@ -87,6 +95,8 @@ class DecodeService(pbg.DecodeServicer):
             slot = self.slots[req.id] = Slot(req.id)
         slot.claimed = True
         slot.output_len = max(1, req.output_len)
+        slot.input_len = req.input_len
+        slot.kv_need = self.kv_need(req.input_len, slot.output_len)
         try:
             try:
                 await asyncio.wait_for(slot.kv_done.wait(), dreq.kv_deadline_s)
@@ -136,18 +146,28 @@ class DecodeService(pbg.DecodeServicer):
                               active=len(self.batch), busy_s=self.busy_s)
 
     # ---- continuous batching ----
+    def _admit(self):
+        """At a step boundary: waiting requests join in arrival order, up to BS_max, while their
+        KV fits the decode memory (the first in line waits; later ones do not overtake it)."""
+        while self.waiting and len(self.batch) < self.engine.bs_max:
+            slot = self.waiting[0]
+            if slot.finished:
+                self.waiting.popleft()
+                continue
+            if not self.fits(slot.kv_need):
+                break
+            self.waiting.popleft()
+            slot.reserved = slot.kv_need
+            if slot.reserved:
+                self.engine.reserve(slot.reserved)
+            slot.join = time.time()
+            self.batch.append(slot)
+
     async def step_loop(self):
-        step_s = self.engine.step_s
         next_tick = time.monotonic()
         last_flush = {}
         while True:
-            # Admit waiting requests at the step boundary, up to BS_max.
-            while self.waiting and len(self.batch) < self.engine.bs_max:
-                slot = self.waiting.popleft()
-                if slot.finished:
-                    continue
-                slot.join = time.time()
-                self.batch.append(slot)
+            self._admit()
             if not self.batch:
                 self.has_work.clear()
                 try:
@@ -156,6 +176,8 @@ class DecodeService(pbg.DecodeServicer):
                     self._reap_orphans()
                 next_tick = time.monotonic()
                 continue
+            step_s = self.step_seconds(len(self.batch),
+                                       sum(s.input_len + len(s.times) for s in self.batch))
             next_tick += step_s
             delay = next_tick - time.monotonic()
             if delay > 0:
@@ -185,6 +207,9 @@ class DecodeService(pbg.DecodeServicer):
             for s in self.batch:
                 if s.finished:
                     last_flush.pop(s.rid, None)
+                    if s.reserved:
+                        self.engine.free(s.reserved)
+                        s.reserved = 0.0
             self.batch = keep
 
     def _reap_orphans(self):

@@ -2,8 +2,10 @@
 
 Prefill waits the profiled `T_prefill(l) / scale.time` and produces `S_kv(l) * scale.bytes` real
 bytes, handed to the sender in `stream_chunks` pieces as the prefill progresses (layer-wise
-pipelining: piece i is ready at (i+1)/n of the compute time). Decode steps take the profiled
-`T_decode / scale.time` whatever the batch size, as in the paper's model.
+pipelining: piece i is ready at (i+1)/n of the compute time). A decode step takes
+`T_step(B, C) / scale.time` for a batch of B requests holding C context tokens (the profile's
+`DecodeModel`; `model.decode_model: constant` gives the paper's T_decode whatever the batch), and
+a request joins the batch only once its KV fits the instance's decode memory.
 """
 
 import asyncio
@@ -59,8 +61,29 @@ class ProfilePrefillEngine:
 class ProfileDecodeEngine:
     def __init__(self, rt, inst):
         self.profile = profiles.load(rt["profile"])
-        self.step_s = rt["decode"]["step_s"] / rt["scale"]["time"]
+        self.time_scale = rt["scale"]["time"]
+        self.step_s = rt["decode"]["step_s"] / self.time_scale
         self.bs_max = rt["decode"]["bs_max"]
+        self.model = profiles.DecodeModel(**rt["decode"]["model"])
+        self.reserved = 0.0          # real-world KV bytes of the requests in the batch
+
+    def step_seconds(self, batch, context_tokens):
+        """Emulated duration of one step of `batch` requests holding `context_tokens`."""
+        return self.model.step_time(batch, context_tokens) / self.time_scale
+
+    def kv_need(self, input_len, output_len):
+        """Real-world bytes a request holds in decode memory (its KV at full length)."""
+        return float(self.profile.s_kv(input_len + output_len))
+
+    def fits(self, need):
+        cap = self.model.kv_capacity
+        return cap is None or self.reserved + need <= cap or self.reserved == 0.0
+
+    def reserve(self, need):
+        self.reserved += need
+
+    def free(self, need):
+        self.reserved = max(0.0, self.reserved - need)
 
     def admit(self, request_id, state):
         pass
