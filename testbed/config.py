@@ -26,9 +26,10 @@ import yaml
 from testbed import profile as profiles
 from testbed import units
 from testbed.errors import ConfigError
+from testbed.faults import FaultSpec
 from testbed.net.spec import NetworkSpec
-from testbed.schema import (boolean, build, choice, integer, optional, positive, section, spec,
-                            string, to_dict)
+from testbed.schema import (boolean, build, choice, integer, list_of, optional, positive, section,
+                            spec, string, to_dict)
 from testbed.workload.spec import WorkloadSpec
 
 # The emulated WAN must stay within what one 2-core machine can shape and carry.
@@ -104,9 +105,10 @@ class ClustersSpec:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FailoverSpec:
     enabled: bool = spec(boolean, False,
-                         "health-check prefill instances; route around those that do not answer")
+                         "health-check prefill and decode instances; route around those that "
+                         "do not answer, re-dispatch the requests on them (workers/recovery.py)")
     interval: float = spec(positive(units.duration_s), 1.0,
-                           "time between health checks of each prefill instance (real-world)")
+                           "time between health checks of each instance (real-world)")
     timeout: float = spec(positive(units.duration_s), 0.5,
                           "an instance that has not answered within this (real-world) is down")
     max_local: int = spec(optional(units.tokens), None,
@@ -178,6 +180,9 @@ class Experiment:
                                     doc="request routing")
     workload: WorkloadSpec = spec(section(WorkloadSpec), doc="what requests are sent")
     run: RunSpec = spec(section(RunSpec), factory=RunSpec, doc="timeouts of the run itself")
+    faults: tuple = spec(list_of(section(FaultSpec)), (),
+                         "injected failures: [{at: 30s, kind: pause, target: prfaas, duration: "
+                         "20s}, ...] (testbed/faults.py; keys below)")
     label: str = spec(optional(string), None, "name of this run in tables (default: the policy)")
 
     def check(self):
@@ -396,6 +401,8 @@ def validate(raw, path=None, sweep_point=None):
             raise ConfigError(f"profile {prof.name!r} has no accelerator {acc!r}; it has "
                               f"{', '.join(prof.prefill)}", path=path, key=where)
     _check_scale(exp, path)
+    from testbed import faults
+    faults.check(exp, path)
     return dataclasses.replace(exp, label=_label(exp, sweep_point or {}))
 
 

@@ -30,6 +30,7 @@ class ProfilePrefillEngine:
         self.time_scale = rt["scale"]["time"]
         self.bytes_scale = rt["scale"]["bytes"]
         self.chunks = max(1, int(self.profile.stream_chunks))
+        self.clock_factor = 1.0    # > 1: a slowed instance (the `slow` fault, workers/control.py)
 
     def compute_s(self, uncached):
         return self.profile.t_prefill(self.accelerator, max(uncached, 1)) / self.time_scale
@@ -43,10 +44,11 @@ class ProfilePrefillEngine:
         t_compute = self.compute_s(uncached)
         size = self.kv_bytes(uncached)
         n = min(self.chunks, size)
-        start = time.monotonic()
+        ready_at = time.monotonic()
         sent = 0
         for i in range(n):
-            ready_at = start + t_compute * (i + 1) / n
+            # Each piece's compute at the clock factor in force when it starts.
+            ready_at += t_compute / n * self.clock_factor
             delay = ready_at - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
@@ -61,6 +63,7 @@ class ProfileDecodeEngine:
         self.profile = profiles.load(rt["profile"])
         self.step_s = rt["decode"]["step_s"] / rt["scale"]["time"]
         self.bs_max = rt["decode"]["bs_max"]
+        self.clock_factor = 1.0    # > 1: a slowed instance (the `slow` fault, workers/control.py)
 
     def admit(self, request_id, state):
         pass

@@ -1,7 +1,8 @@
 """Scheduled link changes during a run: failure injection, degradation, bandwidth traces.
 
 `LinkSchedule(wan, items)` applies each `(t_s, direction, changes)` (emulation units, from
-`Experiment.emulated_changes`) through `Wan.set` at `t0 + t_s`, in a thread; `Wan.set` logs each
+`Experiment.emulated_changes`, and link faults from `testbed.faults.link_items`, whose fourth
+element is logged as a `fault_inject`/`fault_end` event) through `Wan.set` at `t0 + t_s`, in a thread; `Wan.set` logs each
 change, with how long it took to apply, to the run's events.csv. An error in a change stops the
 schedule, is logged, and the run goes on measuring.
 """
@@ -27,11 +28,14 @@ class LinkSchedule:
         return self
 
     def _run(self, t0):
-        for t, direction, changes in self.items:
+        for t, direction, changes, *note in self.items:
             if self._stop.wait(max(0.0, t0 + t - time.time())):
                 return
             try:
                 self.wan.set(direction, **changes)
+                if note and self.events:     # a link fault (testbed/faults.py): on record
+                    n = dict(note[0])
+                    self.events(f"fault_{n.pop('phase')}", **n)
                 self.applied += 1
             except Exception as e:   # keep measuring; say what failed
                 self.error = e
