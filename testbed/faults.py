@@ -162,15 +162,12 @@ def _resolve_target(text, names, rng):
 
 
 def expected_end_s(exp):
-    """Real-world time of the last expected arrival (the run sends nothing after it)."""
-    if exp.duration is not None:
-        return exp.duration
-    rate = exp.workload.arrival.mean_rate() if exp.workload.arrival.process != "trace" else None
-    if exp.requests is not None and rate:
-        return exp.requests / rate
+    """Real-world time of the last arrival of the request list the run will send (the same
+    seeded generator), or `duration` when that is longer."""
     from testbed.workload import generate
     wl = generate(exp.workload, exp.seed, requests=exp.requests, duration_s=exp.duration)
-    return float(wl.arrival_s.max()) if len(wl) else 0.0
+    last = float(wl.arrival_s.max()) if len(wl) else 0.0
+    return max(last, exp.duration or 0.0)
 
 
 def resolve(exp):
@@ -289,7 +286,7 @@ def link_items(exp, occurrences, base_items):
         if "delay" in ch:
             ch["delay"] /= T
         d = None if f.direction == "both" else f.direction
-        note = {"fault": o.index, "occurrence": o.n, "kind": "link", "target": o.target}
+        note = {"fault": o.index, "occurrence": o.n, "fault_kind": "link", "target": o.target}
         out.append((o.at_s / T, d, ch, {**note, "phase": "inject"}))
         if not math.isinf(o.end_s):
             for dd in (("kv", "request") if d is None else (d,)):
@@ -348,7 +345,7 @@ class Injector:
             try:
                 for name in o.targets:
                     self._do(o.spec, name, phase)
-                self.events(f"fault_{phase}", fault=o.index, occurrence=o.n, kind=o.spec.kind,
+                self.events(f"fault_{phase}", fault=o.index, occurrence=o.n, fault_kind=o.spec.kind,
                             target=o.target)
             except Exception as e:  # keep measuring; say what failed
                 self.error = e
@@ -397,3 +394,153 @@ class Injector:
             except ProcessLookupError:
                 pass
         self.paused.clear()
+
+
+# ---- after the run: accounting and per-fault recovery metrics (summary.json) ----
+
+# Errors the analysis itself gives a request that has no reply from the system: lost, not failed.
+LOST_ERRORS = ("no reply recorded before the run ended", "never sent (the run ended first)",
+               "run ended before the request finished")
+
+
+def read_events(path):
+    """events.csv as a list of (time, kind, {key: value}), sorted by time (several processes
+    append to it)."""
+    import csv
+    out = []
+    p = pathlib.Path(path)
+    if not p.exists():
+        return out
+    with open(p, newline="") as f:
+        for row in csv.DictReader(f):
+            try:
+                t = float(row["time"])
+            except (TypeError, ValueError):
+                continue
+            fields = dict(kv.partition("=")[::2] for kv in (row.get("detail") or "").split(" ")
+                          if "=" in kv)
+            out.append((t, row["kind"], fields))
+    return sorted(out, key=lambda e: e[0])
+
+
+def accounting(df):
+    """sent / completed / failed (a reply with a reason) / lost (no reply from the system)."""
+    has_send = df.send_time.notna() if "send_time" in df else df.status.isna()
+    lost = df.error.isin(LOST_ERRORS) & (df.status != "ok")
+    ok = df.status == "ok"
+    return {"requests": int(len(df)), "sent": int(has_send.sum()), "completed": int(ok.sum()),
+            "failed": int((~ok & ~lost).sum()), "lost": int(lost.sum())}
+
+
+def _rolling_recovery(df, at_emul, pre_level, window_s, time_scale, t0):
+    """Real-world seconds from injection until the TTFT p90 of the arrivals in a window of
+    `window_s` (real-world) starting at or after the injection is back within 10% of
+    `pre_level` (failed requests count as infinite TTFT); None if it never is."""
+    import numpy as np
+    if pre_level is None or not np.isfinite(pre_level):
+        return None
+    arr = ((df.send_time - t0) * time_scale).to_numpy()
+    ttft = np.where(df.status == "ok", df.ttft_ms, np.inf)
+    at = (at_emul - t0) * time_scale
+    last = np.nanmax(arr) if len(arr) else at
+    start = at
+    while start + window_s <= last + 1e-9:
+        sel = (arr >= start) & (arr < start + window_s)
+        if sel.sum() >= 3 and np.percentile(ttft[sel], 90) <= 1.1 * pre_level:
+            return float(start + window_s - at)
+        start += window_s / 4
+    return None
+
+
+def analyse(run_dir, exp, df):
+    """`accounting`, `faults` (one entry per injection, YAML order) and the KV duplicates the
+    decode workers discarded, from requests (df), events.csv and the run's metadata."""
+    import numpy as np
+    d = pathlib.Path(run_dir)
+    out = {"accounting": accounting(df)}
+    events = read_events(d / "events.csv")
+    discarded = [f for _, k, f in events if k == "kv_discarded"]
+    out["kv_discarded"] = {"attempts": len(discarded),
+                           "duplicates": sum(f.get("complete") == "1" for f in discarded),
+                           "bytes": sum(int(f.get("bytes", 0)) for f in discarded)}
+    redispatches = [(r["time"], rid, r) for rid, lst in zip(df.id, df.get(
+        "redispatches", [None] * len(df))) if isinstance(lst, (list, np.ndarray))
+        for r in lst]
+    out["redispatched_requests"] = len({rid for _, rid, _ in redispatches})
+    if not exp.faults:
+        return out
+    T = exp.scale.time
+    meta = json.loads((d / "metadata.json").read_text()) if (d / "metadata.json").exists() else {}
+    t0 = meta.get("client_start_at", df.send_time.min())
+    fo = exp.scheduler.failover
+    window = 2 * (fo.interval + fo.timeout) if fo.enabled else None   # two missed checks
+    out["detection_window_s"] = window
+    injected = {(int(f["fault"]), int(f["occurrence"])): t for t, k, f in events
+                if k == "fault_inject" and "fault" in f}
+    ended = {(int(f["fault"]), int(f["occurrence"])): t for t, k, f in events
+             if k == "fault_end" and "fault" in f}
+    downs = [(t, f.get("instance")) for t, k, f in events
+             if k == "health" and f.get("state") == "down"]
+    by_id = df.set_index("id")
+    uncached = by_id.input_len - by_id.get("cached_len", 0)
+    end_time = df.end_time if "end_time" in df else df.last_token
+    rows = []
+    for o in resolve(exp):
+        key = (o.index, o.n)
+        t_inj = injected.get(key)
+        entry = {"kind": o.spec.kind, "target": o.target, "at_s": o.at_s, "detect_s": None,
+                 "recover_s": None, "requests_affected": 0, "redispatched": 0, "failed": 0,
+                 "wasted_prefill_tokens": 0}
+        if t_inj is None:
+            entry["error"] = "not injected (see events.csv)"
+            rows.append(entry)
+            continue
+        entry["at_s"] = (t_inj - t0) * T
+        t_end = ended.get(key, math.inf)
+        if o.spec.kind == "link":
+            targets = {f"rp{i}" for i in range(exp.clusters.prfaas.instances)}
+        else:
+            targets = set(o.targets)
+        det = [t for t, inst in downs if inst in targets and t >= t_inj and
+               (math.isinf(t_end) or t <= t_end + 10.0 / T)]
+        if det:
+            entry["detect_s"] = (det[0] - t_inj) * T
+        moved = [(t, rid, r) for t, rid, r in redispatches
+                 if r["from"] in targets and t >= t_inj and
+                 (math.isinf(t_end) or t <= t_end + (window or 0) / T + 1.0)]
+        moved_ids = {rid for _, rid, _ in moved}
+        on_target = df.prefill_instance.isin(targets) | df.decode_instance.isin(targets) | \
+            df.id.isin(moved_ids)
+        if o.spec.kind == "link":
+            on_target |= df.route == "remote"
+        alive = (df.send_time <= t_end) & (end_time.fillna(np.inf) >= t_inj)
+        aff = df[on_target & alive]
+        entry["requests_affected"] = int(len(aff))
+        entry["redispatched"] = len(moved)
+        entry["failed"] = int((aff.status != "ok").sum())
+        if moved:
+            entry["redispatch_max_s"] = max(t - t_inj for t, _, _ in moved) * T
+        wasted = 0.0
+        aff_ids = set(aff.id)
+        for f in discarded:
+            rid = int(f.get("id", -1))
+            if rid not in aff_ids:
+                continue
+            full = float(uncached.get(rid, 0))
+            if f.get("complete") == "1":
+                wasted += full
+            else:
+                kvb = by_id.kv_bytes.get(rid)
+                if kvb and np.isfinite(kvb) and kvb > 0:
+                    wasted += full * min(1.0, int(f["bytes"]) / kvb)
+        entry["wasted_prefill_tokens"] = int(round(wasted))
+        pre = df[(df.send_time < t_inj) & (df.status == "ok")]
+        pre = pre[pre.send_time >= t_inj - 60.0 / T]            # the minute before it
+        level = float(np.percentile(pre.ttft_ms, 90)) if len(pre) >= 3 else None
+        entry["pre_p90_ttft_ms"] = level
+        entry["recover_s"] = _rolling_recovery(df, t_inj, level, 10.0, T, t0)
+        if entry["recover_s"] is not None:
+            entry["recover_s"] = round(entry["recover_s"], 3)
+        rows.append(entry)
+    out["faults"] = rows
+    return out

@@ -71,7 +71,7 @@ def build_requests(workload, sent, done, time_scale):
     for col in ("send_time", "first_token", "last_token", "prefill_queued", "prefill_start",
                 "prefill_end", "send_start", "send_end", "kv_recv_start", "kv_recv_end",
                 "decode_join", "lateness_s", "kv_bytes", "kv_bytes_sent", "n_tokens",
-                "overlap_s"):
+                "overlap_s", "end_time"):
         if col not in df:
             df[col] = np.nan
         df[col] = pd.to_numeric(df[col], errors="coerce")
@@ -283,6 +283,8 @@ def analyse(run_dir, exp):
     summary["link_warnings"] = fid.get("warnings", [])
     summary["warnings"] = summary["link_warnings"] + (summary.get("emulation") or {}).get(
         "warnings", [])
+    from testbed import faults     # accounting, recovery per injected fault
+    summary.update(faults.analyse(d, exp, df))
     (d / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 

@@ -86,6 +86,7 @@ async def one_request(stub, row, scheduled, rec, timeout_s):
         raise
     if out["status"] == "ok" and out["n_tokens"] < req.output_len:
         out["status"], out["error"] = "failed", f"only {out['n_tokens']} of {req.output_len} tokens"
+    out["end_time"] = time.time()      # when the stream ended here (a failure's time)
     rec.write({**out, "token_times": token_times, "client_times": client_times})
 
 

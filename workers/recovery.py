@@ -23,6 +23,7 @@ Every move is a `redispatch` row in events.csv and a `Redispatch` in the request
 """
 
 import asyncio
+import pathlib
 import time
 
 import grpc
@@ -90,6 +91,13 @@ class Health:
             elif misses[inst.name] == 0:
                 self.set(inst, False, "answered a health check")
 
+        # Start once every worker has said it is ready (the runner waits for the same files):
+        # a worker still importing is not an outage.
+        ready = pathlib.Path(self.svc.rt["_dir"]) / "ready"
+        for _ in range(600):
+            if all((ready / i.name).exists() for i in insts):
+                break
+            await asyncio.sleep(0.05)
         while True:
             await asyncio.sleep(interval)
             await asyncio.gather(*(check(i) for i in insts))
