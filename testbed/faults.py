@@ -544,3 +544,49 @@ def analyse(run_dir, exp, df):
         rows.append(entry)
     out["faults"] = rows
     return out
+
+
+MATRIX_COLUMNS = ["label", "fault", "policy", "failover", "completed", "failed", "lost",
+                  "p90_ttft_ms", "baseline_p90_ttft_ms", "p90_inflation", "detect_s",
+                  "recover_s", "redispatched", "wasted_prefill_tokens"]
+
+
+def write_matrix(top, runs, summaries):
+    """failure_matrix.csv and .md in the top directory of an experiment whose variants inject
+    faults: one row per run; p90 TTFT inflation against the run without faults (fault `none`)
+    of the same policy and failover setting."""
+    import pandas as pd
+    rows = []
+    for exp, s in zip(runs, summaries):
+        fs = s.get("faults") or []
+        rows.append({
+            "label": exp.label,
+            "fault": "+".join(dict.fromkeys(f.kind for f in exp.faults)) or "none",
+            "policy": exp.scheduler.policy, "failover": exp.scheduler.failover.enabled,
+            "completed": s["accounting"]["completed"], "failed": s["accounting"]["failed"],
+            "lost": s["accounting"]["lost"], "p90_ttft_ms": s.get("p90_ttft_ms"),
+            "detect_s": next((f["detect_s"] for f in fs if f.get("detect_s") is not None), None),
+            "recover_s": next((f["recover_s"] for f in fs if f.get("recover_s") is not None),
+                              None),
+            "redispatched": sum(f.get("redispatched", 0) for f in fs),
+            "wasted_prefill_tokens": sum(f.get("wasted_prefill_tokens", 0) for f in fs)})
+    m = pd.DataFrame(rows)
+    base = m[m.fault == "none"].set_index(["policy", "failover"]).p90_ttft_ms
+    m["baseline_p90_ttft_ms"] = [base.get((p, f)) for p, f in zip(m.policy, m.failover)]
+    m["p90_inflation"] = m.p90_ttft_ms / m.baseline_p90_ttft_ms
+    m = m[MATRIX_COLUMNS]
+    top = pathlib.Path(top)
+    m.to_csv(top / "failure_matrix.csv", index=False)
+    fmt = {"p90_ttft_ms": "{:.0f}", "baseline_p90_ttft_ms": "{:.0f}", "p90_inflation": "{:.2f}",
+           "detect_s": "{:.1f}", "recover_s": "{:.1f}"}
+    lines = ["| " + " | ".join(MATRIX_COLUMNS) + " |", "|" + "---|" * len(MATRIX_COLUMNS)]
+    for r in m.itertuples(index=False):
+        cells = []
+        for c, v in zip(MATRIX_COLUMNS, r):
+            if v is None or (isinstance(v, float) and math.isnan(v)):
+                cells.append("-")
+            else:
+                cells.append(fmt.get(c, "{}").format(v))
+        lines.append("| " + " | ".join(cells) + " |")
+    (top / "failure_matrix.md").write_text("\n".join(lines) + "\n")
+    return m

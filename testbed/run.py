@@ -367,6 +367,9 @@ def execute(path, overrides=(), out=None, probe=True, cli=False, progress=True):
         summaries.append(Run(exp, run_dir, probe=probe, cli=cli, progress=progress).execute())
     if len(runs) > 1:
         metrics.write_sweep(top, summaries)
+        if any(exp.faults for exp in runs):
+            from testbed import faults
+            faults.write_matrix(top, runs, summaries)
     plot.run_figures(top)
     return top, summaries
 
