@@ -314,7 +314,8 @@ class Flight:
     async def _finish(self, chunk):
         """The decode worker's last chunk, with the route and the admitted attempt's report."""
         want = chunk.kv_attempt
-        if chunk.status == "ok" and want not in self.replies and self.ptask is not None:
+        if chunk.status == "ok" and want not in self.replies and self.ptask is not None \
+                and want == self.attempt:
             # Tokens done before the prefill RPC returned: wait (bounded) for its report.
             try:
                 await asyncio.wait_for(asyncio.shield(self.ptask), 5.0)
