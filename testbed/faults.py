@@ -343,10 +343,11 @@ class Injector:
             if self._stop.wait(max(0.0, t0 + at / self.time_scale - time.time())):
                 return
             try:
+                # Logged as it starts: what it causes (a health transition) comes after.
+                self.events(f"fault_{phase}", fault=o.index, occurrence=o.n,
+                            fault_kind=o.spec.kind, target=o.target)
                 for name in o.targets:
                     self._do(o.spec, name, phase)
-                self.events(f"fault_{phase}", fault=o.index, occurrence=o.n, fault_kind=o.spec.kind,
-                            target=o.target)
             except Exception as e:  # keep measuring; say what failed
                 self.error = e
                 self.events("fault_error", fault=o.index, error=f"{type(e).__name__}: {e}")

@@ -32,10 +32,10 @@ class LinkSchedule:
             if self._stop.wait(max(0.0, t0 + t - time.time())):
                 return
             try:
-                self.wan.set(direction, **changes)
                 if note and self.events:     # a link fault (testbed/faults.py): on record
                     n = dict(note[0])
                     self.events(f"fault_{n.pop('phase')}", **n)
+                self.wan.set(direction, **changes)
                 self.applied += 1
             except Exception as e:   # keep measuring; say what failed
                 self.error = e
