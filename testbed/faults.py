@@ -547,7 +547,7 @@ def analyse(run_dir, exp, df):
     return out
 
 
-MATRIX_COLUMNS = ["label", "fault", "policy", "failover", "completed", "failed", "lost",
+MATRIX_COLUMNS = ["label", "case", "fault", "policy", "failover", "completed", "failed", "lost",
                   "p90_ttft_ms", "baseline_p90_ttft_ms", "p90_inflation", "detect_s",
                   "recover_s", "redispatched", "wasted_prefill_tokens"]
 
@@ -561,7 +561,7 @@ def write_matrix(top, runs, summaries):
     for exp, s in zip(runs, summaries):
         fs = s.get("faults") or []
         rows.append({
-            "label": exp.label,
+            "label": exp.label, "case": exp.label.split(",")[0],    # the variant's own label
             "fault": "+".join(dict.fromkeys(f.kind for f in exp.faults)) or "none",
             "policy": exp.scheduler.policy, "failover": exp.scheduler.failover.enabled,
             "completed": s["accounting"]["completed"], "failed": s["accounting"]["failed"],

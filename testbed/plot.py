@@ -321,12 +321,15 @@ def failure_heatmap(top, out_dir):
     if not len(m):
         return None
     m["column"] = m.policy + ", failover " + m.failover.map({True: "on", False: "off"})
+    rows = "case" if "case" in m else "fault"
     sns.set_theme(style="white", context="paper")
-    fig, axes = plt.subplots(1, 2, figsize=(9, 0.6 + 0.5 * m.fault.nunique()))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 1.8 + 0.45 * m[rows].nunique()))
     for ax, (col, title, fmt) in zip(axes, (("p90_inflation", "p90 TTFT / fault-free p90", ".2f"),
                                             ("failed", "failed requests", ".0f"))):
-        grid = m.pivot_table(index="fault", columns="column", values=col, aggfunc="first")
+        grid = m.pivot_table(index=rows, columns="column", values=col, aggfunc="first")
         sns.heatmap(grid, annot=True, fmt=fmt, cmap="Reds", ax=ax, cbar=False)
+        ax.tick_params(axis="y", labelrotation=0)
+        ax.tick_params(axis="x", labelrotation=30)
         ax.set_title(title)
         ax.set_xlabel("")
         ax.set_ylabel("")
