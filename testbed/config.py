@@ -25,9 +25,10 @@ import pathlib
 from testbed import profile as profiles
 from testbed import units, yamlload
 from testbed.errors import ConfigError
+from testbed.faults import FaultSpec
 from testbed.net import spec as netspec
 from testbed.net.spec import NetworkSpec
-from testbed.schema import (at_most, boolean, build, choice, integer, optional, path_component,
+from testbed.schema import (at_most, boolean, build, choice, integer, list_of, optional, path_component,
                             positive, section, spec, string, to_dict)
 from testbed.workload import spec as wlspec
 from testbed.workload.spec import WorkloadSpec
@@ -172,9 +173,10 @@ class ClustersSpec:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FailoverSpec:
     enabled: bool = spec(boolean, False,
-                         "health-check prefill instances; route around those that do not answer")
+                         "health-check prefill and decode instances; route around those that "
+                         "do not answer, re-dispatch the requests on them (workers/recovery.py)")
     interval: float = spec(positive(_duration(MAX_INTERVAL_S, "1h")), 1.0,
-                           "time between health checks of each prefill instance (real-world)")
+                           "time between health checks of each instance (real-world)")
     timeout: float = spec(positive(_duration(MAX_INTERVAL_S, "1h")), 0.5,
                           "an instance that has not answered within this (real-world) is down")
     max_local: int = spec(optional(units.tokens), None,
@@ -273,6 +275,9 @@ class Experiment:
     run: RunSpec = spec(section(RunSpec), factory=RunSpec, doc="timeouts of the run itself")
     slo: SloSpec = spec(section(SloSpec), factory=SloSpec,
                         doc="objectives for goodput and SLO attainment (none: no goodput)")
+    faults: tuple = spec(list_of(section(FaultSpec)), (),
+                         "injected failures: [{at: 30s, kind: pause, target: prfaas, duration: "
+                         "20s}, ...] (testbed/faults.py; keys below)")
     label: str = spec(optional(path_component), None,
                       "name of this run in tables and its directory (default: the policy)")
 
@@ -680,6 +685,8 @@ def validate(raw, path=None, sweep_point=None, traces_read=None):
         if e.path:
             raise
         raise ConfigError(str(e), path=path) from None
+    from testbed import faults
+    faults.check(exp, path)
     return dataclasses.replace(exp, label=label)
 
 

@@ -18,12 +18,19 @@ DIRECTIONS = ("kv", "request")
 
 
 class EventLog:
-    """Callable: `events(kind, **fields)` appends a row (time, kind, detail) to events.csv."""
+    """Callable: `events(kind, **fields)` appends a row (time, kind, detail) to events.csv.
 
-    def __init__(self, path):
-        self.f = open(path, "w", newline="", buffering=1)
+    The file is opened for appending (O_APPEND) and each row is one write, so other processes
+    of the run (the scheduler's health transitions, the decode workers' discarded KV) append
+    their rows to the same file with `EventLog(path, fresh=False)`; readers sort by time.
+    """
+
+    def __init__(self, path, fresh=True):
+        if fresh:
+            with open(path, "w", newline="") as f:
+                csv.writer(f).writerow(["time", "kind", "detail"])
+        self.f = open(path, "a", newline="", buffering=1)
         self.w = csv.writer(self.f)
-        self.w.writerow(["time", "kind", "detail"])
         self.lock = threading.Lock()
 
     def __call__(self, kind, **fields):

@@ -82,7 +82,7 @@ def build_requests(workload, sent, done, time_scale):
     for col in ("send_time", "first_token", "last_token", "prefill_queued", "prefill_start",
                 "prefill_end", "send_start", "send_end", "kv_recv_start", "kv_recv_end",
                 "decode_join", "lateness_s", "kv_bytes", "kv_bytes_sent", "n_tokens",
-                "overlap_s"):
+                "overlap_s", "end_time"):
         if col not in df:
             df[col] = np.nan
         df[col] = pd.to_numeric(df[col], errors="coerce")
@@ -438,6 +438,8 @@ def analyse(run_dir, exp):
                            f"{e['error']}" for e in meta.get("link_schedule_errors") or []]
     if reasons:
         summary["warnings"].append(f"incomplete run: {summary['incomplete_reason']}")
+    from testbed import faults     # accounting, recovery per injected fault
+    summary.update(faults.analyse(d, exp, df))
     (d / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 

@@ -207,10 +207,139 @@ def threshold_timeline(top, out_dir):
     return _save(fig, out_dir, "threshold")
 
 
+FAULT_COLORS = {"pause": "#8172b3", "kill": "#c44e52", "restart": "#dd8452", "link": "#64b5cd",
+                "slow": "#ccb974"}
+
+
+def _fault_spans(events, t0, scale, t_last):
+    """[(kind, targets, start, end)] real-world seconds since the first arrival, per injection."""
+    starts, spans = {}, []
+    for t, kind, f in events:
+        key = (f.get("fault"), f.get("occurrence"))
+        if kind == "fault_inject":
+            starts[key] = (t, f.get("fault_kind"), f.get("target", ""))
+        elif kind == "fault_end" and key in starts:
+            t1, k, tg = starts.pop(key)
+            spans.append((k, tg, (t1 - t0) * scale, (t - t0) * scale))
+    spans += [(k, tg, (t1 - t0) * scale, t_last) for t1, k, tg in starts.values()]
+    return spans
+
+
+def _health_spans(events, t0, scale, t_last):
+    """{instance: [(start, end)]} real-world spans each instance was marked down."""
+    down, out = {}, {}
+    for t, kind, f in events:
+        if kind != "health":
+            continue
+        name = f.get("instance")
+        if f.get("state") == "down":
+            down.setdefault(name, (t - t0) * scale)
+        elif name in down:
+            out.setdefault(name, []).append((down.pop(name), (t - t0) * scale))
+    for name, a in down.items():
+        out.setdefault(name, []).append((a, t_last))
+    return out
+
+
+def fault_timeline(top, out_dir):
+    """Per run with faults: TTFT by arrival with every fault shaded and its detection marked;
+    under it, each instance's health as the scheduler saw it and the WAN's state."""
+    from testbed.faults import read_events
+    paths = []
+    runs = [d for d in find_runs(top)
+            if json.loads((d / "summary.json").read_text()).get("faults")]
+    for d in runs:
+        s = json.loads((d / "summary.json").read_text())
+        scale = s.get("scale_time") or 1.0
+        df = pd.read_parquet(d / "requests.parquet")
+        meta = json.loads((d / "metadata.json").read_text())
+        t0 = meta.get("client_start_at", df.send_time.min())
+        t_last = float(max(df.arrival_s.max(), ((df.end_time.max() - t0) * scale)
+                           if "end_time" in df else 0))
+        events = read_events(d / "events.csv")
+        sns.set_theme(style="whitegrid", context="paper")
+        fig, (ax, ax2) = plt.subplots(2, 1, figsize=(7, 5), sharex=True,
+                                      gridspec_kw={"height_ratios": [3, 2]})
+        shown = set()
+        spans = _fault_spans(events, t0, scale, t_last)
+        for kind, target, a, b in spans:
+            ax.axvspan(a, b, color=FAULT_COLORS.get(kind, "0.8"), alpha=0.25, zorder=0,
+                       label=None if kind in shown else f"{kind} fault")
+            shown.add(kind)
+        for f in s["faults"]:
+            if f.get("detect_s") is not None:
+                ax.axvline(f["at_s"] + f["detect_s"], color="k", ls="--", lw=0.8,
+                           label=None if "det" in shown else "detected")
+                shown.add("det")
+        ok = df[df.status == "ok"]
+        ax.scatter(ok.arrival_s, ok.ttft_ms, s=6, color="#4c72b0", label="TTFT", zorder=2)
+        bad = df[df.status != "ok"]
+        if len(bad):
+            y = ok.ttft_ms.max() if len(ok) else 1.0
+            ax.scatter(bad.arrival_s, [y] * len(bad), s=14, marker="x", color="#c44e52",
+                       label="failed", zorder=3)
+        ax.set_yscale("log")
+        ax.set_ylabel("TTFT (ms, real-world)")
+        ax.legend(fontsize=6, loc="upper left")
+        ax.set_title(f"{_label(s)}: TTFT by arrival, faults shaded, detection dashed")
+        # Roles and link state.
+        rt = json.loads((d / "runtime.json").read_text())
+        names = [n for n, i in rt["instances"].items() if i["role"] in ("prefill", "decode")]
+        health = _health_spans(events, t0, scale, t_last)
+        rows = names + ["WAN"]
+        for y, name in enumerate(rows):
+            faulted = [(a, b - a) for k, tg, a, b in spans
+                       if (name == "WAN" and k == "link") or name in tg.split(",")]
+            ax2.broken_barh(faulted, (y - 0.4, 0.8), color="0.75")
+            if name == "WAN" and (d / "timeseries.csv").exists():
+                ts = pd.read_csv(d / "timeseries.csv")
+                ts["t_real_s"] = _arrival_clock(d, ts, scale)
+                cut = [(a, b - a) for a, b in _down_spans(ts)]
+                ax2.broken_barh(cut, (y - 0.25, 0.5), color="#c44e52")
+            else:
+                ax2.broken_barh([(a, b - a) for a, b in health.get(name, [])],
+                                (y - 0.25, 0.5), color="#c44e52")
+        role = {n: rt["instances"][n]["role"][0] for n in names}
+        ax2.set_yticks(range(len(rows)))
+        ax2.set_yticklabels([f"{n} ({role[n]})" if n in role else n for n in rows], fontsize=7)
+        ax2.set_xlabel("arrival / time since first arrival (s, real-world)")
+        ax2.set_title("grey: fault in force; red: marked down (health) / link down (kernel)",
+                      fontsize=8)
+        stem = "fault_timeline" if len(runs) == 1 else f"fault_timeline_{d.name}"
+        paths.append(_save(fig, out_dir, stem))
+    return paths
+
+
+def failure_heatmap(top, out_dir):
+    """failure_matrix.csv (written by a run of an experiment with faults and variants): p90 TTFT
+    inflation over the fault-free run of the same policy and failover, and failed requests."""
+    path = pathlib.Path(top) / "failure_matrix.csv"
+    if not path.exists():
+        return None
+    m = pd.read_csv(path)
+    m = m[m.fault != "none"]
+    if not len(m):
+        return None
+    m["column"] = m.policy + ", failover " + m.failover.map({True: "on", False: "off"})
+    rows = "case" if "case" in m else "fault"
+    sns.set_theme(style="white", context="paper")
+    fig, axes = plt.subplots(1, 2, figsize=(10, 1.8 + 0.45 * m[rows].nunique()))
+    for ax, (col, title, fmt) in zip(axes, (("p90_inflation", "p90 TTFT / fault-free p90", ".2f"),
+                                            ("failed", "failed requests", ".0f"))):
+        grid = m.pivot_table(index=rows, columns="column", values=col, aggfunc="first")
+        sns.heatmap(grid, annot=True, fmt=fmt, cmap="Reds", ax=ax, cbar=False)
+        ax.tick_params(axis="y", labelrotation=0)
+        ax.tick_params(axis="x", labelrotation=30)
+        ax.set_title(title)
+        ax.set_xlabel("")
+        ax.set_ylabel("")
+    return _save(fig, out_dir, "failure_matrix")
+
+
 def run_figures(top):
     """Every figure of a run directory (or an experiment's top directory), as PNG and PDF."""
     top = pathlib.Path(top)
     out = top / "figures"
     figures = (ttft_cdf(top, out), egress_timeline(top, out), ttft_timeline(top, out),
-               threshold_timeline(top, out))
-    return [p for p in figures if p is not None]
+               threshold_timeline(top, out), failure_heatmap(top, out))
+    return [p for p in figures if p is not None] + fault_timeline(top, out)

@@ -290,7 +290,8 @@ class Run:
             paths["probe_remote"], paths["probe_local"], net.ip("probe_local"),
             configured=self.exp.emulated_direction("kv"))
 
-    def _link_schedule(self, net, events, warn):
+    def _link_schedule(self, net, events, warn, occurrences=()):
+        from testbed.faults import link_items
         from testbed.net.schedule import LinkSchedule
 
         trace = self.exp.network.wan.rate_trace
@@ -301,7 +302,15 @@ class Run:
             if period > 0:
                 n = int(horizon / period) + 1
                 rows = [(t + k * period, r) for k in range(n) for t, r in rows]
-        return LinkSchedule(net.wan, self.exp.emulated_changes(rows), events, warn)
+        items = self.exp.emulated_changes(rows)
+        items = sorted(items + link_items(self.exp, occurrences, items), key=lambda x: x[0])
+        return LinkSchedule(net.wan, items, events, warn)
+
+    def _respawn(self, net, rt, events, name):
+        """A `restart` fault: start a killed worker again; it rejoins through the health check."""
+        (self.dir / "ready" / name).unlink(missing_ok=True)
+        self._spawn(net, name, f"workers.{rt['instances'][name]['role']}", rt)
+        events("worker_restarted", name=name, pid=self.procs[name].pid)
 
     def _drive(self, net, rt, workload, events):
         records = self.dir / "requests.jsonl"
@@ -312,7 +321,12 @@ class Run:
                      "--start-at", f"{start_at:.6f}"])
         events("client_started", requests=len(workload))
         progress = Progress(records, len(workload), self.exp.label, self.progress)
-        schedule = self._link_schedule(net, events, progress.write).start(start_at)
+        from testbed import faults
+        occurrences = faults.resolve(self.exp)
+        schedule = self._link_schedule(net, events, progress.write, occurrences).start(start_at)
+        injector = faults.Injector(occurrences, self.exp.scale.time, self.dir, lambda: self.procs,
+                                   lambda n: self._respawn(net, rt, events, n),
+                                   events).start(start_at)
         last_arrival = float(workload.arrival_s.max()) if len(workload) else 0.0
         bound = start_at + last_arrival / self.exp.scale.time + rt["drain_timeout_s"] + 30.0
         dead = set()
@@ -320,9 +334,9 @@ class Run:
         try:
             while client.poll() is None:
                 progress.poll()
-                for name, p in self.procs.items():
-                    if name != "client" and name not in dead and p.poll() is not None:
-                        dead.add(name)
+                for name, p in list(self.procs.items()):
+                    if name != "client" and p not in dead and p.poll() is not None:
+                        dead.add(p)
                         events("worker_died", name=name, code=p.returncode)
                         progress.write(f"warning: {name} exited with code {p.returncode}; "
                                        f"its requests fail (see logs/{name}.log)")
@@ -335,13 +349,14 @@ class Run:
                 time.sleep(0.1)
             progress.poll()
         finally:
+            injector.stop()
             schedule.stop()
             progress.close()
             self.meta["link_schedule_errors"] = [
                 {"at_s": t, "direction": d or "both", "changes": c, "error": e}
                 for t, d, c, e in schedule.errors]
         events("client_finished", code=client.returncode)
-        self.meta["dead_workers"] = sorted(dead)
+        self.meta["dead_workers"] = sorted(n for n, p in self.procs.items() if p in dead)
 
 
 def execute(path, overrides=(), out=None, probe=True, cli=False, progress=True):
@@ -361,6 +376,9 @@ def execute(path, overrides=(), out=None, probe=True, cli=False, progress=True):
             summaries.append(Run(exp, run_dir, probe=probe, cli=cli, progress=progress).execute())
         if len(runs) > 1:
             metrics.write_sweep(top, summaries)
+            if any(exp.faults for exp in runs):
+                from testbed import faults
+                faults.write_matrix(top, runs, summaries)
         plot.run_figures(top)
     finally:    # also on Ctrl-C and errors: what sudo made belongs to the user who ran it
         ownership.hand_back(top)

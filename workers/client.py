@@ -70,7 +70,11 @@ async def one_request(stub, row, scheduled, rec, timeout_s):
                            chunk.decode_instance, threshold=chunk.route.threshold,
                            kv_recv_start=chunk.kv_recv_start or None,
                            kv_recv_end=chunk.kv_recv_end or None,
-                           kv_bytes=chunk.kv_recv_bytes, decode_join=chunk.decode_join or None)
+                           kv_bytes=chunk.kv_recv_bytes, decode_join=chunk.decode_join or None,
+                           kv_attempt=chunk.kv_attempt, attempts=chunk.attempts,
+                           redispatches=[{"time": r.time, "role": r.role,
+                                          "from": r.from_instance, "to": r.to_instance,
+                                          "reason": r.reason} for r in chunk.redispatches])
                 out.update(_prefill_fields(chunk.prefill))
                 if not out.get("prefill_instance"):
                     out["prefill_instance"] = chunk.route.prefill
@@ -82,6 +86,7 @@ async def one_request(stub, row, scheduled, rec, timeout_s):
         raise
     if out["status"] == "ok" and out["n_tokens"] < req.output_len:
         out["status"], out["error"] = "failed", f"only {out['n_tokens']} of {req.output_len} tokens"
+    out["end_time"] = time.time()      # when the stream ended here (a failure's time)
     rec.write({**out, "token_times": token_times, "client_times": client_times})
 
 

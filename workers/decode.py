@@ -17,7 +17,7 @@ import time
 from testbed import kvwire
 from testbed.proto import testbed_pb2 as pb
 from testbed.proto import testbed_pb2_grpc as pbg
-from workers import common
+from workers import common, control
 
 
 class Slot:
@@ -42,6 +42,7 @@ class Slot:
         self.reserved = 0.0
         self.wake = asyncio.Event()
         self.finished = False
+        self.attempt = -1            # the prefill attempt whose KV this slot takes
 
 
 class DecodeService(pbg.DecodeServicer):
@@ -66,12 +67,32 @@ class DecodeService(pbg.DecodeServicer):
         self.step_seconds = getattr(engine, "step_seconds", lambda batch, ctx: engine.step_s)
         self.kv_need = getattr(engine, "kv_need", lambda input_len, output_len: 0.0)
         self.fits = getattr(engine, "fits", lambda need: True)
+        # Exactly-once admission: a re-dispatched request's KV may come from several prefill
+        # attempts (at-least-once prefill). The slot follows the newest attempt until its KV is
+        # complete; frames of any other attempt, or for a request already served, are discarded
+        # and counted (`kv_discarded` rows in events.csv; complete ones are duplicates).
+        self.served = collections.OrderedDict()     # request id -> admitted attempt
+        self.discarded = {}                         # (rid, attempt) -> bytes, last time, complete
+        self.duplicates = 0
+        self.events = None
 
     # ---- KV receiver ----
-    def on_frame(self, rid, seq, flags, payload, t_first, t_last):
+    def on_frame(self, wire, seq, flags, payload, t_first, t_last):
+        rid, attempt = control.split_id(wire)
         slot = self.slots.get(rid)
+        if rid in self.served or (slot is not None and (attempt < slot.attempt or (
+                slot.kv_done.is_set() and attempt != slot.attempt))):
+            self._discard(rid, attempt, flags, len(payload))
+            return
         if slot is None:
             slot = self.slots[rid] = Slot(rid)
+        if attempt > slot.attempt:
+            if slot.kv_bytes:         # a newer attempt supersedes a partial transfer
+                self._discard(rid, slot.attempt, 0, slot.kv_bytes)
+                slot.kv_bytes, slot.kv_first = 0, 0.0
+                if self.receive is not None:
+                    self.engine.release(rid)
+            slot.attempt = attempt
         if not slot.kv_first:
             slot.kv_first = t_first
         slot.kv_bytes += len(payload)
@@ -84,12 +105,37 @@ class DecodeService(pbg.DecodeServicer):
         elif flags & kvwire.FLAG_LAST:
             slot.kv_done.set()
 
+    def _discard(self, rid, attempt, flags, nbytes):
+        e = self.discarded.setdefault((rid, attempt), {"bytes": 0, "complete": False})
+        e["bytes"] += nbytes
+        e["t"] = time.monotonic()
+        if flags & kvwire.FLAG_LAST:
+            e["complete"] = True
+            self.flush_discarded(0.0)
+
+    def flush_discarded(self, idle_s=1.0):
+        """Log discarded KV (per request and attempt) that has seen no frame for `idle_s`."""
+        now = time.monotonic()
+        for key, e in list(self.discarded.items()):
+            if now - e["t"] >= idle_s or e["complete"]:
+                del self.discarded[key]
+                self.duplicates += e["complete"]
+                if self.events is not None:
+                    self.events("kv_discarded", instance=self.name, id=key[0], attempt=key[1],
+                                bytes=e["bytes"], complete=int(e["complete"]))
+
+    async def discard_loop(self):
+        while True:
+            await asyncio.sleep(1.0)
+            self.flush_discarded()
+
     def on_kv_error(self, err):
         self.log.warning("KV connection error: %s", err)
 
     # ---- gRPC ----
     async def Decode(self, dreq, context):
         req = dreq.request
+        self.served.pop(req.id, None)     # re-routed back here: this call serves it again
         slot = self.slots.get(req.id)
         if slot is None:
             slot = self.slots[req.id] = Slot(req.id)
@@ -125,7 +171,11 @@ class DecodeService(pbg.DecodeServicer):
                 yield self._chunk(slot)
         finally:
             slot.finished = True
-            self.slots.pop(req.id, None)
+            if self.slots.get(req.id) is slot:
+                self.slots.pop(req.id, None)
+            self.served[req.id] = slot.attempt
+            while len(self.served) > 100_000:
+                self.served.popitem(last=False)
             self.engine.release(req.id)
 
     def _chunk(self, slot):
@@ -139,6 +189,7 @@ class DecodeService(pbg.DecodeServicer):
         c.done, c.status, c.error = True, status, error
         c.kv_recv_start, c.kv_recv_end, c.kv_recv_bytes = slot.kv_first, slot.kv_last, slot.kv_bytes
         c.decode_instance, c.decode_join = self.name, slot.join
+        c.kv_attempt = max(0, slot.attempt)
         return c
 
     async def Health(self, request, context):
@@ -178,7 +229,7 @@ class DecodeService(pbg.DecodeServicer):
                 continue
             step_s = self.step_seconds(len(self.batch),
                                        sum(s.input_len + len(s.times) for s in self.batch))
-            next_tick += step_s
+            next_tick += step_s * getattr(self.engine, "clock_factor", 1.0)
             delay = next_tick - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
@@ -234,19 +285,25 @@ def make_engine(rt, inst):
 async def main():
     args, rt, inst, log = common.startup("PrfaaS testbed decode worker")
     service = DecodeService(rt, args.name, make_engine(rt, inst), log)
+    service.events = control.event_log(rt)
     kvwire.keep_receive_memory()   # receive buffers reuse freed heap, not fresh pages
-    kv_server = await kvwire.serve(inst["ip"], inst["kv_port"], service.on_frame,
-                                   service.on_kv_error,
-                                   payload_buffer=getattr(service.engine, "frame_buffer", None))
+    frame_buffer = getattr(service.engine, "frame_buffer", None)
+    kv_server = await kvwire.serve(
+        inst["ip"], inst["kv_port"], service.on_frame, service.on_kv_error,
+        payload_buffer=frame_buffer and (lambda wire, *a: frame_buffer(wire & control.RID_MASK, *a)))
     server = await common.start_grpc(inst, pbg.add_DecodeServicer_to_server, service)
     loop_task = asyncio.create_task(service.step_loop())
+    discard_task = asyncio.create_task(service.discard_loop())
+    control.install(rt, args.name, service.engine, log)
     common.mark_ready(rt, args.name)
     log.info("decode worker up on %s:%s, KV on :%s", inst["ip"], inst["grpc_port"],
              inst["kv_port"])
 
     def cleanup():
         loop_task.cancel()
+        discard_task.cancel()
         kv_server.close()
+        service.flush_discarded(0.0)
 
     await common.serve_until_signalled(server, cleanup)
 

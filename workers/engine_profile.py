@@ -32,6 +32,7 @@ class ProfilePrefillEngine:
         self.time_scale = rt["scale"]["time"]
         self.bytes_scale = rt["scale"]["bytes"]
         self.chunks = max(1, int(self.profile.stream_chunks))
+        self.clock_factor = 1.0    # > 1: a slowed instance (the `slow` fault, workers/control.py)
 
     def compute_s(self, uncached):
         return self.profile.t_prefill(self.accelerator, max(uncached, 1)) / self.time_scale
@@ -45,10 +46,11 @@ class ProfilePrefillEngine:
         t_compute = self.compute_s(uncached)
         size = self.kv_bytes(uncached)
         n = min(self.chunks, size)
-        start = time.monotonic()
+        ready_at = time.monotonic()
         sent = 0
         for i in range(n):
-            ready_at = start + t_compute * (i + 1) / n
+            # Each piece's compute at the clock factor in force when it starts.
+            ready_at += t_compute / n * self.clock_factor
             delay = ready_at - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
@@ -84,6 +86,7 @@ class ProfileDecodeEngine:
 
     def free(self, need):
         self.reserved = max(0.0, self.reserved - need)
+        self.clock_factor = 1.0    # > 1: a slowed instance (the `slow` fault, workers/control.py)
 
     def admit(self, request_id, state):
         pass

@@ -14,7 +14,7 @@ import time
 from testbed import kvwire
 from testbed.proto import testbed_pb2 as pb
 from testbed.proto import testbed_pb2_grpc as pbg
-from workers import common
+from workers import common, control
 
 
 class PrefillService(pbg.PrefillServicer):
@@ -33,7 +33,8 @@ class PrefillService(pbg.PrefillServicer):
         reply = pb.PrefillReply(instance=self.name, queued=time.time(), status="ok")
         host, port = preq.decode_kv_addr.rsplit(":", 1)
         queue = asyncio.Queue()
-        send = asyncio.create_task(self._send(req.id, host, int(port), queue, reply))
+        send = asyncio.create_task(self._send(control.wire_id(req.id, preq.attempt), host,
+                                              int(port), queue, reply))
         self.waiting += 1
         try:
             async with self.lock:
@@ -117,6 +118,7 @@ async def main():
     args, rt, inst, log = common.startup("PrfaaS testbed prefill worker")
     service = PrefillService(rt, args.name, make_engine(rt, inst), log)
     server = await common.start_grpc(inst, pbg.add_PrefillServicer_to_server, service)
+    control.install(rt, args.name, service.engine, log)
     common.mark_ready(rt, args.name)
     log.info("prefill worker up on %s:%s (%s)", inst["ip"], inst["grpc_port"], inst["accelerator"])
     await common.serve_until_signalled(server, service.pool.close)

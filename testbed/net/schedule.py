@@ -1,8 +1,9 @@
 """Scheduled link changes during a run: failure injection, degradation, bandwidth traces.
 
 `LinkSchedule(wan, items)` applies each `(t_s, direction, changes)` (emulation units, from
-`Experiment.emulated_changes`) through `Wan.set` at `t0 + t_s`, in a thread; `Wan.set` logs each
-change, with how long it took to apply, to the run's events.csv. A change that fails is reported
+`Experiment.emulated_changes`, and link faults from `testbed.faults.link_items`, whose fourth
+element is logged as a `fault_inject`/`fault_end` event) through `Wan.set` at `t0 + t_s`, in a thread; `Wan.set` logs each
+change, with how long it took to apply, to the run's events.csv. An error in a change stops the
 (a `link_schedule_error` row in events.csv and a warning line) and kept in `errors`; the later
 changes are still applied, and the run goes on measuring.
 """
@@ -38,10 +39,13 @@ class LinkSchedule:
         return self
 
     def _run(self, t0):
-        for t, direction, changes in self.items:
+        for t, direction, changes, *note in self.items:
             if self._stop.wait(max(0.0, t0 + t - time.time())):
                 return
             try:
+                if note and self.events:     # a link fault (testbed/faults.py): on record
+                    n = dict(note[0])
+                    self.events(f"fault_{n.pop('phase')}", **n)
                 self.wan.set(direction, **changes)
                 self.applied += 1
             except Exception as e:   # keep measuring and keep applying; say what failed

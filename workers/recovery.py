@@ -1,0 +1,341 @@
+"""Recovery: what the scheduler does when an instance fails, request by request.
+
+`Health` keeps every prefill and decode instance's state. With failover on it health-checks them
+all (`health_interval_s`, `health_timeout_s`; down after two missed checks in a row, up again at
+the first answer, so a restarted worker rejoins); an RPC that finds an instance unreachable marks
+it down at once. Every transition is a `health` row in the run's events.csv.
+
+`Flight` serves one request (the scheduler's `Submit`): it routes it, opens the decode worker's
+token stream, asks a prefill worker for the KV and relays tokens. With failover on it recovers:
+
+- prefill instance down (health check) or unreachable (RPC error), or its prefill failed: the
+  request's prefill is re-dispatched to an instance that is up (at-least-once prefill). Each
+  attempt's KV frames carry the attempt number; the decode worker admits exactly one attempt and
+  discards, and counts, the others. If no instance is up for it (e.g. `max_local` keeps a long
+  request on PrfaaS), a paused instance keeps it and a dead one is retried when an instance
+  comes back up.
+- decode instance down or its stream broken: a request that has no token yet is re-prefilled
+  for another decode instance; one that has tokens (or has nowhere to go) fails at once with the
+  reason, so nothing waits for the request timeout.
+
+Every move is a `redispatch` row in events.csv and a `Redispatch` in the request's last chunk
+(the client's record). Without failover a failure fails the request with its reason, as before.
+"""
+
+import asyncio
+import pathlib
+import time
+
+import grpc
+
+from testbed.proto import testbed_pb2 as pb
+from workers import control
+
+UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+MAX_ATTEMPTS = 4          # prefill attempts per request before it fails
+
+
+class Health:
+    def __init__(self, svc, rt, log):
+        self.svc, self.log = svc, log
+        self.events = control.event_log(rt)
+        self.flights = set()
+        self._up = asyncio.Event()
+
+    def set(self, inst, down, reason):
+        """Mark `inst` down or up; logs the transition and tells the requests on it."""
+        if inst.down == down:
+            return
+        inst.down = down
+        self.svc.stats.failovers += 1
+        self.log.warning("health: %s is %s (%s)", inst.name, "DOWN" if down else "up", reason)
+        self.events("health", instance=inst.name, role=inst.role,
+                    state="down" if down else "up", reason=reason.replace(" ", "_"))
+        if down:
+            for f in list(self.flights):
+                f.notify(inst, reason)
+        else:
+            self._up.set()
+            self._up = asyncio.Event()
+
+    async def any_up(self, timeout):
+        """Wait until some instance comes back up, or `timeout`."""
+        try:
+            await asyncio.wait_for(self._up.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+
+    def rpc_error(self, inst, err):
+        if isinstance(err, grpc.aio.AioRpcError) and err.code() in UNREACHABLE:
+            self.set(inst, True, f"{err.code().name} on an RPC")
+
+    async def loop(self, misses_down=2):
+        """Ask every instance for its health; down after `misses_down` missed checks in a row
+        (one slow reply on a busy machine is not an outage), up again at its first answer."""
+        sched = self.svc.rt["scheduler"]
+        interval, timeout = sched["health_interval_s"], sched["health_timeout_s"]
+        router = self.svc.router
+        insts = router.remote + router.local + router.decode
+        stubs = {**self.svc.prefill_stub, **self.svc.decode_stub}
+        misses = dict.fromkeys((i.name for i in insts), 0)
+
+        async def check(inst):
+            try:
+                await stubs[inst.name].Health(pb.Empty(), timeout=timeout)
+                misses[inst.name] = 0
+            except grpc.aio.AioRpcError as e:
+                misses[inst.name] += 1
+                last = e.code().name
+            if misses[inst.name] >= misses_down:
+                self.set(inst, True, f"{misses[inst.name]} missed health checks ({last})")
+            elif misses[inst.name] == 0:
+                self.set(inst, False, "answered a health check")
+
+        # Start once every worker has said it is ready (the runner waits for the same files):
+        # a worker still importing is not an outage.
+        ready = pathlib.Path(self.svc.rt["_dir"]) / "ready"
+        for _ in range(600):
+            if all((ready / i.name).exists() for i in insts):
+                break
+            await asyncio.sleep(0.05)
+        while True:
+            await asyncio.sleep(interval)
+            await asyncio.gather(*(check(i) for i in insts))
+
+
+class Flight:
+    """One request through the system, with recovery; `run()` yields its token chunks."""
+
+    def __init__(self, svc, req):
+        self.svc, self.req = svc, req
+        self.uncached = req.input_len - req.cached_len
+        self.failover = svc.rt["scheduler"]["failover"]
+        self.inbox = asyncio.Queue()
+        self.p = self.d = None
+        self.kind = ""
+        self.attempt = -1
+        self.ptask = None
+        self.replies = {}
+        self.moves = []
+        self.tokens = 0
+        self.decode_call = None
+        self.next_chunk = None
+
+    def notify(self, inst, reason):
+        if inst is self.p or inst is self.d:
+            self.inbox.put_nowait((inst, reason))
+
+    async def run(self):
+        self.svc.health.flights.add(self)
+        try:
+            async for chunk in self._serve():
+                yield chunk
+        finally:
+            self.svc.health.flights.discard(self)
+            self._stop_prefill()
+            self._stop_decode()
+
+    # ---- the two calls ----
+    def _start_decode(self, d):
+        self.d = d
+        d.inflight += 1
+        self.decode_call = self.svc.decode_stub[d.name].Decode(pb.DecodeRequest(
+            request=self.req, prefill="", kv_deadline_s=self.svc.rt["kv_deadline_s"]))
+        self.stream = self.decode_call.__aiter__()
+        self.next_chunk = asyncio.ensure_future(self.stream.__anext__())
+
+    def _stop_decode(self):
+        if self.decode_call is not None:
+            if self.next_chunk is not None and not self.next_chunk.done():
+                self.next_chunk.cancel()
+            self.decode_call.cancel()
+            self.decode_call = None
+            self.d.inflight -= 1
+
+    def _start_prefill(self, p):
+        self.p = p
+        self.attempt += 1
+        self.ptask = asyncio.create_task(self._prefill(p, self.d, self.attempt))
+
+    def _stop_prefill(self):
+        if self.ptask is not None and not self.ptask.done():
+            self.ptask.cancel()
+
+    async def _prefill(self, p, d, attempt):
+        svc = self.svc
+        predicted = svc.router.predict_s(p, self.uncached)
+        p.outstanding_s += predicted
+        try:
+            reply = await svc.prefill_stub[p.name].Prefill(pb.PrefillRequest(
+                request=self.req, decode=d.name, decode_kv_addr=d.kv_addr, attempt=attempt))
+        except grpc.aio.AioRpcError as e:
+            svc.health.rpc_error(p, e)
+            reply = pb.PrefillReply(instance=p.name, status="failed",
+                                    error=f"prefill {p.name} unreachable: {e.code().name}")
+        finally:
+            p.outstanding_s -= predicted
+        self.replies[attempt] = reply
+        return reply
+
+    async def _prefill_when_up(self, d, reason):
+        """A failed prefill with nowhere to go: retry once an instance is up for it."""
+        interval = self.svc.rt["scheduler"]["health_interval_s"]
+        while True:
+            await self.svc.health.any_up(interval)
+            p = self._place()
+            if p is not None:
+                break
+        self._moved("prefill", self.p, p, reason)
+        self.p = p
+        self.attempt += 1
+        return await self._prefill(p, d, self.attempt)
+
+    def _place(self):
+        """An up prefill instance for this request (the routing policy's choice), or None."""
+        try:
+            _, p, _ = self.svc.route(self.req)
+        except LookupError:
+            return None
+        return None if p.down else p
+
+    def _moved(self, role, old, new, reason):
+        t = time.time()
+        self.moves.append(pb.Redispatch(time=t, role=role, from_instance=old.name if old else "",
+                                        to_instance=new.name, reason=reason))
+        self.svc.health.events("redispatch", id=self.req.id, role=role,
+                               **{"from": old.name if old else "", "to": new.name},
+                               attempt=self.attempt + 1, reason=reason.replace(" ", "_"))
+
+    # ---- recovery ----
+    def _redispatch_prefill(self, reason):
+        """Move the prefill elsewhere; False when no instance is up for it."""
+        if self.attempt + 1 >= MAX_ATTEMPTS:
+            return False
+        p = self._place()
+        if p is None:
+            return False
+        self._stop_prefill()
+        self._moved("prefill", self.p, p, reason)
+        self._start_prefill(p)
+        return True
+
+    def _reroute_decode(self, reason):
+        """Re-prefill for another decode instance; an error string when that is not possible."""
+        d_old = self.d
+        why = f"decode {d_old.name} failed ({reason})"
+        if not self.failover:
+            return why
+        if self.tokens:
+            return f"{why} after {self.tokens} tokens"
+        if self.attempt + 1 >= MAX_ATTEMPTS:
+            return f"{why}; {MAX_ATTEMPTS} prefill attempts made"
+        try:
+            _, p, d = self.svc.route(self.req)
+        except LookupError as e:
+            return f"{why}; {e}"
+        if d is d_old or d.down:
+            return f"{why}; no other decode instance is up"
+        self._stop_prefill()
+        self._stop_decode()
+        self._moved("decode", d_old, p, f"{reason}; decode now on {d.name}")
+        self._start_decode(d)
+        self._start_prefill(p)
+        return None
+
+    # ---- the request ----
+    async def _serve(self):
+        svc = self.svc
+        try:
+            self.kind, p, d = svc.route(self.req)
+        except LookupError as e:
+            svc.stats.failed += 1
+            yield self._final(pb.TokenChunk(done=True, status="failed", error=f"scheduler: {e}"))
+            return
+        if self.kind == "remote":
+            svc.stats.routed_remote += 1
+        else:
+            svc.stats.routed_local += 1
+        self._start_decode(d)
+        self._start_prefill(p)
+        inbox = asyncio.ensure_future(self.inbox.get())
+        try:
+            while True:
+                waits = {self.next_chunk, inbox}
+                ptask = self.ptask
+                if not ptask.done():
+                    waits.add(ptask)
+                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                error = None
+                if inbox in done:
+                    inst, reason = inbox.result()
+                    inbox = asyncio.ensure_future(self.inbox.get())
+                    if self.failover and inst is self.d:
+                        error = self._reroute_decode(f"{inst.name} down: {reason}")
+                    elif self.failover and inst is self.p and not self.ptask.done():
+                        # A paused instance keeps the request when there is nowhere else to go.
+                        self._redispatch_prefill(f"{inst.name} down: {reason}")
+                if error is None and ptask in done and ptask is self.ptask:
+                    r = ptask.result()
+                    if r.status != "ok":
+                        if not self.failover:
+                            error = r.error
+                        elif self.d.down:
+                            error = self._reroute_decode(r.error)
+                        elif not self._redispatch_prefill(r.error):
+                            if self.attempt + 1 >= MAX_ATTEMPTS:
+                                error = f"{r.error}; {MAX_ATTEMPTS} prefill attempts made"
+                            else:
+                                self.ptask = asyncio.create_task(
+                                    self._prefill_when_up(self.d, r.error))
+                if error is None and self.next_chunk in done:
+                    try:
+                        chunk = self.next_chunk.result()
+                    except StopAsyncIteration:
+                        error = self._reroute_decode("closed the stream early")
+                        chunk = None
+                    except grpc.aio.AioRpcError as e:
+                        svc.health.rpc_error(self.d, e)
+                        error = self._reroute_decode(e.code().name)
+                        chunk = None
+                    if chunk is not None:
+                        if chunk.done:
+                            yield await self._finish(chunk)
+                            return
+                        self.tokens += len(chunk.times)
+                        self.next_chunk = asyncio.ensure_future(self.stream.__anext__())
+                        yield chunk
+                if error is not None:
+                    svc.stats.failed += 1
+                    yield self._final(pb.TokenChunk(done=True, status="failed", error=error))
+                    return
+        finally:
+            inbox.cancel()
+
+    async def _finish(self, chunk):
+        """The decode worker's last chunk, with the route and the admitted attempt's report."""
+        want = chunk.kv_attempt
+        if chunk.status == "ok" and want not in self.replies and self.ptask is not None \
+                and want == self.attempt:
+            # Tokens done before the prefill RPC returned: wait (bounded) for its report.
+            try:
+                await asyncio.wait_for(asyncio.shield(self.ptask), 5.0)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                pass
+        if chunk.status != "ok":
+            self.svc.stats.failed += 1
+        return self._final(chunk, self.replies.get(want))
+
+    def _final(self, chunk, reply=None):
+        if self.p is not None and self.d is not None:
+            router = self.svc.router
+            name = reply.instance if reply is not None and reply.instance else self.p.name
+            p = next((i for i in router.remote + router.local if i.name == name), self.p)
+            chunk.route.CopyFrom(pb.Route(kind="remote" if p.dc == "prfaas" else "local",
+                                          prefill=p.name,
+                                          decode=self.d.name,
+                                          threshold=self.svc.router.threshold))
+        if reply is not None:
+            chunk.prefill.CopyFrom(reply)
+        chunk.attempts = self.attempt + 1
+        chunk.redispatches.extend(self.moves)
+        return chunk
