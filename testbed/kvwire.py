@@ -401,6 +401,26 @@ class SenderPool:
             else:
                 pool.append(conn)
 
+    async def warm(self, peers, timeout_s, retry_s=0.05):
+        """Open one idle connection to each (host, port) before the first request, retrying
+        while the peer is not listening yet, for at most `timeout_s`. Returns the peers that
+        could not be reached (their first request connects then, as before)."""
+        async def one(host, port):
+            deadline = asyncio.get_running_loop().time() + timeout_s
+            while True:
+                try:
+                    sock = await self._connect(host, port)
+                except (OSError, asyncio.TimeoutError):
+                    if asyncio.get_running_loop().time() + retry_s > deadline:
+                        return (host, port)
+                    await asyncio.sleep(retry_s)
+                    continue
+                self.idle.setdefault((host, port), []).append(SocketConnection(sock))
+                return None
+
+        missing = await asyncio.gather(*(one(h, p) for h, p in peers))
+        return [m for m in missing if m is not None]
+
     async def _connect(self, host, port):
         infos = await asyncio.get_running_loop().getaddrinfo(host, port,
                                                              type=socket.SOCK_STREAM)

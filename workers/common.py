@@ -45,6 +45,9 @@ def setup_logging(name):
     return logging.getLogger(name)
 
 
+WARM_TIMEOUT_S = 15.0     # connections opened before a worker says it is ready (runner: 30 s)
+
+
 def mark_ready(rt, name):
     d = pathlib.Path(rt["_dir"]) / "ready"
     d.mkdir(exist_ok=True)
@@ -94,9 +97,26 @@ async def start_grpc(inst, add_servicer, service):
 
 def grpc_options():
     # Many concurrent streams on one channel; no message-size surprises for token chunks.
+    # Reconnect quickly after an outage (gRPC's default backoff grows to 120 s, which would
+    # stretch a 10 s link cut into minutes of an instance looking down).
     return [("grpc.max_concurrent_streams", 10000),
             ("grpc.max_receive_message_length", 64 << 20),
-            ("grpc.max_send_message_length", 64 << 20)]
+            ("grpc.max_send_message_length", 64 << 20),
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000)]
+
+
+async def connect_all(channels, log, timeout_s=WARM_TIMEOUT_S):
+    """Open every gRPC channel before the run starts, so the first request does not pay the TCP
+    and HTTP/2 handshakes (or ARP) across the WAN. Best effort: a peer still missing after
+    `timeout_s` is logged and its channel keeps trying on its own."""
+    async def one(name, ch):
+        try:
+            await asyncio.wait_for(ch.channel_ready(), timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("no connection to %s after %.0fs; going on without it", name, timeout_s)
+    await asyncio.gather(*(one(n, c) for n, c in channels.items()))
 
 
 async def serve_until_signalled(server, cleanup=None):

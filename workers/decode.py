@@ -149,7 +149,8 @@ class DecodeService(pbg.DecodeServicer):
             except asyncio.TimeoutError:
                 got = f"{slot.kv_bytes} bytes" if slot.kv_bytes else "nothing"
                 yield self._final(slot, "failed", f"{self.name}: KV not complete after "
-                                  f"{dreq.kv_deadline_s:.3g}s (emulated); received {got}")
+                                  f"{dreq.kv_deadline_s * self.rt['scale']['time']:.3g}s (emulated, "
+                                  f"{dreq.kv_deadline_s:.3g}s real); received {got}")
                 return
             error = slot.kv_error or (self.engine_error(req.id) or "")
             if not error:

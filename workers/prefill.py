@@ -119,6 +119,13 @@ async def main():
     service = PrefillService(rt, args.name, make_engine(rt, inst), log)
     server = await common.start_grpc(inst, pbg.add_PrefillServicer_to_server, service)
     control.install(rt, args.name, service.engine, log)
+    # KV connections to every decode worker are opened now, not by the first request: a serving
+    # system keeps its transfer connections up, and a request's TTFT should not include the TCP
+    # handshake (or an ARP miss) across the WAN.
+    decode = [(i["ip"], i["kv_port"]) for i in rt["instances"].values() if i["role"] == "decode"]
+    for host, port in await service.pool.warm(decode, common.WARM_TIMEOUT_S):
+        log.warning("no KV connection to %s:%s after %.0fs; its first request connects",
+                    host, port, common.WARM_TIMEOUT_S)
     common.mark_ready(rt, args.name)
     log.info("prefill worker up on %s:%s (%s)", inst["ip"], inst["grpc_port"], inst["accelerator"])
     await common.serve_until_signalled(server, service.pool.close)

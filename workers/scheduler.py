@@ -34,9 +34,10 @@ class SchedulerService(pbg.SchedulerServicer):
                              / self.time_scale,
                              max_local=rt["scheduler"].get("failover_max_local"))
         opts = common.grpc_options()
-        self.prefill_stub = {i.name: pbg.PrefillStub(grpc.aio.insecure_channel(i.addr, options=opts))
+        self.channels = {i.name: grpc.aio.insecure_channel(i.addr, options=opts) for i in instances}
+        self.prefill_stub = {i.name: pbg.PrefillStub(self.channels[i.name])
                              for i in instances if i.role == "prefill"}
-        self.decode_stub = {i.name: pbg.DecodeStub(grpc.aio.insecure_channel(i.addr, options=opts))
+        self.decode_stub = {i.name: pbg.DecodeStub(self.channels[i.name])
                             for i in instances if i.role == "decode"}
         self.stats = pb.SchedulerStats(threshold=rt["scheduler"]["threshold"])
         self.health = Health(self, rt, log)     # instance states, failover (workers/recovery.py)
@@ -61,6 +62,7 @@ async def main():
     args, rt, inst, log = common.startup("PrfaaS testbed scheduler")
     service = SchedulerService(rt, log)
     server = await common.start_grpc(inst, pbg.add_SchedulerServicer_to_server, service)
+    await common.connect_all(service.channels, log)     # before the first request
     tasks = []
     if rt["scheduler"]["failover"]:
         tasks.append(asyncio.create_task(service.health.loop()))
