@@ -147,6 +147,32 @@ class SchedulerSpec:
                                   doc="short-timescale threshold control (docs in workers/adaptive.py)")
     failover: FailoverSpec = spec(section(FailoverSpec), factory=FailoverSpec,
                                   doc="fall back to the other cluster when instances stop answering")
+    placement: str = spec(choice("least_loaded", "cache_aware"), "least_loaded",
+                          "least_loaded: threshold on the input length, least outstanding work "
+                          "within a cluster | cache_aware: threshold on the uncached length, the "
+                          "paper's bandwidth-scarce/abundant rules and an estimated-TTFT cost "
+                          "per instance (needs cache.enabled; docs/cache.md)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CacheSpec:
+    enabled: bool = spec(boolean, False,
+                         "a hybrid prefix cache pool per cluster (docs/cache.md)")
+    block: int = spec(integer(1), 512, "tokens per cache block (Mooncake hash_ids granularity)")
+    capacity: float = spec(optional(positive(units.size_bytes)), None,
+                           "bytes per cluster pool, real-world (scaled by scale.bytes); null: "
+                           "accelerator memory left after weights x instances (profile)")
+    snapshot_every: int = spec(integer(0), 8,
+                               "keep a KDA state snapshot every this many blocks (0: none), "
+                               "besides the one after each prompt's last whole block")
+    transfer: str = spec(choice("auto", "never", "always"), "auto",
+                         "cache_aware: the bandwidth-abundant rule (move a longer prefix from "
+                         "the other cluster when it pays) while the WAN's measured egress is "
+                         "below headroom (auto), never (always the bandwidth-scarce rule) or "
+                         "always")
+    headroom: float = spec(units.probability, 0.5,
+                           "auto: the WAN counts as bandwidth-abundant while its measured KV "
+                           "egress / link rate is below this")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -178,6 +204,8 @@ class Experiment:
                                     doc="request routing")
     workload: WorkloadSpec = spec(section(WorkloadSpec), doc="what requests are sent")
     run: RunSpec = spec(section(RunSpec), factory=RunSpec, doc="timeouts of the run itself")
+    cache: CacheSpec = spec(section(CacheSpec), factory=CacheSpec,
+                            doc="hybrid prefix cache pool (docs/cache.md)")
     label: str = spec(optional(string), None, "name of this run in tables (default: the policy)")
 
     def check(self):
@@ -272,6 +300,53 @@ def _check_scale(exp, path):
             raise ConfigError(
                 f"emulated WAN rate {units.fmt_rate(rate)} is below 8 kbit/s; raise scale.bytes",
                 path=path, key="scale")
+
+
+TRACE_BLOCK_TOKENS = {"mooncake": 512}     # the granularity of each trace format's block ids
+
+
+def cache_capacity(exp, prof, cluster):
+    """Real-world bytes of one cluster's pool: `cache.capacity`, else the accelerator memory
+    left after the weights on each instance x the cluster's instances (profile `memory`)."""
+    if exp.cache.capacity is not None:
+        return exp.cache.capacity
+    c = getattr(exp.clusters, cluster)
+    return prof.free_memory(c.accelerator) * c.instances
+
+
+def _check_cache(exp, prof, path):
+    c = exp.cache
+    if exp.scheduler.placement == "cache_aware" and not c.enabled:
+        raise ConfigError("cache_aware placement needs cache.enabled: true", path=path,
+                          key="scheduler.placement")
+    if not c.enabled:
+        return
+    if exp.model.engine != "profile":
+        raise ConfigError("the prefix cache pool needs model.engine: profile (the torch engine "
+                          "does not continue from pooled state yet)", path=path,
+                          key="cache.enabled")
+    if exp.scheduler.policy == "naive" and exp.scheduler.placement == "cache_aware":
+        raise ConfigError("cache_aware placement cannot place anything under policy naive (all "
+                          "prefill on PrfaaS); use least_loaded or policy prfaas", path=path,
+                          key="scheduler.placement")
+    tr = exp.workload.trace
+    gran = TRACE_BLOCK_TOKENS.get(tr.format) if tr is not None else 512
+    if gran is not None and (c.block > gran or gran % c.block):
+        raise ConfigError(f"block {c.block} tokens does not divide the workload's block id "
+                          f"granularity ({gran} tokens)", path=path, key="cache.block")
+    if gran is not None and c.block != gran:
+        raise ConfigError(f"block {c.block} tokens: the workload names its prefixes in "
+                          f"{gran}-token blocks; only block: {gran} can be matched",
+                          path=path, key="cache.block")
+    one = prof.s_kv(c.block) * exp.scale.bytes
+    for cluster in ("prfaas", "local"):
+        if getattr(exp.clusters, cluster).instances < 1:
+            continue
+        cap = cache_capacity(exp, prof, cluster)
+        if cap * exp.scale.bytes < one:
+            raise ConfigError(f"capacity {cap:.4g} bytes holds less than one block with its "
+                              f"snapshot ({prof.s_kv(c.block):.4g} bytes real-world)",
+                              path=path, key="cache.capacity")
 
 
 def read_rate_trace(path):
@@ -396,6 +471,7 @@ def validate(raw, path=None, sweep_point=None):
             raise ConfigError(f"profile {prof.name!r} has no accelerator {acc!r}; it has "
                               f"{', '.join(prof.prefill)}", path=path, key=where)
     _check_scale(exp, path)
+    _check_cache(exp, prof, path)
     return dataclasses.replace(exp, label=_label(exp, sweep_point or {}))
 
 

@@ -39,6 +39,8 @@ class Slot:
         self.join = 0.0
         self.wake = asyncio.Event()
         self.finished = False
+        self.cache_bytes = 0
+        self.cache_tokens = 0
 
 
 class DecodeService(pbg.DecodeServicer):
@@ -58,6 +60,8 @@ class DecodeService(pbg.DecodeServicer):
         # A computing engine steps in a thread (the loop keeps receiving KV meanwhile) and
         # emits, at each step, the token fed in: the first is the one prefill predicted.
         self.emit_step = getattr(engine, "aemit_step", None)
+        self.cache = None           # workers.cache_worker.DecodeCache when the cache is on
+        self.cache_tasks = set()
 
     # ---- KV receiver ----
     def on_frame(self, rid, seq, flags, payload, t_first, t_last):
@@ -87,9 +91,18 @@ class DecodeService(pbg.DecodeServicer):
             slot = self.slots[req.id] = Slot(req.id)
         slot.claimed = True
         slot.output_len = max(1, req.output_len)
+        prefix = None
+        if self.cache is not None and req.decode_cached_len > 0:
+            prefix = asyncio.ensure_future(self.cache.safely(
+                self.cache.fetch(req, dreq.cache_pool), (0, 0)))
         try:
             try:
                 await asyncio.wait_for(slot.kv_done.wait(), dreq.kv_deadline_s)
+                if prefix is not None:      # the prefix's MLA KV from the local pool
+                    slot.cache_tokens, slot.cache_bytes = await prefix
+                if self.cache is not None and dreq.put_to_pool and not slot.kv_error:
+                    self._spawn(self.cache.safely(
+                        self.cache.put_received(req, slot.cache_tokens), 0))
             except asyncio.TimeoutError:
                 got = f"{slot.kv_bytes} bytes" if slot.kv_bytes else "nothing"
                 yield self._final(slot, "failed", f"{self.name}: KV not complete after "
@@ -114,9 +127,16 @@ class DecodeService(pbg.DecodeServicer):
                     return
                 yield self._chunk(slot)
         finally:
+            if prefix is not None and not prefix.done():
+                prefix.cancel()
             slot.finished = True
             self.slots.pop(req.id, None)
             self.engine.release(req.id)
+
+    def _spawn(self, coro):
+        task = asyncio.ensure_future(coro)
+        self.cache_tasks.add(task)
+        task.add_done_callback(self.cache_tasks.discard)
 
     def _chunk(self, slot):
         i = slot.emitted
@@ -129,6 +149,7 @@ class DecodeService(pbg.DecodeServicer):
         c.done, c.status, c.error = True, status, error
         c.kv_recv_start, c.kv_recv_end, c.kv_recv_bytes = slot.kv_first, slot.kv_last, slot.kv_bytes
         c.decode_instance, c.decode_join = self.name, slot.join
+        c.cache_fetch_bytes, c.decode_cached_len = slot.cache_bytes, slot.cache_tokens
         return c
 
     async def Health(self, request, context):
@@ -209,6 +230,9 @@ def make_engine(rt, inst):
 async def main():
     args, rt, inst, log = common.startup("PrfaaS testbed decode worker")
     service = DecodeService(rt, args.name, make_engine(rt, inst), log)
+    if rt.get("cache", {}).get("enabled"):
+        from workers.cache_worker import DecodeCache
+        service.cache = await DecodeCache(rt, inst, log).start()
     kvwire.keep_receive_memory()   # receive buffers reuse freed heap, not fresh pages
     kv_server = await kvwire.serve(inst["ip"], inst["kv_port"], service.on_frame,
                                    service.on_kv_error,
@@ -222,6 +246,8 @@ async def main():
     def cleanup():
         loop_task.cancel()
         kv_server.close()
+        if service.cache is not None:
+            service.cache.close()
 
     await common.serve_until_signalled(server, cleanup)
 

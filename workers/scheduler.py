@@ -39,6 +39,11 @@ class SchedulerService(pbg.SchedulerServicer):
         self.decode_stub = {i.name: pbg.DecodeStub(grpc.aio.insecure_channel(i.addr, options=opts))
                             for i in instances if i.role == "decode"}
         self.stats = pb.SchedulerStats(threshold=rt["scheduler"]["threshold"])
+        self.placer = None          # workers.placement.CachePlacer when the cache is on
+        if rt.get("cache", {}).get("enabled"):
+            from workers.placement import CachePlacer
+            self.placer = CachePlacer(rt, self.router, lambda inst, l, cached: prof.t_prefill_cached(
+                inst.accelerator, max(l, 1), cached) / self.time_scale, log)
 
     def _mark(self, inst, err):
         if isinstance(err, grpc.aio.AioRpcError) and err.code() in UNREACHABLE and not inst.down:
@@ -47,24 +52,30 @@ class SchedulerService(pbg.SchedulerServicer):
 
     async def Submit(self, req, context):
         uncached = req.input_len - req.cached_len
+        cache = {}
         try:
-            kind, p, d = self.router.route(uncached)
+            if self.placer is not None:
+                kind, p, d, cache = await self.placer.place(req)
+            else:
+                kind, p, d = self.router.route(uncached)
         except LookupError as e:
             self.stats.failed += 1
             yield pb.TokenChunk(id=req.id, done=True, status="failed", error=f"scheduler: {e}")
             return
         route = pb.Route(kind=kind, prefill=p.name, decode=d.name,
-                         threshold=self.router.threshold)
+                         threshold=self.router.threshold, **cache)
         if kind == "remote":
             self.stats.routed_remote += 1
         else:
             self.stats.routed_local += 1
-        predicted = self.router.predict_s(p, uncached)
+        predicted = (self.placer.prefill_s(p, req.input_len, req.cached_len) if self.placer
+                     else self.router.predict_s(p, uncached))
         p.outstanding_s += predicted
         d.inflight += 1
         deadline_s = self.rt["kv_deadline_s"]
         decode_call = self.decode_stub[d.name].Decode(
-            pb.DecodeRequest(request=req, prefill=p.name, kv_deadline_s=deadline_s))
+            pb.DecodeRequest(request=req, prefill=p.name, kv_deadline_s=deadline_s,
+                             **(self.placer.decode_fields(kind) if self.placer else {})))
         prefill_task = asyncio.create_task(self._prefill(p, d, req))
         try:
             async for chunk in self._relay(decode_call, prefill_task, d):
