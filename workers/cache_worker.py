@@ -11,6 +11,7 @@ it, so the prefill shipped only the rest) and, for a request prefilled in the ot
 write the whole blocks that came over the WAN into the local pool (KV only: no snapshot crossed).
 """
 
+import asyncio
 import time
 
 from testbed import kvwire
@@ -44,6 +45,7 @@ class _Cache:
         self.sender = kvwire.SenderPool()
         self.pools = cache_wire.PoolClient()
         self.server = None
+        self.tasks = set()
 
     async def start(self):
         self.server = await self.receiver.serve(self.inst["ip"],
@@ -55,6 +57,12 @@ class _Cache:
         if self.server is not None:
             self.server.close()
         self.sender.close()
+
+    def spawn(self, coro):
+        """Run a cache operation in the background, in order of spawning per connection."""
+        task = asyncio.ensure_future(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
 
     async def safely(self, coro, fallback):
         """Await a cache operation; a pool that fails costs the hit, never the request."""

@@ -61,7 +61,6 @@ class DecodeService(pbg.DecodeServicer):
         # emits, at each step, the token fed in: the first is the one prefill predicted.
         self.emit_step = getattr(engine, "aemit_step", None)
         self.cache = None           # workers.cache_worker.DecodeCache when the cache is on
-        self.cache_tasks = set()
 
     # ---- KV receiver ----
     def on_frame(self, rid, seq, flags, payload, t_first, t_last):
@@ -101,7 +100,7 @@ class DecodeService(pbg.DecodeServicer):
                 if prefix is not None:      # the prefix's MLA KV from the local pool
                     slot.cache_tokens, slot.cache_bytes = await prefix
                 if self.cache is not None and dreq.put_to_pool and not slot.kv_error:
-                    self._spawn(self.cache.safely(
+                    self.cache.spawn(self.cache.safely(
                         self.cache.put_received(req, slot.cache_tokens), 0))
             except asyncio.TimeoutError:
                 got = f"{slot.kv_bytes} bytes" if slot.kv_bytes else "nothing"
@@ -132,11 +131,6 @@ class DecodeService(pbg.DecodeServicer):
             slot.finished = True
             self.slots.pop(req.id, None)
             self.engine.release(req.id)
-
-    def _spawn(self, coro):
-        task = asyncio.ensure_future(coro)
-        self.cache_tasks.add(task)
-        task.add_done_callback(self.cache_tasks.discard)
 
     def _chunk(self, slot):
         i = slot.emitted

@@ -20,7 +20,10 @@ from past routing.
   The WAN counts as abundant while its measured KV egress / link rate (the run's kernel
   counters, `timeseries.csv`, as `workers/adaptive.py` reads them) is below `cache.headroom`.
   Within the chosen cluster the instance of least estimated TTFT = queued work + uncached
-  prefill + prefix transfer (Mooncake's Conductor, Dynamo's KV router).
+  prefill + transfer (Mooncake's Conductor, Dynamo's KV router); the transfer term is the
+  KV's WAN time for a PrfaaS instance. A request longer than the threshold that the rule keeps
+  local only because of the local cache still goes to PrfaaS when PrfaaS's estimated TTFT
+  (with its own cache) is lower: the cache may save WAN bytes, but not at the cost of TTFT.
 
 The decode side's prefix (`decode_cached_len`) is what the local pool holds: the prefill ships
 only the recurrent state plus the MLA KV beyond it.
@@ -153,6 +156,14 @@ class CachePlacer:
         nbytes = (tokens // self.block) * self.sizes.kv + self.sizes.state
         return nbytes * 8 / (bps * max(0.05, 1.0 - util))
 
+    def kv_s(self, input_len, decode_cached):
+        """Estimated WAN time of the KV a PrfaaS prefill ships (emulated seconds)."""
+        _, bps = self._link()
+        if not bps:
+            return 0.0
+        util = self.link[0] or 0.0
+        return self.sizes.shipped(input_len, decode_cached) * 8 / (bps * max(0.05, 1.0 - util))
+
     async def place(self, req):
         """(kind, prefill Instance, decode Instance, Route fields) for one request; fills the
         request's cached_len / decode_cached_len."""
@@ -181,8 +192,15 @@ class CachePlacer:
                     cached, source = view.state(there), "transfer"
         if self.cfg["placement"] == "cache_aware":
             def cost(i):
-                return estimated_ttft(i.outstanding_s, self.prefill_s(i, L, cached))
+                c = cached if i.dc == here else view.state(i.dc)
+                ship = self.kv_s(L, view.local_kv) if i.dc == "prfaas" else 0.0
+                return estimated_ttft(i.outstanding_s, self.prefill_s(i, L, c), ship)
             kind, p, d = r.route_to(choice.remote, L - cached, cost)
+            if not choice.remote and L > r.threshold and r.policy == "prfaas" and not moved:
+                # Local only thanks to its cache: PrfaaS still serves it if that is faster.
+                alt = [i for i in r.remote if not i.down]
+                if alt and min(map(cost, alt)) < cost(p):
+                    kind, p, d = r.route_to(True, L - view.prfaas_state, cost)
         else:
             kind, p, d = r.route_to(choice.remote, L)
         if p.dc != here:                    # failed over to the other cluster

@@ -64,7 +64,7 @@ class PrefillService(pbg.PrefillServicer):
             self.log.warning("request %d failed: %s", req.id, reply.error)
         finally:
             if self.cache is not None:
-                await self.cache.safely(self.cache.release(req.id), None)
+                self.cache.spawn(self.cache.safely(self.cache.release(req.id), None))
         if reply.send_end:
             reply.overlap_s = max(0.0, min(reply.end, reply.send_end) - reply.send_start)
         return reply
@@ -75,8 +75,9 @@ class PrefillService(pbg.PrefillServicer):
             self.cache.fetch(req), (0, 0, 0.0))     # no prefix: compute it all
         req.cached_len = cached
         reply.cached_len = cached
-        await self.cache.safely(self.cache.reserve(
-            req.id, self.cache.sizes.shipped(req.input_len, req.decode_cached_len)), None)
+        # Accounted in the pool off the critical path (the tail is released after shipping).
+        self.cache.spawn(self.cache.safely(self.cache.reserve(
+            req.id, self.cache.sizes.shipped(req.input_len, req.decode_cached_len)), None))
 
     async def _send(self, rid, host, port, queue, reply):
         async with self.pool.connection(host, port) as conn:
