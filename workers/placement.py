@@ -16,14 +16,16 @@ from past routing.
     (from l_pd), else PrfaaS (from l_prfaas);
   - bandwidth abundant: `l_prefix = max(l_pd, l_prfaas)`; `L - l_prefix <= t` prefills locally,
     else on PrfaaS; when the longer prefix sits in the other cluster it is moved there first
-    (pool -> pool over the WAN) if the move pays: estimated transfer time < prefill time saved.
+    (pool -> pool over the WAN) if the plan with the move has the lower estimated TTFT.
   The WAN counts as abundant while its measured KV egress / link rate (the run's kernel
   counters, `timeseries.csv`, as `workers/adaptive.py` reads them) is below `cache.headroom`.
-  Within the chosen cluster the instance of least estimated TTFT = queued work + uncached
-  prefill + transfer (Mooncake's Conductor, Dynamo's KV router); the transfer term is the
-  KV's WAN time for a PrfaaS instance. A request longer than the threshold that the rule keeps
+  Every plan (instance, prefix it continues from, prefix move) is costed by estimated TTFT =
+  queued work + prefix fetch + uncached prefill + transfer (Mooncake's Conductor, Dynamo's
+  KV router); the transfer term is the prefix move's and, on PrfaaS, the KV's WAN time. A request longer than the threshold that the rule keeps
   local only because of the local cache still goes to PrfaaS when PrfaaS's estimated TTFT
   (with its own cache) is lower: the cache may save WAN bytes, but not at the cost of TTFT.
+  A cached prefix is used only when its fetch (timed from the fetches prefill workers report,
+  not assumed) costs less than computing it.
 
 The decode side's prefix (`decode_cached_len`) is what the local pool holds: the prefill ships
 only the recurrent state plus the MLA KV beyond it.
@@ -80,10 +82,6 @@ def estimated_ttft(queue_s, prefill_s, transfer_s=0.0):
     return queue_s + prefill_s + transfer_s
 
 
-def transfer_pays(transfer_s, saved_s):
-    return transfer_s < saved_s
-
-
 def link_state(timeseries, last, to_emulated_bps):
     """(utilisation or None, emulated link bit/s or None, new `last`) from the kernel counters'
     last row and the previous reading `last` = (time, kv_tx_bytes)."""
@@ -116,6 +114,7 @@ class CachePlacer:
         self._checked = 0.0
         from workers.cache_core import BlockSizes
         self.sizes = BlockSizes(c["s_kv"], self.block, c["bytes_scale"])
+        self.fetch_s_per_byte = None        # learned from the prefill workers' reports
 
     def _link(self):
         now = time.monotonic()
@@ -164,6 +163,33 @@ class CachePlacer:
         util = self.link[0] or 0.0
         return self.sizes.shipped(input_len, decode_cached) * 8 / (bps * max(0.05, 1.0 - util))
 
+    def observe(self, reply):
+        """Learn the pool -> instance fetch time from what prefill workers measured."""
+        if reply.cache_fetch_bytes > 0 and reply.cache_fetch_s > 0:
+            per_byte = reply.cache_fetch_s / reply.cache_fetch_bytes
+            self.fetch_s_per_byte = per_byte if self.fetch_s_per_byte is None else \
+                0.9 * self.fetch_s_per_byte + 0.1 * per_byte
+
+    def fetch_s(self, tokens):
+        """Estimated time to fetch a `tokens` prefix (KV blocks + one snapshot) from the pool,
+        from the fetch times the prefill workers reported (0 until the first one)."""
+        if tokens <= 0 or self.fetch_s_per_byte is None:
+            return 0.0
+        return ((tokens // self.block) * self.sizes.kv + self.sizes.state) * self.fetch_s_per_byte
+
+    def plan_cost(self, inst, L, cached, decode_cached, transfer_s=0.0):
+        """Estimated TTFT of prefilling on `inst` from `cached` tokens: queued work, the prefix's
+        fetch (plus a WAN prefix move), the uncached prefill, and the KV's WAN time for PrfaaS."""
+        ship = self.kv_s(L, decode_cached) if inst.dc == "prfaas" else 0.0
+        return estimated_ttft(inst.outstanding_s,
+                              self.prefill_s(inst, L, cached) + self.fetch_s(cached),
+                              transfer_s + ship)
+
+    def worth(self, inst, L, tokens):
+        """Use a cached prefix only when fetching it costs less than computing it."""
+        return tokens if tokens > 0 and self.fetch_s(tokens) < \
+            self.prefill_s(inst, L, 0) - self.prefill_s(inst, L, tokens) else 0
+
     async def place(self, req):
         """(kind, prefill Instance, decode Instance, Route fields) for one request; fills the
         request's cached_len / decode_cached_len."""
@@ -177,42 +203,52 @@ class CachePlacer:
         r = self.router
         choice = choose_cluster(self.cfg["placement"], r.policy, r.threshold, L, view,
                                 self.abundant())
-        here = "prfaas" if choice.remote else "local"
-        cached, source, moved = view.state(here), here if view.state(here) else "", 0
-        transfer_s = 0.0
-        if choice.transfer_from:
-            there = choice.transfer_from
-            acc = (r.remote if choice.remote else r.local) or r.remote or r.local
-            saved = (self.prefill_s(acc[0], L, view.state(here))
-                     - self.prefill_s(acc[0], L, view.state(there)))
-            transfer_s = self.transfer_s(view.state(there))
-            if transfer_pays(transfer_s, saved):
-                moved, ok = await self.pull(here, there, blocks[:view.state(there) // self.block])
-                if ok:
-                    cached, source = view.state(there), "transfer"
-        if self.cfg["placement"] == "cache_aware":
-            def cost(i):
-                c = cached if i.dc == here else view.state(i.dc)
-                ship = self.kv_s(L, view.local_kv) if i.dc == "prfaas" else 0.0
-                return estimated_ttft(i.outstanding_s, self.prefill_s(i, L, c), ship)
-            kind, p, d = r.route_to(choice.remote, L - cached, cost)
-            if not choice.remote and L > r.threshold and r.policy == "prfaas" and not moved:
-                # Local only thanks to its cache: PrfaaS still serves it if that is faster.
-                alt = [i for i in r.remote if not i.down]
-                if alt and min(map(cost, alt)) < cost(p):
-                    kind, p, d = r.route_to(True, L - view.prfaas_state, cost)
-        else:
+        if self.cfg["placement"] != "cache_aware":
             kind, p, d = r.route_to(choice.remote, L)
-        if p.dc != here:                    # failed over to the other cluster
-            here = p.dc
-            cached, source = view.state(here), here if view.state(here) else ""
+            return self._finish(req, kind, p, d, view, whole, p.dc, view.state(p.dc), 0)
+        # Plans: (estimated TTFT, instance, tokens continued from, prefix move from, its time).
+        plans = []
+        here = "prfaas" if choice.remote else "local"
+        for inst in (r.remote if choice.remote else r.local):
+            if not inst.down:
+                c = self.worth(inst, L, view.state(here))
+                plans.append((self.plan_cost(inst, L, c, view.local_kv), inst, c, "", 0.0))
+                if choice.transfer_from:
+                    there = choice.transfer_from
+                    t = self.transfer_s(view.state(there))
+                    c2 = self.worth(inst, L, view.state(there))
+                    if c2 > c:
+                        plans.append((self.plan_cost(inst, L, c2, view.local_kv, t), inst, c2,
+                                      there, t))
+        if not choice.remote and L > r.threshold and r.policy == "prfaas":
+            # Local only thanks to a cache: PrfaaS (with its own) still serves it if faster.
+            for inst in r.remote:
+                if not inst.down:
+                    c = self.worth(inst, L, view.prfaas_state)
+                    plans.append((self.plan_cost(inst, L, c, view.local_kv), inst, c, "", 0.0))
+        if not plans:                      # the chosen cluster is down: fail over as usual
+            kind, p, d = r.route_to(choice.remote, L - view.state(here))
+            return self._finish(req, kind, p, d, view, whole, p.dc, view.state(p.dc), 0)
+        _, inst, cached, move_from, _ = min(plans, key=lambda x: (x[0], x[1].name))
+        moved = 0
+        if move_from:
+            moved, ok = await self.pull(inst.dc, move_from, blocks[:cached // self.block])
+            if not ok:
+                cached = self.worth(inst, L, view.state(inst.dc))
+        kind, p, d = r.route_to(inst.dc == "prfaas", L - cached, lambda i: 0 if i is inst else 1)
+        if p is not inst:                  # failed over meanwhile
+            cached, move_from = self.worth(p, L, view.state(p.dc)), ""
+        return self._finish(req, kind, p, d, view, whole, p.dc, cached, moved,
+                            "transfer" if move_from and moved else "")
+
+    def _finish(self, req, kind, p, d, view, whole, dc, cached, moved, source=""):
         req.cached_len = cached
         decode = view.local_kv
-        if moved and here == "local":
+        if source == "transfer" and dc == "local":
             decode = max(decode, cached)
         req.decode_cached_len = min(decode, whole * self.block)
-        req.cache_source = source
-        return kind, p, d, {"cached_len": cached, "cache_source": source,
+        req.cache_source = source or (dc if cached else "")
+        return kind, p, d, {"cached_len": cached, "cache_source": req.cache_source,
                             "prefix_transfer_bytes": moved,
                             "lookup_local": view.local_state, "lookup_prfaas": view.prfaas_state}
 

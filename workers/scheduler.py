@@ -101,6 +101,8 @@ class SchedulerService(pbg.SchedulerServicer):
             self._mark(p, e)
             return pb.PrefillReply(instance=p.name, status="failed",
                                    error=f"prefill {p.name} unreachable: {e.code().name}")
+        if self.placer is not None:
+            self.placer.observe(reply)
         return reply
 
     async def _relay(self, decode_call, prefill_task, d):
