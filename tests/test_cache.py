@@ -315,3 +315,10 @@ def test_a_prefix_slower_to_fetch_than_to_compute_is_not_used(tmp_path):
     pl.fetch_s_per_byte = 1e-12
     _, p, _, info = asyncio.run(pl.place(_req(4000)))
     assert info["cached_len"] == 512 and info["cache_source"] == "local"
+    # A slow fetch hidden behind the instance's queue costs nothing: the prefix is used.
+    pl.fetch_s_per_byte = 1e-6                                  # ~0.19 s for 512 tokens
+    _, p, _, info = asyncio.run(pl.place(_req(4000)))
+    assert info["cached_len"] == 0
+    pl.router.local[0].outstanding_s = 1.0
+    _, p, _, info = asyncio.run(pl.place(_req(4000)))
+    assert p.dc == "local" and info["cached_len"] == 512

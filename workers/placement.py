@@ -24,8 +24,9 @@ from past routing.
   KV router); the transfer term is the prefix move's and, on PrfaaS, the KV's WAN time. A request longer than the threshold that the rule keeps
   local only because of the local cache still goes to PrfaaS when PrfaaS's estimated TTFT
   (with its own cache) is lower: the cache may save WAN bytes, but not at the cost of TTFT.
-  A cached prefix is used only when its fetch (timed from the fetches prefill workers report,
-  not assumed) costs less than computing it.
+  A cached prefix is used only when the part of its fetch not hidden behind the instance's
+  queue (the worker fetches while the request waits; the time per byte is learned from the
+  fetches prefill workers report, not assumed) costs less than computing it.
 
 The decode side's prefix (`decode_cached_len`) is what the local pool holds: the prefill ships
 only the recurrent state plus the MLA KV beyond it.
@@ -181,13 +182,16 @@ class CachePlacer:
         """Estimated TTFT of prefilling on `inst` from `cached` tokens: queued work, the prefix's
         fetch (plus a WAN prefix move), the uncached prefill, and the KV's WAN time for PrfaaS."""
         ship = self.kv_s(L, decode_cached) if inst.dc == "prfaas" else 0.0
-        return estimated_ttft(inst.outstanding_s,
-                              self.prefill_s(inst, L, cached) + self.fetch_s(cached),
-                              transfer_s + ship)
+        # The worker fetches as the request arrives, while it waits its turn: only the part of
+        # the fetch longer than the queue delays it.
+        return estimated_ttft(max(inst.outstanding_s, self.fetch_s(cached)),
+                              self.prefill_s(inst, L, cached), transfer_s + ship)
 
     def worth(self, inst, L, tokens):
-        """Use a cached prefix only when fetching it costs less than computing it."""
-        return tokens if tokens > 0 and self.fetch_s(tokens) < \
+        """Use a cached prefix only when the part of its fetch not hidden behind the instance's
+        queue costs less than computing it."""
+        exposed = max(0.0, self.fetch_s(tokens) - inst.outstanding_s)
+        return tokens if tokens > 0 and exposed < \
             self.prefill_s(inst, L, 0) - self.prefill_s(inst, L, tokens) else 0
 
     async def place(self, req):
