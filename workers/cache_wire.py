@@ -91,9 +91,10 @@ class PoolClient:
 
     async def fetch_into(self, receiver, pool_addr, my_block_addr, blocks, state_at, timeout):
         """Ask the pool to send `blocks` (and the snapshot after `state_at`) to this process's
-        block socket; returns (FetchReply, bytes received) once they are all in."""
+        block socket; returns (FetchReply, bytes) once they are all in: the bytes the pool sent
+        for this fetch (the closing frame says they all arrived; the receiver's own counter
+        would also count other transfers arriving at the same time)."""
         tag = new_tag()
-        before = receiver.bytes
         waiter = asyncio.ensure_future(receiver.wait(tag, timeout))
         try:
             reply = await self.stub(pool_addr).Fetch(
@@ -103,7 +104,7 @@ class PoolClient:
         except BaseException:
             waiter.cancel()
             raise
-        return reply, receiver.bytes - before
+        return reply, reply.bytes
 
 
 def block_addr(inst):
