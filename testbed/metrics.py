@@ -231,7 +231,8 @@ def emulation_fidelity(ok, exp, tolerance=0.05):
     for route, acc in accel.items():
         sub = ok[(ok.route == route) & ok.prefill_ms.notna()]
         if len(sub):
-            want = np.asarray(prof.t_prefill(acc, sub.input_len.to_numpy())) * 1e3
+            cached = sub.cached_len.fillna(0).to_numpy() if "cached_len" in sub else 0
+            want = np.asarray(prof.t_prefill_cached(acc, sub.input_len.to_numpy(), cached)) * 1e3
             ratios.append(sub.prefill_ms.to_numpy() / want)
     if ratios:
         out["prefill_ratio"] = float(np.median(np.concatenate(ratios)))
