@@ -342,6 +342,8 @@ def table(summaries):
             ("egress_mean_gbps", "egress Gb/s", "{:.2f}"),
             ("offload_fraction", "offload", "{:.2f}")]
     cols.insert(4, ("steady_throughput", "steady", "{:.3f}"))
+    if any(s.get("cache_enabled") for s in summaries):
+        cols.append(("cache_hit_share", "cache hit", "{:.3f}"))
     header = [c[1] for c in cols] + ["predicted (paper)", "predicted (E[T])"]
     body = []
     for s in summaries:
