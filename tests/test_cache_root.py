@@ -50,3 +50,37 @@ def test_cached_run_measured_facts(tmp_path):
     assert s["cache_aware"]["request_bytes_measured"] >= to_remote
     pools = s["cache_aware"]["cache_pools"]
     assert pools["pool_local"]["bytes_in"] > 0 and pools["pool_prfaas"]["bytes_in"] > 0
+
+
+def test_cache_aware_failover_redispatches_within_the_placed_cluster(tmp_path):
+    """Two PrfaaS prefill instances share the PrfaaS pool; rp0 is killed mid-run. With failover,
+    its requests are re-dispatched to rp1 (same cluster, the pool that holds their prefixes),
+    none is lost, and hits keep coming from the pools after the kill."""
+    import yaml
+    exp = yaml.safe_load(CACHED.read_text())
+    exp.pop("variants")
+    exp["clusters"]["prfaas"]["instances"] = 2
+    exp["scale"]["time"] = 5
+    # Slow health checks: the requests placed on rp0 after the kill find it dead themselves.
+    exp["scheduler"]["failover"] = {"enabled": True, "interval": "5s", "timeout": "1s"}
+    exp["faults"] = [{"at": "3s", "kind": "kill", "target": "rp0"}]
+    path = tmp_path / "cache_failover.yaml"
+    path.write_text(yaml.safe_dump(exp))
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "testbed.cli", "run", str(path), "--out",
+                        str(out), "--no-progress", "--no-probe"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    df = pd.read_parquet(out / "requests.parquet")
+    assert s["accounting"]["lost"] == 0 and s["accounting"]["sent"] == len(df)
+    assert (df.status == "ok").all(), df[df.status != "ok"].error.tolist()
+    moves = [m for lst in df.redispatches for m in (lst if lst is not None else [])]
+    prefill_moves = [m for m in moves if m["role"] == "prefill"]
+    assert prefill_moves, "rp0's requests were not re-dispatched"
+    # rp1 was up the whole run: every prefill re-dispatch stayed on PrfaaS, next to its pool.
+    assert {m["to"] for m in prefill_moves} == {"rp1"}, prefill_moves
+    events = pd.read_csv(out / "events.csv")
+    killed = float(events.time[events.kind == "fault_inject"].iloc[0])
+    assert not ((df.prefill_instance == "rp0") & (df.send_time > killed)).any()
+    assert s["cache_hit_share"] > 0 and (df[df.cached_len > 0].cache_fetch_bytes > 0).all()
