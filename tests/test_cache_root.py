@@ -15,6 +15,8 @@ import sys
 import pandas as pd
 import pytest
 
+from tests.test_run_root import leftovers
+
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -84,3 +86,4 @@ def test_cache_aware_failover_redispatches_within_the_placed_cluster(tmp_path):
     killed = float(events.time[events.kind == "fault_inject"].iloc[0])
     assert not ((df.prefill_instance == "rp0") & (df.send_time > killed)).any()
     assert s["cache_hit_share"] > 0 and (df[df.cached_len > 0].cache_fetch_bytes > 0).all()
+    assert leftovers(out) == []          # the pools' processes too
