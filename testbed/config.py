@@ -220,6 +220,32 @@ class SchedulerSpec:
                                   doc="short-timescale threshold control (docs in workers/adaptive.py)")
     failover: FailoverSpec = spec(section(FailoverSpec), factory=FailoverSpec,
                                   doc="fall back to the other cluster when instances stop answering")
+    placement: str = spec(choice("least_loaded", "cache_aware"), "least_loaded",
+                          "least_loaded: threshold on the input length, least outstanding work "
+                          "within a cluster | cache_aware: threshold on the uncached length, the "
+                          "paper's bandwidth-scarce/abundant rules and an estimated-TTFT cost "
+                          "per instance (needs cache.enabled; docs/cache.md)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CacheSpec:
+    enabled: bool = spec(boolean, False,
+                         "a hybrid prefix cache pool per cluster (docs/cache.md)")
+    block: int = spec(integer(1), 512, "tokens per cache block (Mooncake hash_ids granularity)")
+    capacity: float = spec(optional(positive(units.size_bytes)), None,
+                           "bytes per cluster pool, real-world (scaled by scale.bytes); null: "
+                           "accelerator memory left after weights x instances (profile)")
+    snapshot_every: int = spec(integer(0), 8,
+                               "keep a KDA state snapshot every this many blocks (0: none), "
+                               "besides the one after each prompt's last whole block")
+    transfer: str = spec(choice("auto", "never", "always"), "auto",
+                         "cache_aware: the bandwidth-abundant rule (move a longer prefix from "
+                         "the other cluster when it pays) while the WAN's measured egress is "
+                         "below headroom (auto), never (always the bandwidth-scarce rule) or "
+                         "always")
+    headroom: float = spec(units.probability, 0.5,
+                           "auto: the WAN counts as bandwidth-abundant while its measured KV "
+                           "egress / link rate is below this")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -278,6 +304,8 @@ class Experiment:
     faults: tuple = spec(list_of(section(FaultSpec)), (),
                          "injected failures: [{at: 30s, kind: pause, target: prfaas, duration: "
                          "20s}, ...] (testbed/faults.py; keys below)")
+    cache: CacheSpec = spec(section(CacheSpec), factory=CacheSpec,
+                            doc="hybrid prefix cache pool (docs/cache.md)")
     label: str = spec(optional(path_component), None,
                       "name of this run in tables and its directory (default: the policy)")
 
@@ -563,6 +591,49 @@ def _check_workload(exp, base, traces_read):
                               f"limit); send fewer or shorter requests", key="workload.prefix")
 
 
+def cache_capacity(exp, prof, cluster):
+    """Real-world bytes of one cluster's pool: `cache.capacity`, else the accelerator memory
+    left after the weights on each instance x the cluster's instances (profile `memory`)."""
+    if exp.cache.capacity is not None:
+        return exp.cache.capacity
+    c = getattr(exp.clusters, cluster)
+    return prof.free_memory(c.accelerator) * c.instances
+
+
+def _check_cache(exp, prof, path):
+    c = exp.cache
+    if exp.scheduler.placement == "cache_aware" and not c.enabled:
+        raise ConfigError("cache_aware placement needs cache.enabled: true", path=path,
+                          key="scheduler.placement")
+    if not c.enabled:
+        return
+    if exp.model.engine != "profile":
+        raise ConfigError("the prefix cache pool needs model.engine: profile (the torch engine "
+                          "does not continue from pooled state yet)", path=path,
+                          key="cache.enabled")
+    if exp.scheduler.policy == "naive" and exp.scheduler.placement == "cache_aware":
+        raise ConfigError("cache_aware placement cannot place anything under policy naive (all "
+                          "prefill on PrfaaS); use least_loaded or policy prfaas", path=path,
+                          key="scheduler.placement")
+    gran = wlspec.BLOCK_TOKENS     # every prefix block id: Mooncake hash_ids, generated prefixes
+    if c.block > gran or gran % c.block:
+        raise ConfigError(f"block {c.block} tokens does not divide the workload's block id "
+                          f"granularity ({gran} tokens)", path=path, key="cache.block")
+    if c.block != gran:
+        raise ConfigError(f"block {c.block} tokens: the workload names its prefixes in "
+                          f"{gran}-token blocks; only block: {gran} can be matched",
+                          path=path, key="cache.block")
+    one = prof.s_kv(c.block) * exp.scale.bytes
+    for cluster in ("prfaas", "local"):
+        if getattr(exp.clusters, cluster).instances < 1:
+            continue
+        cap = cache_capacity(exp, prof, cluster)
+        if cap * exp.scale.bytes < one:
+            raise ConfigError(f"capacity {cap:.4g} bytes holds less than one block with its "
+                              f"snapshot ({prof.s_kv(c.block):.4g} bytes real-world)",
+                              path=path, key="cache.capacity")
+
+
 def set_dotted(d, dotted, value, path=None):
     """d['a']['b'] = value for dotted 'a.b', creating mappings on the way."""
     if not isinstance(dotted, str) or not dotted or any(not k for k in dotted.split(".")):
@@ -676,6 +747,7 @@ def validate(raw, path=None, sweep_point=None, traces_read=None):
         _check_scale(exp, None)
         _check_link(exp, rate_rows)
         _check_workload(exp, base, traces_read)
+        _check_cache(exp, prof, None)
         label = _label(exp, sweep_point or {})
         try:
             path_component(label)

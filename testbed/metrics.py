@@ -37,8 +37,14 @@ SUMMARY_KEYS = [
     "label", "policy", "completed", "failed", "duration_s", "request_throughput",
     "mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
     "p99_tpot_ms", "mean_itl_ms", "mean_e2el_ms", "egress_mean_gbps", "egress_peak_gbps",
-    "offload_fraction", "wan_bytes_measured", "kv_bytes_sent_remote",
+    "offload_fraction", "wan_bytes_measured", "kv_bytes_sent_remote", "cache_hit_share",
+    "prefill_tokens_computed", "kv_bytes_saved_by_cache", "prefix_transfer_bytes",
 ]
+
+
+CACHE_COLUMNS = ("cached_len", "planned_cached_len", "decode_cached_len", "cache_fetch_bytes",
+                 "cache_put_bytes", "cache_fetch_s", "prefix_transfer_bytes",
+                 "decode_cache_bytes", "lookup_local", "lookup_prfaas")
 
 
 def read_records(path):
@@ -82,13 +88,15 @@ def build_requests(workload, sent, done, time_scale):
     for col in ("send_time", "first_token", "last_token", "prefill_queued", "prefill_start",
                 "prefill_end", "send_start", "send_end", "kv_recv_start", "kv_recv_end",
                 "decode_join", "lateness_s", "kv_bytes", "kv_bytes_sent", "n_tokens",
-                "overlap_s", "end_time"):
+                "overlap_s", "end_time", *CACHE_COLUMNS):
         if col not in df:
             df[col] = np.nan
         df[col] = pd.to_numeric(df[col], errors="coerce")
-    for col in ("route", "prefill_instance", "decode_instance", "error"):
+    for col in ("route", "prefill_instance", "decode_instance", "error", "cache_source"):
         if col not in df:
             df[col] = None
+    # Where the prefix came from: the route's source when the prefill really continued from it.
+    df["cache_source"] = df.cache_source.where(df.cached_len.fillna(0) > 0, "").fillna("")
     ms = 1e3 * time_scale
     df["ttft_ms"] = (df.first_token - df.send_time) * ms
     df["e2el_ms"] = (df.last_token - df.send_time) * ms
@@ -197,7 +205,9 @@ def summarize(df, exp, timeseries=None, counters=None):
     out["failure_reasons"] = {str(k): int(v) for k, v in errors.head(5).items()}
     out["steady_throughput"] = steady_throughput(ok.last_token, T)
     out["emulation"] = emulation_fidelity(ok, exp)
-    out["prediction"] = predicted(exp, df.input_len.to_numpy())
+    out.update(cache_summary(df, exp))
+    # The planner's L is the uncached length: what the run really prefilled.
+    out["prediction"] = predicted(exp, (df.input_len - df.cached_len.fillna(0)).to_numpy())
     return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in out.items()}
 
 
@@ -231,6 +241,33 @@ def goodput(df, objectives_ms, duration_s):
             "slo": {"objectives_ms": objectives_ms, "good": int(good.sum()),
                     "attainment": attained,
                     "attainment_of_sent": float(good.mean()) if len(df) else None}}
+def cache_summary(df, exp):
+    """Prefix cache keys of summary.json (docs/cache.md). Bytes are emulated bytes, like
+    `wan_bytes_measured` (divide by scale.bytes for real-world)."""
+    done = df[df.prefill_end.notna()]
+    inp = float(df.input_len.sum())
+    cached = done.cached_len.fillna(0)
+    out = {"cache_enabled": exp.cache.enabled, "placement": exp.scheduler.placement,
+           "cache_hit_share": float(cached.sum() / inp) if inp else 0.0,
+           "prefill_tokens_computed": int((done.input_len - cached).sum()),
+           "prefix_transfer_bytes": int(df.prefix_transfer_bytes.fillna(0).sum()),
+           "cache_fetch_bytes": int(df.cache_fetch_bytes.fillna(0).sum()
+                                    + df.decode_cache_bytes.fillna(0).sum())}
+    from testbed import profile as profiles
+    try:
+        prof = profiles.load(exp.model.profile)
+        full = prof.s_kv(done.input_len.to_numpy(dtype=float)) * exp.scale.bytes
+        out["kv_bytes_saved_by_cache"] = int(max(0.0, float(
+            (full - done.kv_bytes_sent.fillna(0).to_numpy()).sum()))) if exp.cache.enabled else 0
+    except Exception:   # noqa: BLE001  a summary never fails on the profile
+        out["kv_bytes_saved_by_cache"] = None
+    for route, dc in (("local", "local"), ("remote", "prfaas")):
+        sub = done[done.route == route]
+        n = float(sub.input_len.sum())
+        out[f"cache_hit_share_{dc}"] = float(sub.cached_len.fillna(0).sum() / n) if n else None
+    srcs = done.cache_source[cached > 0].value_counts()
+    out["cache_hits_by_source"] = {str(k): int(v) for k, v in srcs.items()}
+    return out
 
 
 def steady_throughput(completions, time_scale, lo=0.1, hi=0.9):
@@ -272,7 +309,8 @@ def emulation_fidelity(ok, exp, tolerance=0.05):
     for route, acc in accel.items():
         sub = ok[(ok.route == route) & ok.prefill_ms.notna()]
         if len(sub):
-            want = np.asarray(prof.t_prefill(acc, sub.input_len.to_numpy())) * 1e3
+            cached = sub.cached_len.fillna(0).to_numpy() if "cached_len" in sub else 0
+            want = np.asarray(prof.t_prefill_cached(acc, sub.input_len.to_numpy(), cached)) * 1e3
             ratios.append(sub.prefill_ms.to_numpy() / want)
     if ratios:
         out["prefill_ratio"] = float(np.median(np.concatenate(ratios)))
@@ -329,10 +367,8 @@ def egress(ts, t0, t1, time_scale, bytes_scale):
 
 
 def predicted(exp, input_lengths=None):
-    """The planner's prediction for this run's configuration.
-
-    The workers keep no prefix cache yet, so every input token is prefilled: the prediction uses
-    the full input lengths of the requests sent, not the planner's uncached lengths.
+    """The planner's prediction for this run's configuration, from the uncached lengths the run
+    really prefilled (input_len - cached_len: the full lengths when the cache is off).
     """
     if exp.model.engine != "profile":
         return {"note": "the planner models profiled accelerators; the torch engine's timing "
@@ -431,6 +467,9 @@ def analyse(run_dir, exp):
     from testbed.workload import summarize as workload_stats
     summary["workload"] = workload_stats(workload)
     summary["run_dir"] = str(d)
+    pools = {p.stem[len("cache_"):]: json.loads(p.read_text()) for p in sorted(d.glob("cache_*.json"))}
+    if pools:
+        summary["cache_pools"] = pools
     fid = meta.get("link_fidelity") or {}
     summary["link_warnings"] = fid.get("warnings", [])
     summary["warnings"] = summary["link_warnings"] + (summary.get("emulation") or {}).get(
@@ -460,6 +499,8 @@ def table(summaries):
     cols.insert(4, ("steady_throughput", "steady", "{:.3f}"))
     if any(s.get("request_goodput") is not None for s in summaries):
         cols.insert(5, ("request_goodput", "goodput", "{:.3f}"))
+    if any(s.get("cache_enabled") for s in summaries):
+        cols.append(("cache_hit_share", "cache hit", "{:.3f}"))
     header = [c[1] for c in cols] + ["predicted (paper)", "predicted (E[T])"]
     body = []
     for s in summaries:

@@ -276,12 +276,14 @@ def _from_request_list(exp, column, base_dir=None):
     The workload module is the one place that knows how a workload turns into requests;
     planning from its output keeps prediction and emulation on the same requests. For the
     input, L is the *uncached* length: the input minus what an unbounded prefix cache would
-    hold in arrival order (`testbed.workload.prefix.hit_tokens`), the paper's L."""
+    hold in arrival order (`testbed.workload.prefix.hit_tokens`), the paper's L, when the
+    experiment has a prefix cache (`cache.enabled`); without one every token is prefilled."""
     try:
         df = _request_list(exp, base_dir)
         lengths = df[column].to_numpy()
         label = f"{column} of the request list"
-        if column == "input_len" and "prefix_blocks" in df:
+        cache = getattr(exp, "cache", None)
+        if column == "input_len" and "prefix_blocks" in df and (cache is None or cache.enabled):
             from testbed.workload.prefix import hit_tokens
             lengths = lengths - hit_tokens(list(df["prefix_blocks"]), lengths)
             label = "uncached input_len of the request list (unbounded prefix cache)"

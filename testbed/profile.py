@@ -114,12 +114,34 @@ class Profile:
     bs_max: int                   # BS_max
     stream_chunks: int
     decode: DecodeModel = None    # T_step(B, C) and the decode memory
+    weights_bytes: float = 0.0    # the weights' footprint on one instance
+    memory: dict = dataclasses.field(default_factory=dict)   # accelerator -> bytes per instance
+
+    def free_memory(self, accelerator):
+        """Accelerator memory of one instance left after the weights (the prefix cache's share)."""
+        if accelerator not in self.memory:
+            raise ConfigError(f"profile {self.name!r} gives no memory for {accelerator!r}; set "
+                              f"cache.capacity", key="cache.capacity")
+        return max(0.0, self.memory[accelerator] - self.weights_bytes)
 
     def t_prefill(self, accelerator, l):
         return self.prefill[accelerator](l)
 
     def s_kv(self, l):
         return self.kv_size(l)
+
+    def t_prefill_cached(self, accelerator, l, cached):
+        """Prefill time of `l` input tokens of which the first `cached` come from a prefix
+        cache (docs/cache.md): T(l) - T(cached) + T(0). The suffix's tokens still attend over
+        the whole context, so the quadratic term costs c*(l^2 - cached^2), more than
+        T(l - cached) would charge; the linear term counts only the new tokens; the fixed
+        per-request cost T(0) = a (launch, scheduling, the first layer's setup) is paid once,
+        cached or not. `cached` = 0 gives T(l)."""
+        f = self.prefill[accelerator]
+        l = np.asarray(l, dtype=float)
+        cached = np.minimum(np.asarray(cached, dtype=float), l)
+        out = f(l) - f(cached) + f.coeffs[0]
+        return float(out) if np.ndim(out) == 0 else out
 
     def phi_kv(self, accelerator, l):
         """KV throughput of one instance, bytes/s: Phi_kv(l) = S_kv(l) / T_prefill(l)."""
@@ -166,6 +188,8 @@ def load(name_or_path):
             bs_max=int(dec.get("bs_max", 20)),
             stream_chunks=int(data.get("stream_chunks", 16)),
             decode=_decode_model(dec),
+            weights_bytes=units.size_bytes(data.get("weights", 0)),
+            memory={a: units.size_bytes(v) for a, v in (data.get("memory") or {}).items()},
         )
     except ConfigError as e:
         raise ConfigError(str(e), path=str(path)) from None

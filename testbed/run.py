@@ -30,7 +30,7 @@ from testbed.workload import generate
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 30.0
-GRPC_PORT, KV_PORT = 50051, 50052
+GRPC_PORT, KV_PORT, CACHE_PORT = 50051, 50052, 50053
 
 
 def _adaptive(exp):
@@ -78,6 +78,23 @@ def _versions():
     return out
 
 
+def _cache_runtime(exp, prof, inst):
+    """The prefix cache's settings in emulation units; adds a pool per cluster to `inst`."""
+    c = exp.cache
+    if not c.enabled:
+        return {"enabled": False, "placement": exp.scheduler.placement}
+    for dc, name in (("prfaas", "pool_prfaas"), ("local", "pool_local")):
+        inst[name] = {"role": "cachepool", "dc": dc, "accelerator": "",
+                      "cache_capacity": int(config.cache_capacity(exp, prof, dc)
+                                            * exp.scale.bytes)}
+    return {"enabled": True, "block": c.block, "snapshot_every": c.snapshot_every,
+            "placement": exp.scheduler.placement, "transfer": c.transfer,
+            "headroom": c.headroom, "s_kv": list(prof.kv_size.coeffs),
+            "bytes_scale": exp.scale.bytes,
+            # timeseries' kv_link_gbps is real-world Gbit/s; its kv_rate_bps is emulated bit/s
+            "link_to_emulated_bps": 1e9 * exp.scale.bytes * exp.scale.time}
+
+
 def runtime_for(exp, net):
     """The description every worker reads (runtime.json): instances, scale, policy, timeouts."""
     t = exp.scale.time
@@ -92,11 +109,13 @@ def runtime_for(exp, net):
         inst[f"ld{i}"] = {"role": "decode", "dc": "local", "accelerator": c.local.accelerator}
     inst["scheduler"] = {"role": "scheduler", "dc": "local", "accelerator": ""}
     inst["client"] = {"role": "client", "dc": "local", "accelerator": ""}
-    for name, d in inst.items():
-        d.update(ip=net.ip(name), grpc_port=GRPC_PORT, kv_port=KV_PORT)
     from testbed import profile as profiles
     prof = profiles.load(exp.model.profile)
+    cache = _cache_runtime(exp, prof, inst)
+    for name, d in inst.items():
+        d.update(ip=net.ip(name), grpc_port=GRPC_PORT, kv_port=KV_PORT, cache_port=CACHE_PORT)
     return {
+        "cache": cache,
         "name": exp.name, "label": exp.label, "seed": exp.seed,
         "scale": {"time": t, "bytes": exp.scale.bytes, "tokens": exp.scale.tokens},
         "profile": exp.model.profile, "engine": exp.model.engine,
@@ -263,7 +282,7 @@ class Run:
         # Registered after the network's teardown, so it runs before it (reverse order).
         net.registry.on_close(self._stop_processes, "processes")
         for name, inst in rt["instances"].items():
-            if inst["role"] in ("prefill", "decode"):
+            if inst["role"] in ("prefill", "decode", "cachepool"):
                 self._spawn(net, name, f"workers.{inst['role']}", rt)
         self._spawn(net, "scheduler", "workers.scheduler", rt)
         deadline = time.monotonic() + READY_TIMEOUT_S

@@ -270,3 +270,181 @@ def test_torch_decode_engine_reports_a_corrupt_transfer():
     with pytest.raises(StateWireError, match="crc32"):
         dec.admit(1)
     dec.close()
+
+
+# ---- prefix cache: snapshots, blocks, continued prefill ----
+
+BLOCK = 32      # model tokens per cache block in these tests (not a multiple of the chunk, 64)
+SMALL = dict(n_layers=4, d_model=64, kda_head_k=32, kda_head_v=32, mlp_hidden=128)
+
+
+@pytest.fixture(scope="module")
+def small():
+    return HybridModel(HybridConfig(seed=5, **SMALL))
+
+
+def _pool_blocks(model, toks, every=1):
+    """What a pool holds after prefilling `toks`: each whole block as bytes (KDA snapshot at
+    every `every`-th block boundary)."""
+    from workers.model.prefix import blocks_of
+
+    cuts = list(range(BLOCK * every, len(toks) + 1, BLOCK * every))
+    _, st = model.prefill(toks, snapshot_at=cuts)
+    return [b.to_bytes(chunk_bytes=3000) for b in blocks_of(st, BLOCK)], st
+
+
+def _assert_same_state(a, b, tol=TOL):
+    assert a.length == b.length
+    for i in range(len(a.layers)):
+        for name, t in a.layer_tensors(i).items():
+            assert (t - b.layer_tensors(i)[name]).abs().max() < tol, (i, name)
+
+
+@pytest.mark.parametrize("P", [0, BLOCK, 3 * BLOCK, 160 - BLOCK])
+def test_continued_prefill_equals_full_prefill(small, P):
+    """Prefix of P tokens from the pool's bytes + prefill of the rest == one prefill."""
+    from workers.model.prefix import PrefixState
+
+    toks = _tokens(160, seed=8)
+    pool, _ = _pool_blocks(small, toks)
+    full_logits, full = small.prefill(toks)
+    state = PrefixState.from_blocks(small.cfg, pool[:P // BLOCK]).request_state(small.cfg) \
+        if P else None
+    logits, st = small.prefill(toks[P:], state=state)
+    assert (logits - full_logits).abs().max() < TOL
+    _assert_same_state(st, full)
+
+
+def test_snapshots_equal_the_state_of_a_shorter_prefill(small):
+    toks = _tokens(150, seed=9)
+    _, st = small.prefill(toks, snapshot_at=[BLOCK, 100, 150])
+    for p in (BLOCK, 100):
+        _, short = small.prefill(toks[:p])
+        for i, snap in st.snapshots[p].items():
+            for name, t in snap.items():
+                assert (t - short.layers[i][name]).abs().max() < 1e-5, (p, i, name)
+    assert all(torch.equal(st.layers[i][n], t) for i, s in st.snapshots[150].items()
+               for n, t in s.items())
+
+
+def test_block_bytes_roundtrip_bit_exact_and_checked(small):
+    from workers.model.prefix import BlockState
+
+    pool, st = _pool_blocks(small, _tokens(100, seed=10), every=2)
+    blocks = [BlockState.from_bytes(b, small.cfg) for b in pool]
+    assert [b.index for b in blocks] == [0, 1, 2]
+    assert [b.kda is not None for b in blocks] == [False, True, False]
+    for b in blocks:
+        for i, ts in b.mla.items():
+            for name, t in ts.items():
+                assert torch.equal(t, st.layer_tensors(i)[name][b.start:b.end])
+    assert all(torch.equal(t, st.snapshots[2 * BLOCK][i][n])
+               for i, ts in blocks[1].kda.items() for n, t in ts.items())
+    assert BlockState.from_bytes(blocks[1].to_bytes(), small.cfg).nbytes() == blocks[1].nbytes()
+    bad = bytearray(pool[1])
+    bad[-5] ^= 0x10
+    with pytest.raises(StateWireError, match="crc32"):
+        BlockState.from_bytes(bytes(bad), small.cfg)
+    with pytest.raises(StateWireError, match="truncated"):
+        BlockState.from_bytes(pool[1][:-7], small.cfg)
+    with pytest.raises(StateWireError, match="layers"):
+        BlockState.from_bytes(pool[1], HybridConfig(n_layers=4, ratio="1:1"))
+
+
+def test_kda_reuse_refused_at_a_boundary_without_snapshot(small):
+    from workers.model.prefix import PrefixError, PrefixState, reusable_blocks
+
+    pool, st = _pool_blocks(small, _tokens(100, seed=11), every=2)     # KDA snapshot at 64 only
+    with pytest.raises(PrefixError, match="no KDA snapshot at token 32"):
+        PrefixState.from_blocks(small.cfg, pool[:1])
+    with pytest.raises(PrefixError, match="no KDA snapshot at token 32"):
+        PrefixState.from_state(st, BLOCK)
+    assert PrefixState.from_blocks(small.cfg, pool[:2]).length == 2 * BLOCK
+    assert PrefixState.from_blocks(small.cfg, pool[:1], need_kda=False).length == BLOCK  # MLA only
+    from workers.model.prefix import BlockState
+    assert reusable_blocks([BlockState.from_bytes(b, small.cfg) for b in pool]) == 2
+    with pytest.raises(PrefixError, match="blocks 0, 1, 2"):
+        PrefixState.from_blocks(small.cfg, pool[1:2])
+
+
+def test_request_tokens_share_prefix_blocks_and_scale_by_block():
+    from workers.engine_torch import request_tokens
+    from workers.model.prefix import model_block, model_tokens
+
+    a = request_tokens({"id": 1, "input_len": 1200, "prefix_blocks": [5, 6, 7]}, 1024,
+                       tokens_scale=8, block=512)
+    b = request_tokens({"id": 2, "input_len": 1100, "prefix_blocks": [5, 6, 9]}, 1024,
+                       tokens_scale=8, block=512)
+    assert model_block(512, 8) == 64 and len(a) == model_tokens(1200, 512, 8) == 150
+    assert torch.equal(a[:128], b[:128]) and not torch.equal(a[128:137], b[128:137])
+    assert model_block(512, 100) == 5 and model_tokens(1024, 512, 100) == 10
+
+
+def _engine_prefill(pre, req, **kw):
+    import asyncio
+
+    frames = []
+    t = asyncio.run(pre.prefill(req, lambda i, f: frames.extend(bytes(x) for x in f), **kw))
+    return t, frames
+
+
+@pytest.mark.parametrize("ship", ["full", "suffix"])
+def test_engine_prefix_prefill_ship_and_decode_equal_forward_full(ship):
+    from workers.engine_torch import TorchDecodeEngine, TorchPrefillEngine, request_tokens
+    from workers.model.prefix import PrefixError
+
+    cfg = HybridConfig(seed=6, **SMALL)
+    # Trace blocks of 128 tokens, scale 4: model blocks of 32 tokens.
+    pre = TorchPrefillEngine(cfg, "cpu", chunk_bytes=4096, tokens_scale=4, block=128)
+    pool = {}
+    first = {"id": 1, "input_len": 500, "prefix_blocks": [21, 22, 23, 24]}
+    t0, _ = _engine_prefill(pre, first, on_block=lambda b: pool.__setitem__(b.key, b.to_bytes()))
+    assert t0["blocks_stored"] == 3 and sorted(pool) == [21, 22, 23]
+    req = {"id": 2, "input_len": 600, "prefix_blocks": [21, 22, 23, 31, 32]}
+    t, frames = _engine_prefill(pre, req, prefix_state=[pool[k] for k in (21, 22, 23)],
+                                cached_len=384, ship=ship)
+    assert (t["cached_tokens"], t["tokens"], t["prompt_tokens"]) == (96, 54, 150)
+    dec = TorchDecodeEngine(cfg, "cpu", prefix_source=lambda ref: [pool[k] for k in ref["keys"]])
+    for seq, f in enumerate(frames):
+        dec.receive(2, seq, 1 if seq == len(frames) - 1 else 0, f)
+    dec.admit(2)
+    mla_bytes_per_token = cfg.layer_kinds.count("mla") * (cfg.mla_latent + cfg.mla_rope) * 4
+    assert dec.resident_bytes(2) == t["state_bytes"]
+    # Suffix: the decode side got 96 tokens of MLA latents less over the wire, from its pool.
+    sent = sum(len(f) for f in frames)
+    assert (sent < t["state_bytes"] - 96 * mla_bytes_per_token + 4096) == (ship == "suffix")
+    out = [t["first_token"]] + [dec.step([2])[2] for _ in range(4)]
+    toks = request_tokens(req, cfg.vocab, tokens_scale=4, block=128).tolist()
+    assert dec.model.forward_full(toks + out[:-1])[len(toks) - 1:].argmax(-1).tolist() == out
+    if ship == "suffix":      # no prefix on the decode side: refused, with the reason
+        bare = TorchDecodeEngine(cfg, "cpu")
+        for seq, f in enumerate(frames):
+            bare.receive(3, seq, 0, f)
+        with pytest.raises(PrefixError, match="no prefix blocks"):
+            bare.admit(3)
+    pre.close()
+
+
+def test_engine_refuses_kda_reuse_without_snapshot_and_recomputes_a_whole_hit():
+    import asyncio
+
+    from workers.engine_torch import TorchPrefillEngine
+    from workers.model.prefix import PrefixError
+
+    cfg = HybridConfig(seed=6, **SMALL)
+    req = {"id": 1, "input_len": 128}
+    for every in (2, 1):
+        pre = TorchPrefillEngine(cfg, "cpu", block=32, snapshot_every=every)
+        pool = []
+        t0, _ = _engine_prefill(pre, req, on_block=lambda b: pool.append(b.to_bytes()))
+        assert t0["blocks_stored"] == 4
+        if every == 2:
+            with pytest.raises(PrefixError, match="no KDA snapshot at token 32"):
+                asyncio.run(pre.prefill(req, lambda i, f: None, prefix_state=pool, cached_len=32))
+            with pytest.raises(PrefixError, match="multiple of the block"):
+                asyncio.run(pre.prefill(req, lambda i, f: None, prefix_state=pool, cached_len=40))
+            pre.close()
+    # All 128 tokens cached: the last block is computed again (its first token needs logits).
+    t, _ = _engine_prefill(pre, req, prefix_state=pool, cached_len=128)
+    assert (t["cached_tokens"], t["tokens"], t["first_token"]) == (96, 32, t0["first_token"])
+    pre.close()

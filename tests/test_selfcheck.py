@@ -35,3 +35,13 @@ def test_selfcheck_on_loopback(capsys):
     code, r = _run(capsys, "--loopback", "--new-tokens", "8")
     assert code == 0 and r["path"]["mode"] == "loopback"
     assert r["max_abs_diff"] <= 1e-4
+
+
+@pytest.mark.root
+def test_selfcheck_prefix_continued_prefill_across_two_namespaces(capsys):
+    """Prefill continuing from a cached prefix (pool block bytes) + shipped state + decode ==
+    one forward pass."""
+    code, r = _run(capsys, "--prefix-len", "128", "--block", "64", "--new-tokens", "8")
+    assert code == 0 and r["passed"] and r["prefix_len"] == 128
+    assert r["path"]["mode"] == "netns+veth" and r["max_abs_diff"] <= 1e-4
+    assert r["tokens_agree"] == r["decoded_tokens"] == 8

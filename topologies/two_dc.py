@@ -20,10 +20,10 @@ LOCAL_NET = "10.2"
 
 class TwoDatacenterTopo(Topo):
     """Hosts: `rp<i>` PrfaaS prefill, `lp<i>` local prefill, `ld<i>` local decode, `scheduler`
-    (`sch`), `client` (`cli`),
+    (`sch`), `client` (`cli`), with `cache` a prefix cache pool per DC (`rcp`, `lcp`),
     and one probe host per DC (`prb`, `plc`) for link measurements; router `wan`; switches `sR`, `sL`."""
 
-    def build(self, prefix="tb", remote_prefill=1, local_prefill=1, local_decode=1):
+    def build(self, prefix="tb", remote_prefill=1, local_prefill=1, local_decode=1, cache=False):
         self.prefix = prefix
         self.roles = {}
         self.ips = {}
@@ -48,6 +48,11 @@ class TwoDatacenterTopo(Topo):
         self._leaf("probe_local", f"{LOCAL_NET}.0.9", s_l, short="plc")
         self._leaf("scheduler", f"{LOCAL_NET}.0.2", s_l, short="sch")
         self._leaf("client", f"{LOCAL_NET}.0.3", s_l, short="cli")
+        if cache:
+            # One prefix cache pool per datacenter (docs/cache.md), on that DC's bridge: its
+            # instances reach it over the unshaped intra-DC fabric, the other DC only over the WAN.
+            self._leaf("pool_prfaas", f"{REMOTE_NET}.0.5", s_r, short="rcp")
+            self._leaf("pool_local", f"{LOCAL_NET}.0.5", s_l, short="lcp")
 
     def _switch(self, role):
         # An explicit datapath id: Mininet derives one from digits in the name, and ours may have none.

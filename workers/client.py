@@ -37,7 +37,9 @@ def _prefill_fields(p):
             "prefill_start": p.start or None, "prefill_end": p.end or None,
             "kv_bytes_sent": p.kv_bytes, "send_start": p.send_start or None,
             "send_end": p.send_end or None, "overlap_s": p.overlap_s,
-            "prefill_error": p.error}
+            "prefill_error": p.error, "cached_len": p.cached_len,
+            "cache_fetch_bytes": p.cache_fetch_bytes, "cache_put_bytes": p.cache_put_bytes,
+            "cache_fetch_s": p.cache_fetch_s}
 
 
 async def one_request(stub, row, scheduled, rec, timeout_s):
@@ -74,7 +76,14 @@ async def one_request(stub, row, scheduled, rec, timeout_s):
                            kv_attempt=chunk.kv_attempt, attempts=chunk.attempts,
                            redispatches=[{"time": r.time, "role": r.role,
                                           "from": r.from_instance, "to": r.to_instance,
-                                          "reason": r.reason} for r in chunk.redispatches])
+                                          "reason": r.reason} for r in chunk.redispatches],
+                           planned_cached_len=chunk.route.cached_len,
+                           cache_source=chunk.route.cache_source,
+                           prefix_transfer_bytes=chunk.route.prefix_transfer_bytes,
+                           lookup_local=chunk.route.lookup_local,
+                           lookup_prfaas=chunk.route.lookup_prfaas,
+                           decode_cached_len=chunk.decode_cached_len,
+                           decode_cache_bytes=chunk.cache_fetch_bytes)
                 out.update(_prefill_fields(chunk.prefill))
                 if not out.get("prefill_instance"):
                     out["prefill_instance"] = chunk.route.prefill

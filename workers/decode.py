@@ -43,6 +43,8 @@ class Slot:
         self.wake = asyncio.Event()
         self.finished = False
         self.attempt = -1            # the prefill attempt whose KV this slot takes
+        self.cache_bytes = 0
+        self.cache_tokens = 0
 
 
 class DecodeService(pbg.DecodeServicer):
@@ -75,6 +77,7 @@ class DecodeService(pbg.DecodeServicer):
         self.discarded = {}                         # (rid, attempt) -> bytes, last time, complete
         self.duplicates = 0
         self.events = None
+        self.cache = None           # workers.cache_worker.DecodeCache when the cache is on
 
     # ---- KV receiver ----
     def on_frame(self, wire, seq, flags, payload, t_first, t_last):
@@ -143,9 +146,18 @@ class DecodeService(pbg.DecodeServicer):
         slot.output_len = max(1, req.output_len)
         slot.input_len = req.input_len
         slot.kv_need = self.kv_need(req.input_len, slot.output_len)
+        prefix = None
+        if self.cache is not None and req.decode_cached_len > 0:
+            prefix = asyncio.ensure_future(self.cache.safely(
+                self.cache.fetch(req, dreq.cache_pool), (0, 0)))
         try:
             try:
                 await asyncio.wait_for(slot.kv_done.wait(), dreq.kv_deadline_s)
+                if prefix is not None:      # the prefix's MLA KV from the local pool
+                    slot.cache_tokens, slot.cache_bytes = await prefix
+                if self.cache is not None and dreq.put_to_pool and not slot.kv_error:
+                    self.cache.spawn(self.cache.safely(
+                        self.cache.put_received(req, slot.cache_tokens), 0))
             except asyncio.TimeoutError:
                 got = f"{slot.kv_bytes} bytes" if slot.kv_bytes else "nothing"
                 yield self._final(slot, "failed", f"{self.name}: KV not complete after "
@@ -171,6 +183,8 @@ class DecodeService(pbg.DecodeServicer):
                     return
                 yield self._chunk(slot)
         finally:
+            if prefix is not None and not prefix.done():
+                prefix.cancel()
             slot.finished = True
             if self.slots.get(req.id) is slot:
                 self.slots.pop(req.id, None)
@@ -191,6 +205,7 @@ class DecodeService(pbg.DecodeServicer):
         c.kv_recv_start, c.kv_recv_end, c.kv_recv_bytes = slot.kv_first, slot.kv_last, slot.kv_bytes
         c.decode_instance, c.decode_join = self.name, slot.join
         c.kv_attempt = max(0, slot.attempt)
+        c.cache_fetch_bytes, c.decode_cached_len = slot.cache_bytes, slot.cache_tokens
         return c
 
     async def Health(self, request, context):
@@ -287,6 +302,9 @@ async def main():
     args, rt, inst, log = common.startup("PrfaaS testbed decode worker")
     service = DecodeService(rt, args.name, make_engine(rt, inst), log)
     service.events = control.event_log(rt)
+    if rt.get("cache", {}).get("enabled"):
+        from workers.cache_worker import DecodeCache
+        service.cache = await DecodeCache(rt, inst, log).start()
     kvwire.keep_receive_memory()   # receive buffers reuse freed heap, not fresh pages
     frame_buffer = getattr(service.engine, "frame_buffer", None)
     kv_server = await kvwire.serve(
@@ -305,6 +323,8 @@ async def main():
         discard_task.cancel()
         kv_server.close()
         service.flush_discarded(0.0)
+        if service.cache is not None:
+            service.cache.close()
 
     await common.serve_until_signalled(server, cleanup)
 

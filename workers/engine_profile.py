@@ -1,11 +1,13 @@
 """The profile engine: an accelerator emulated by its profile.
 
-Prefill waits the profiled `T_prefill(l) / scale.time` and produces `S_kv(l) * scale.bytes` real
-bytes, handed to the sender in `stream_chunks` pieces as the prefill progresses (layer-wise
-pipelining: piece i is ready at (i+1)/n of the compute time). A decode step takes
-`T_step(B, C) / scale.time` for a batch of B requests holding C context tokens (the profile's
-`DecodeModel`; `model.decode_model: constant` gives the paper's T_decode whatever the batch), and
-a request joins the batch only once its KV fits the instance's decode memory.
+Prefill waits the profiled `T_prefill(l) / scale.time` (with P prefix tokens cached,
+`T(l) - T(P) + T(0)`, docs/cache.md) and produces `S_kv(l) * scale.bytes` real bytes (less the
+MLA KV of the prefix the decode side takes from its own pool), handed to the sender in
+`stream_chunks` pieces as the prefill progresses (layer-wise pipelining: piece i is ready at
+(i+1)/n of the compute time). A decode step takes `T_step(B, C) / scale.time` for a batch of B
+requests holding C context tokens (the profile's `DecodeModel`; `model.decode_model: constant`
+gives the paper's T_decode whatever the batch), and a request joins the batch only once its KV
+fits the instance's decode memory.
 """
 
 import asyncio
@@ -34,17 +36,22 @@ class ProfilePrefillEngine:
         self.chunks = max(1, int(self.profile.stream_chunks))
         self.clock_factor = 1.0    # > 1: a slowed instance (the `slow` fault, workers/control.py)
 
-    def compute_s(self, uncached):
-        return self.profile.t_prefill(self.accelerator, max(uncached, 1)) / self.time_scale
+    def compute_s(self, input_len, cached=0):
+        """T_prefill(L | P cached) / scale.time (`Profile.t_prefill_cached`, docs/cache.md)."""
+        return self.profile.t_prefill_cached(self.accelerator, max(input_len, 1),
+                                             cached) / self.time_scale
 
-    def kv_bytes(self, uncached):
-        return max(1, int(round(self.profile.s_kv(max(uncached, 1)) * self.bytes_scale)))
+    def kv_bytes(self, input_len, decode_cached=0):
+        """What the decode instance still needs: S_kv(L) less the MLA KV of the `decode_cached`
+        prefix tokens it takes from its own cluster's pool (the recurrent state always ships)."""
+        a, b = self.profile.kv_size.coeffs[:2]
+        full = a + b * max(input_len, 1) - b * min(decode_cached, input_len)
+        return max(1, int(round(full * self.bytes_scale)))
 
     async def prefill(self, request, emit):
         """Emulate one prefill; `emit(seq, payload, last)` is called as each piece is ready."""
-        uncached = request.input_len - request.cached_len
-        t_compute = self.compute_s(uncached)
-        size = self.kv_bytes(uncached)
+        t_compute = self.compute_s(request.input_len, request.cached_len)
+        size = self.kv_bytes(request.input_len, request.decode_cached_len)
         n = min(self.chunks, size)
         ready_at = time.monotonic()
         sent = 0

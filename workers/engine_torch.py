@@ -7,13 +7,24 @@ next layers compute (the prefill runs in a worker thread; torch releases the GIL
 loop keeps sending). `TorchDecodeEngine` assembles and verifies the frames per request, admits
 the state and runs continuous-batching decode steps over requests of any lengths.
 
-Prompts: a request carries lengths, not text, so its tokens are drawn from a generator seeded
-by (seed, request id); `tokens_scale` divides the length (a trace of 100K-token prompts on a
-tiny model). A cached prefix is not modelled by this engine: the uncached tokens are the prompt.
+Prompts: a request carries lengths, not text, so its tokens are drawn from seeded generators:
+per prefix block from the block's id (`prefix_blocks`, the trace's hash_ids), so requests that
+share a prefix share its tokens, the rest from (seed, request id). `tokens_scale` divides the
+length (a trace of 100K-token prompts on a tiny model), block-aligned: a cache block of
+`block` trace tokens is `prefix.model_block(block, tokens_scale)` model tokens.
 
-Frames: `prefill(request, send_layer)` calls `send_layer(layer_idx, frames)` once per layer and
-then `send_layer(None, [trailer])` (first token and length; the sender marks it last). Frames
-are memoryviews of the state tensors, freed when the call returns or the transfer fails.
+Prefix cache: `prefill(request, send_layer, prefix_state=..., cached_len=P)` continues from the
+cached state of the first P trace tokens (P a multiple of `block`): it computes only the model
+tokens after that prefix, attending over the cached MLA latents, KDA starting from the snapshot
+(`workers.model.prefix`). What decode gets is either the whole state (`ship="full"`: the prefix
+latents travel again, from this instance) or the suffix (`ship="suffix"`: MLA layers from token
+P on, the trailer naming the prefix's length and block keys; the decode engine puts the prefix
+latents in front from blocks its side holds). `on_block` receives every whole block this
+prefill computed, KDA snapshot included, for the pool to keep.
+
+Frames: `prefill` calls `send_layer(layer_idx, frames)` once per layer and then
+`send_layer(None, [trailer])` (first token and length; the sender marks it last). Frames are
+memoryviews of the state tensors, freed when the call returns or the transfer fails.
 `emit_sender(emit)` adapts that to a per-frame `emit(seq, payload, last)` callback.
 """
 
@@ -26,10 +37,15 @@ import time
 
 import torch
 
+from testbed.workload.spec import BLOCK_TOKENS
 from workers.model.config import HybridConfig
 from workers.model.hybrid import HybridModel, RequestState
+from workers.model.prefix import (BlockState, PrefixError, PrefixState, blocks_of, join_suffix,
+                                  model_block, model_tokens)
 from workers.model.state_wire import (DEFAULT_CHUNK_BYTES, LayerAssembler, StateWireError,
                                       encode_layer, encode_trailer)
+
+SHIP_MODES = ("full", "suffix")
 
 
 def _field(request, name, default=None):
@@ -42,15 +58,25 @@ def _config(cfg):
     return cfg if isinstance(cfg, HybridConfig) else HybridConfig.from_dict(dict(cfg or {}))
 
 
-def request_tokens(request, vocab, seed=0, tokens_scale=1.0):
-    """The request's token ids: its own `tokens`, else `input_len - cached_len` seeded ones."""
+def request_tokens(request, vocab, seed=0, tokens_scale=1.0, block=BLOCK_TOKENS):
+    """The request's whole prompt as model token ids: its own `tokens`, else
+    `model_tokens(input_len)` seeded ones -- block j of the request's `prefix_blocks` drawn from
+    (seed, that block id), so a shared prefix is the same tokens in every request that has it;
+    the tokens after those blocks from (seed, request id)."""
     toks = _field(request, "tokens")
     if toks is not None and len(toks):
         return torch.as_tensor(list(toks), dtype=torch.long)
-    n = int(_field(request, "input_len", 0)) - int(_field(request, "cached_len", 0) or 0)
-    n = max(1, round(n / tokens_scale))
-    g = torch.Generator().manual_seed(seed * 1_000_003 + int(_field(request, "id", 0)))
-    return torch.randint(0, vocab, (n,), generator=g)
+    n = model_tokens(int(_field(request, "input_len", 0)), block, tokens_scale)
+    mb = model_block(block, tokens_scale)
+    parts = []
+    for h in list(_field(request, "prefix_blocks", None) or [])[:-(-n // mb)]:
+        g = torch.Generator().manual_seed((seed * 1_000_003 + 2 * int(h) + 1) % (1 << 63))
+        parts.append(torch.randint(0, vocab, (mb,), generator=g))
+    done = sum(len(p) for p in parts)
+    if done < n:
+        g = torch.Generator().manual_seed(seed * 1_000_003 + int(_field(request, "id", 0)))
+        parts.append(torch.randint(0, vocab, (n - done,), generator=g))
+    return torch.cat(parts)[:n]
 
 
 def emit_sender(emit):
@@ -67,8 +93,13 @@ class TorchPrefillEngine:
     """Prefill on the real model, streaming each layer's state as it becomes final."""
 
     def __init__(self, cfg=None, device="auto", chunk_bytes=DEFAULT_CHUNK_BYTES, seed=0,
-                 tokens_scale=1.0, threads=None):
+                 tokens_scale=1.0, threads=None, block=BLOCK_TOKENS, ship="full",
+                 snapshot_every=1):
         self.cfg = _config(cfg)
+        if ship not in SHIP_MODES:
+            raise ValueError(f"ship: expected one of {SHIP_MODES}, got {ship!r}")
+        self.block, self.ship, self.snapshot_every = int(block), ship, int(snapshot_every)
+        self.model_block = model_block(self.block, tokens_scale)
         if threads:
             torch.set_num_threads(threads)
         self.model = HybridModel(self.cfg, device)
@@ -81,14 +112,60 @@ class TorchPrefillEngine:
     def close(self):
         self._pool.shutdown(wait=False)
 
-    async def prefill(self, request, send_layer):
+    def plan_prefix(self, request, prefix_state=None, cached_len=None):
+        """(cached model tokens, `PrefixState` or None, prompt tokens) for a prefill.
+
+        `cached_len` (default: the request's) counts trace tokens, a multiple of `block`. A
+        prompt cached whole still computes its last block (partial or not): its first token's
+        logits need a forward pass. `prefix_state`: a `PrefixState` of exactly that many model
+        tokens, or the pool's blocks (`BlockState`s or their bytes) from block 0 on.
+        """
+        tokens = request_tokens(request, self.cfg.vocab, self.seed, self.tokens_scale, self.block)
+        cached = int(_field(request, "cached_len", 0) or 0) if cached_len is None else int(cached_len)
+        if cached < 0 or cached % self.block:
+            raise PrefixError(f"cached_len {cached} is not a multiple of the block "
+                              f"({self.block} tokens)")
+        mb = self.model_block
+        P = min(cached // self.block, (len(tokens) - 1) // mb) * mb
+        if P == 0:
+            return 0, None, tokens
+        if prefix_state is None:
+            raise PrefixError(f"request {_field(request, 'id')}: cached_len {cached} but no "
+                              f"prefix state given")
+        if not isinstance(prefix_state, PrefixState):
+            blocks = list(prefix_state)
+            if len(blocks) < P // mb:
+                raise PrefixError(f"{P // mb} cached blocks needed, {len(blocks)} given")
+            prefix_state = PrefixState.from_blocks(self.cfg, blocks[:P // mb])
+        if prefix_state.length != P:
+            raise PrefixError(f"prefix state holds {prefix_state.length} model tokens, the "
+                              f"prefill continues at {P}")
+        return P, prefix_state, tokens
+
+    async def prefill(self, request, send_layer, prefix_state=None, cached_len=None, ship=None,
+                      on_block=None):
         """Prefill `request`; `send_layer` (sync or async) gets each layer's frames in order.
 
+        With a cached prefix (`cached_len`, `prefix_state`; see `plan_prefix`) only the tokens
+        after it are computed. `ship` ("full" | "suffix", default the engine's): what the
+        decode side gets of the MLA layers, see the module docstring. `on_block(BlockState)`
+        (sync or async), when given, gets each whole block computed here, with a KDA snapshot
+        every `snapshot_every` blocks and at the prompt's end.
+
         Returns timings (time.time() seconds) and bytes: compute start/end, per layer when its
-        state was ready and when its frames were handed over, and how much of the transfer
-        overlapped the compute.
+        state was ready and when its frames were handed over, how much of the transfer
+        overlapped the compute, and the prefix used (`cached_len` trace tokens,
+        `cached_tokens` model tokens) and tokens computed.
         """
-        tokens = request_tokens(request, self.cfg.vocab, self.seed, self.tokens_scale)
+        ship = ship or self.ship
+        if ship not in SHIP_MODES:
+            raise ValueError(f"ship: expected one of {SHIP_MODES}, got {ship!r}")
+        P, prefix, tokens = self.plan_prefix(request, prefix_state, cached_len)
+        state = prefix.request_state(self.cfg, self.device) if prefix else None
+        mb = self.model_block
+        step = mb * self.snapshot_every
+        snap_at = list(range((P // step + 1) * step, len(tokens) + 1, step)) if on_block else []
+        suffix = ship == "suffix" and P > 0
         n = self.cfg.n_layers
         loop = asyncio.get_running_loop()
         queue = asyncio.Queue()
@@ -97,16 +174,20 @@ class TorchPrefillEngine:
         def on_layer(i, kind, tensors):
             if stop.is_set():
                 return
-            frames = encode_layer(i, tensors, n, kind, self.chunk_bytes)
+            if suffix and kind == "mla":     # the decode side holds tokens 0..P-1
+                tensors = {name: t[P:] for name, t in tensors.items()}
+            frames = encode_layer(i, tensors, n, kind, self.chunk_bytes,
+                                  start=P if suffix and kind == "mla" else 0)
             loop.call_soon_threadsafe(queue.put_nowait, (i, frames, time.time()))
 
         def compute():
             t0 = time.time()
             try:
-                logits, st = self.model.prefill(tokens, on_layer=on_layer)
+                logits, st = self.model.prefill(tokens[P:], state=state, on_layer=on_layer,
+                                                snapshot_at=snap_at)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
-                return int(logits.argmax()), st.length, st.nbytes(), t0, time.time()
+                return int(logits.argmax()), st, t0, time.time()
             finally:
                 loop.call_soon_threadsafe(queue.put_nowait, None)
 
@@ -122,8 +203,13 @@ class TorchPrefillEngine:
                 layers.append({"layer": i, "ready": t_ready, "send_start": t_send,
                                "send_end": time.time(), "bytes": size})
                 kv_bytes += size
-            first, length, state_bytes, t0, t1 = await work
-            trailer = encode_trailer(first, length, n)
+            first, st, t0, t1 = await work
+            ref = None
+            if suffix:
+                keys = list(_field(request, "prefix_blocks", None) or []) or prefix.keys
+                ref = {"length": P, "keys": [None if k is None else int(k)
+                                             for k in keys[:P // mb]]}
+            trailer = encode_trailer(first, st.length, n, prefix=ref)
             await _call(send_layer, None, [trailer])
             kv_bytes += len(trailer)
         except BaseException:
@@ -133,9 +219,17 @@ class TorchPrefillEngine:
             if not work.done():
                 await asyncio.shield(work)
             raise
+        stored = 0
+        if on_block:
+            keys = list(_field(request, "prefix_blocks", None) or [])
+            for blk in blocks_of(st, mb, first=P // mb, keys=keys):
+                await _call(on_block, blk)
+                stored += 1
         overlap = sum(max(0.0, min(r["send_end"], t1) - max(r["send_start"], t0)) for r in layers)
-        return {"tokens": int(len(tokens)), "first_token": first, "kv_bytes": kv_bytes,
-                "state_bytes": state_bytes, "compute_start": t0, "compute_end": t1,
+        return {"tokens": int(len(tokens)) - P, "prompt_tokens": int(len(tokens)),
+                "cached_tokens": P, "cached_len": P // mb * self.block, "ship": ship,
+                "blocks_stored": stored, "first_token": first, "kv_bytes": kv_bytes,
+                "state_bytes": st.nbytes(), "compute_start": t0, "compute_end": t1,
                 "prefill_s": t1 - t0, "send_start": layers[0]["send_start"] if layers else t1,
                 "send_end": time.time(), "overlap_s": overlap, "layers": layers}
 
@@ -154,10 +248,17 @@ class TorchDecodeEngine:
     state tensors, so `receive` need not copy them); `admit` turns the assembled state into a
     live request; `step` advances a batch by one token each; `release` frees everything held
     for a request.
+
+    A suffix-only transfer (MLA layers from token P on, the trailer naming the prefix) is
+    completed with the prefix latents of blocks held on this side: `admit(..., prefix=...)`,
+    or `prefix_source(ref)` called with the trailer's {length, keys}; either gives a
+    `PrefixState` or the blocks (`BlockState`s or their bytes) from block 0 on.
     """
 
-    def __init__(self, cfg=None, device="auto", bs_max=20, step_s=0.0, threads=None):
+    def __init__(self, cfg=None, device="auto", bs_max=20, step_s=0.0, threads=None,
+                 prefix_source=None):
         self.cfg = _config(cfg)
+        self.prefix_source = prefix_source
         if threads:
             torch.set_num_threads(threads)
         self.model = HybridModel(self.cfg, device)
@@ -201,10 +302,11 @@ class TorchDecodeEngine:
         return self.errors.get(request_id)
 
     # ---- lifecycle ----
-    def admit(self, request_id, assembled_state=None, first_token=None):
+    def admit(self, request_id, assembled_state=None, first_token=None, prefix=None):
         """Make a request live. `assembled_state`: per-layer dicts, a `RequestState`, or None
         (use what `receive` assembled; any other object, such as a worker's slot, counts as
-        None). Raises `StateWireError` with the reason when the state is corrupt or incomplete.
+        None). Raises `StateWireError` with the reason when the state is corrupt or incomplete,
+        `PrefixError` when a suffix-only transfer's prefix is not at hand.
         """
         length = None
         if not isinstance(assembled_state, (list, tuple, RequestState)):
@@ -217,11 +319,31 @@ class TorchDecodeEngine:
             if asm.trailer:
                 length = asm.trailer["length"]
                 first_token = asm.trailer["first_token"] if first_token is None else first_token
+            if any(asm.starts.values()):
+                assembled_state = join_suffix(assembled_state, asm.starts,
+                                              self._prefix(asm.trailer, prefix))
         if first_token is None:
             raise StateWireError(f"request {request_id}: no first token (no trailer frame)")
         st = assembled_state if isinstance(assembled_state, RequestState) else \
             RequestState.from_layer_tensors(self.cfg, list(assembled_state), self.device, length)
         self.live[request_id] = [st, int(first_token)]
+
+    def _prefix(self, trailer, prefix):
+        """The cached prefix (MLA latents) a suffix-only transfer is completed with."""
+        ref = (trailer or {}).get("prefix")
+        if ref is None:
+            raise PrefixError("MLA layers were shipped as a suffix but the trailer names no prefix")
+        if prefix is None and self.prefix_source is not None:
+            prefix = self.prefix_source(ref)
+        if prefix is None:
+            raise PrefixError(f"suffix-only state after a {ref['length']}-token prefix, and no "
+                              f"prefix blocks on this side")
+        if not isinstance(prefix, PrefixState):
+            blocks = [b if isinstance(b, BlockState) else BlockState.from_bytes(b, self.cfg)
+                      for b in prefix]
+            prefix = PrefixState.from_blocks(self.cfg, [b for b in blocks
+                                                        if b.end <= ref["length"]], need_kda=False)
+        return prefix
 
     def step(self, request_ids):
         """One greedy token for each live request in `request_ids`: {request_id: token_id}."""

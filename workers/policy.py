@@ -46,7 +46,11 @@ class Router:
 
     def route(self, uncached):
         """(kind, prefill Instance, decode Instance), or raise LookupError if nothing is up."""
-        remote = self._want_remote(uncached)
+        return self.route_to(self._want_remote(uncached), uncached)
+
+    def route_to(self, remote, uncached, cost=None):
+        """Route to PrfaaS (`remote`) or local prefill, failing over as `route` does; within
+        the cluster the instance of least `cost(instance)` (default: outstanding work)."""
         first, second = (self.remote, self.local) if remote else (self.local, self.remote)
         up = [i for i in first if not i.down] or [i for i in second if not i.down]
         if remote and self.max_local is not None and uncached > self.max_local and \
@@ -54,7 +58,7 @@ class Router:
             up = self.remote        # too long for local prefill: wait for PrfaaS to come back
         if not up:
             raise LookupError("no prefill instance is up")
-        p = min(up, key=lambda i: (i.outstanding_s, i.name))
+        p = min(up, key=lambda i: (cost(i) if cost else i.outstanding_s, i.name))
         decoders = [d for d in self.decode if not d.down]
         if not decoders:
             raise LookupError("no decode instance is up")

@@ -27,12 +27,15 @@ class PrefillService(pbg.PrefillServicer):
         self.waiting = 0
         self.active = 0
         self.busy_s = 0.0
+        self.cache = None           # workers.cache_worker.PrefillCache when the cache is on
 
     async def Prefill(self, preq, context):
         req = preq.request
         reply = pb.PrefillReply(instance=self.name, queued=time.time(), status="ok")
         host, port = preq.decode_kv_addr.rsplit(":", 1)
         queue = asyncio.Queue()
+        if self.cache is not None:
+            await self._cache_fetch(req, reply)
         send = asyncio.create_task(self._send(control.wire_id(req.id, preq.attempt), host,
                                               int(port), queue, reply))
         self.waiting += 1
@@ -48,6 +51,9 @@ class PrefillService(pbg.PrefillServicer):
                     reply.end = time.time()
                     self.busy_s += reply.end - reply.start
                     self.active = 0
+            if self.cache is not None:
+                reply.cache_put_bytes = await self.cache.safely(
+                    self.cache.put(req, req.cached_len), 0)
             await send
         except asyncio.CancelledError:
             send.cancel()
@@ -57,9 +63,22 @@ class PrefillService(pbg.PrefillServicer):
             send.cancel()
             reply.status, reply.error = "failed", f"{self.name}: {type(e).__name__}: {e}"
             self.log.warning("request %d failed: %s", req.id, reply.error)
+        finally:
+            if self.cache is not None:
+                self.cache.spawn(self.cache.safely(self.cache.release(req.id), None))
         if reply.send_end:
             reply.overlap_s = max(0.0, min(reply.end, reply.send_end) - reply.send_start)
         return reply
+
+    async def _cache_fetch(self, req, reply):
+        """Continue from what the pool really sends (docs/cache.md); reserve the tail."""
+        cached, reply.cache_fetch_bytes, reply.cache_fetch_s = await self.cache.safely(
+            self.cache.fetch(req), (0, 0, 0.0))     # no prefix: compute it all
+        req.cached_len = cached
+        reply.cached_len = cached
+        # Accounted in the pool off the critical path (the tail is released after shipping).
+        self.cache.spawn(self.cache.safely(self.cache.reserve(
+            req.id, self.cache.sizes.shipped(req.input_len, req.decode_cached_len)), None))
 
     async def _send(self, rid, host, port, queue, reply):
         async with self.pool.connection(host, port) as conn:
@@ -117,6 +136,9 @@ def make_engine(rt, inst):
 async def main():
     args, rt, inst, log = common.startup("PrfaaS testbed prefill worker")
     service = PrefillService(rt, args.name, make_engine(rt, inst), log)
+    if rt.get("cache", {}).get("enabled"):
+        from workers.cache_worker import PrefillCache
+        service.cache = await PrefillCache(rt, inst, log).start()
     server = await common.start_grpc(inst, pbg.add_PrefillServicer_to_server, service)
     control.install(rt, args.name, service.engine, log)
     # KV connections to every decode worker are opened now, not by the first request: a serving
@@ -128,7 +150,12 @@ async def main():
                     host, port, common.WARM_TIMEOUT_S)
     common.mark_ready(rt, args.name)
     log.info("prefill worker up on %s:%s (%s)", inst["ip"], inst["grpc_port"], inst["accelerator"])
-    await common.serve_until_signalled(server, service.pool.close)
+    def cleanup():
+        service.pool.close()
+        if service.cache is not None:
+            service.cache.close()
+
+    await common.serve_until_signalled(server, cleanup)
 
 
 if __name__ == "__main__":

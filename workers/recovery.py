@@ -5,8 +5,12 @@ all (`health_interval_s`, `health_timeout_s`; down after two missed checks in a 
 the first answer, so a restarted worker rejoins); an RPC that finds an instance unreachable marks
 it down at once. Every transition is a `health` row in the run's events.csv.
 
-`Flight` serves one request (the scheduler's `Submit`): it routes it, opens the decode worker's
-token stream, asks a prefill worker for the KV and relays tokens. With failover on it recovers:
+`Flight` serves one request (the scheduler's `Submit`): it places it (`SchedulerService.place`:
+with the prefix cache, the placement policy of workers/placement.py, so that under `cache_aware`
+it prefills where its prefix lives), opens the decode worker's token stream, asks a prefill
+worker for the KV and relays tokens. Re-dispatches route with `SchedulerService.route`; with the
+cache they stay in the cluster the request was placed in while an instance there is up. With
+failover on it recovers:
 
 - prefill instance down (health check) or unreachable (RPC error), or its prefill failed: the
   request's prefill is re-dispatched to an instance that is up (at-least-once prefill). Each
@@ -108,11 +112,11 @@ class Flight:
 
     def __init__(self, svc, req):
         self.svc, self.req = svc, req
-        self.uncached = req.input_len - req.cached_len
         self.failover = svc.rt["scheduler"]["failover"]
         self.inbox = asyncio.Queue()
         self.p = self.d = None
         self.kind = ""
+        self.cache_route = {}       # the placement's Route fields (prefix cache)
         self.attempt = -1
         self.ptask = None
         self.replies = {}
@@ -140,7 +144,8 @@ class Flight:
         self.d = d
         d.inflight += 1
         self.decode_call = self.svc.decode_stub[d.name].Decode(pb.DecodeRequest(
-            request=self.req, prefill="", kv_deadline_s=self.svc.rt["kv_deadline_s"]))
+            request=self.req, prefill="", kv_deadline_s=self.svc.rt["kv_deadline_s"],
+            **self.svc.decode_fields(self.kind)))
         self.stream = self.decode_call.__aiter__()
         self.next_chunk = asyncio.ensure_future(self.stream.__anext__())
 
@@ -163,7 +168,7 @@ class Flight:
 
     async def _prefill(self, p, d, attempt):
         svc = self.svc
-        predicted = svc.router.predict_s(p, self.uncached)
+        predicted = svc.predict_s(p, self.req)
         p.outstanding_s += predicted
         try:
             reply = await svc.prefill_stub[p.name].Prefill(pb.PrefillRequest(
@@ -174,6 +179,7 @@ class Flight:
                                     error=f"prefill {p.name} unreachable: {e.code().name}")
         finally:
             p.outstanding_s -= predicted
+        svc.observe(reply)
         self.replies[attempt] = reply
         return reply
 
@@ -193,7 +199,7 @@ class Flight:
     def _place(self):
         """An up prefill instance for this request (the routing policy's choice), or None."""
         try:
-            _, p, _ = self.svc.route(self.req)
+            _, p, _ = self.svc.route(self.req, self.kind)
         except LookupError:
             return None
         return None if p.down else p
@@ -230,7 +236,7 @@ class Flight:
         if self.attempt + 1 >= MAX_ATTEMPTS:
             return f"{why}; {MAX_ATTEMPTS} prefill attempts made"
         try:
-            _, p, d = self.svc.route(self.req)
+            _, p, d = self.svc.route(self.req, self.kind)
         except LookupError as e:
             return f"{why}; {e}"
         if d is d_old or d.down:
@@ -246,7 +252,7 @@ class Flight:
     async def _serve(self):
         svc = self.svc
         try:
-            self.kind, p, d = svc.route(self.req)
+            self.kind, p, d, self.cache_route = await svc.place(self.req)
         except LookupError as e:
             svc.stats.failed += 1
             yield self._final(pb.TokenChunk(done=True, status="failed", error=f"scheduler: {e}"))
@@ -333,7 +339,8 @@ class Flight:
             chunk.route.CopyFrom(pb.Route(kind="remote" if p.dc == "prfaas" else "local",
                                           prefill=p.name,
                                           decode=self.d.name,
-                                          threshold=self.svc.router.threshold))
+                                          threshold=self.svc.router.threshold,
+                                          **self.cache_route))
         if reply is not None:
             chunk.prefill.CopyFrom(reply)
         chunk.attempts = self.attempt + 1

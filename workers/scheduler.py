@@ -41,10 +41,43 @@ class SchedulerService(pbg.SchedulerServicer):
                             for i in instances if i.role == "decode"}
         self.stats = pb.SchedulerStats(threshold=rt["scheduler"]["threshold"])
         self.health = Health(self, rt, log)     # instance states, failover (workers/recovery.py)
+        self.placer = None          # workers.placement.CachePlacer when the cache is on
+        if rt.get("cache", {}).get("enabled"):
+            from workers.placement import CachePlacer
+            self.placer = CachePlacer(rt, self.router, lambda inst, l, cached: prof.t_prefill_cached(
+                inst.accelerator, max(l, 1), cached) / self.time_scale, log)
 
-    def route(self, req):
-        """(kind, prefill Instance, decode Instance) for a request; LookupError if none is up."""
-        return self.router.route(req.input_len - req.cached_len)
+    def route(self, req, kind=""):
+        """(kind, prefill Instance, decode Instance) for a request; LookupError if none is up.
+        With the cache, a request already placed (`kind`, on a re-dispatch) stays in the cluster
+        it was placed in, whose pool holds the prefix it counted on, while an instance is up there."""
+        uncached = req.input_len - req.cached_len
+        if self.placer is not None and kind:
+            return self.router.route_to(kind == "remote", uncached)
+        return self.router.route(uncached)
+
+    async def place(self, req):
+        """A request's first routing: (kind, prefill, decode, its Route's cache fields). With the
+        cache, the placement policy (workers/placement.py) looks up both pools, may move a prefix
+        and fills the request's cached_len / decode_cached_len."""
+        if self.placer is None:
+            return (*self.route(req), {})
+        return await self.placer.place(req)
+
+    def predict_s(self, p, req):
+        """Estimated prefill seconds of `req` on `p` (added to its outstanding work)."""
+        if self.placer is not None:
+            return self.placer.prefill_s(p, req.input_len, req.cached_len)
+        return self.router.predict_s(p, req.input_len - req.cached_len)
+
+    def decode_fields(self, kind):
+        """DecodeRequest fields for the cache: the local pool, whether to store the WAN's blocks."""
+        return self.placer.decode_fields(kind) if self.placer is not None else {}
+
+    def observe(self, reply):
+        """A prefill worker's report: the placement learns the measured pool fetch time."""
+        if self.placer is not None:
+            self.placer.observe(reply)
 
     async def Submit(self, req, context):
         async for chunk in Flight(self, req).run():

@@ -44,6 +44,9 @@ def register(sub):
     p.add_argument("--tol", type=float, default=1e-4, help="max |logit difference| allowed")
     p.add_argument("--seed", type=int, default=0, help="weights and prompt seed")
     p.add_argument("--chunk-bytes", type=int, default=1 << 16, help="state_wire chunk size")
+    p.add_argument("--prefix-len", type=int, default=0,
+                   help="prefill continues from a cached prefix of this many tokens (block bytes)")
+    p.add_argument("--block", type=int, default=64, help="prefix-cache block, tokens (default 64)")
     p.add_argument("--loopback", action="store_true", help="skip namespaces even as root")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
@@ -58,6 +61,9 @@ def _check_args(a):
         raise ConfigError("bfloat16 runs on cuda only", key="--dtype")
     if a.prompt_len < 1 or a.new_tokens < 1:
         raise ConfigError("must be >= 1", key="--prompt-len/--new-tokens")
+    if a.prefix_len < 0 or a.prefix_len % a.block or a.prefix_len >= a.prompt_len:
+        raise ConfigError(f"must be a multiple of --block ({a.block}) below --prompt-len",
+                          key="--prefix-len")
 
 
 # ---- the network: two namespaces and a veth, through pyroute2 ----
@@ -211,12 +217,13 @@ def run(a):
         d = pathlib.Path(tmp)
         (d / "request.json").write_text(json.dumps({
             "config": cfg.to_dict(), "device": a.device, "prompt": prompt,
-            "new_tokens": a.new_tokens, "chunk_bytes": a.chunk_bytes}))
+            "new_tokens": a.new_tokens, "chunk_bytes": a.chunk_bytes,
+            "prefix_len": a.prefix_len, "block": a.block}))
         path = run_peers(a, d, use_netns)
         res = compare(a, d)
         pre = json.loads((d / "prefill.json").read_text())
         dec = json.loads((d / "decode.json").read_text())
-    res.update(path=path, note=note, device=a.device, dtype=a.dtype, prompt_tokens=a.prompt_len,
+    res.update(prefix_len=a.prefix_len, path=path, note=note, device=a.device, dtype=a.dtype, prompt_tokens=a.prompt_len,
                decoded_tokens=a.new_tokens, tol=a.tol, passed=res["max_abs_diff"] <= a.tol,
                state_bytes=dec["state_bytes"], wire_payload_bytes=dec["payload_bytes"],
                frames=dec["frames"], prefill_s=pre["prefill_s"],
@@ -236,7 +243,8 @@ def report(r):
     if r["note"]:
         lines.append(f"  note: {r['note']}")
     lines += [
-        f"  prompt {r['prompt_tokens']} tokens, prefill {r['prefill_s'] * 1e3:.1f} ms; "
+        f"  prompt {r['prompt_tokens']} tokens ({r['prefix_len']} from a cached prefix), "
+        f"prefill {r['prefill_s'] * 1e3:.1f} ms; "
         f"decoded {r['decoded_tokens']} tokens greedy, {r['decode_step_ms']:.2f} ms/step",
         f"  state shipped: {r['state_bytes']} bytes (formula {r['analytical_state_bytes']}), "
         f"{r['wire_payload_bytes']} payload bytes in {r['frames']} frames"

@@ -47,7 +47,8 @@ class Network:
         self.topo = TwoDatacenterTopo(prefix=self.registry.prefix,
                                       remote_prefill=c.prfaas.instances,
                                       local_prefill=c.local.prefill,
-                                      local_decode=c.local.decode)
+                                      local_decode=c.local.decode,
+                                      cache=self.exp.cache.enabled)
         self.net = Mininet(topo=None, switch=LinuxBridge, controller=None, build=False,
                            autoSetMacs=False, waitConnected=False)
         self.registry.on_close(self.stop, "network")

@@ -25,6 +25,252 @@ if _version_not_supported:
     )
 
 
+class CachePoolStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Lookup = channel.unary_unary(
+                '/testbed.CachePool/Lookup',
+                request_serializer=testbed_dot_proto_dot_testbed__pb2.BlockList.SerializeToString,
+                response_deserializer=testbed_dot_proto_dot_testbed__pb2.LookupReply.FromString,
+                _registered_method=True)
+        self.Fetch = channel.unary_unary(
+                '/testbed.CachePool/Fetch',
+                request_serializer=testbed_dot_proto_dot_testbed__pb2.FetchRequest.SerializeToString,
+                response_deserializer=testbed_dot_proto_dot_testbed__pb2.FetchReply.FromString,
+                _registered_method=True)
+        self.Pull = channel.unary_unary(
+                '/testbed.CachePool/Pull',
+                request_serializer=testbed_dot_proto_dot_testbed__pb2.FetchRequest.SerializeToString,
+                response_deserializer=testbed_dot_proto_dot_testbed__pb2.FetchReply.FromString,
+                _registered_method=True)
+        self.Transfer = channel.unary_unary(
+                '/testbed.CachePool/Transfer',
+                request_serializer=testbed_dot_proto_dot_testbed__pb2.TransferRequest.SerializeToString,
+                response_deserializer=testbed_dot_proto_dot_testbed__pb2.Empty.FromString,
+                _registered_method=True)
+        self.Stats = channel.unary_unary(
+                '/testbed.CachePool/Stats',
+                request_serializer=testbed_dot_proto_dot_testbed__pb2.Empty.SerializeToString,
+                response_deserializer=testbed_dot_proto_dot_testbed__pb2.PoolStats.FromString,
+                _registered_method=True)
+
+
+class CachePoolServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Lookup(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Fetch(self, request, context):
+        """send blocks to dest
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Pull(self, request, context):
+        """fetch blocks from source into this pool
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Transfer(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Stats(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_CachePoolServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Lookup': grpc.unary_unary_rpc_method_handler(
+                    servicer.Lookup,
+                    request_deserializer=testbed_dot_proto_dot_testbed__pb2.BlockList.FromString,
+                    response_serializer=testbed_dot_proto_dot_testbed__pb2.LookupReply.SerializeToString,
+            ),
+            'Fetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Fetch,
+                    request_deserializer=testbed_dot_proto_dot_testbed__pb2.FetchRequest.FromString,
+                    response_serializer=testbed_dot_proto_dot_testbed__pb2.FetchReply.SerializeToString,
+            ),
+            'Pull': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pull,
+                    request_deserializer=testbed_dot_proto_dot_testbed__pb2.FetchRequest.FromString,
+                    response_serializer=testbed_dot_proto_dot_testbed__pb2.FetchReply.SerializeToString,
+            ),
+            'Transfer': grpc.unary_unary_rpc_method_handler(
+                    servicer.Transfer,
+                    request_deserializer=testbed_dot_proto_dot_testbed__pb2.TransferRequest.FromString,
+                    response_serializer=testbed_dot_proto_dot_testbed__pb2.Empty.SerializeToString,
+            ),
+            'Stats': grpc.unary_unary_rpc_method_handler(
+                    servicer.Stats,
+                    request_deserializer=testbed_dot_proto_dot_testbed__pb2.Empty.FromString,
+                    response_serializer=testbed_dot_proto_dot_testbed__pb2.PoolStats.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'testbed.CachePool', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('testbed.CachePool', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class CachePool:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Lookup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/testbed.CachePool/Lookup',
+            testbed_dot_proto_dot_testbed__pb2.BlockList.SerializeToString,
+            testbed_dot_proto_dot_testbed__pb2.LookupReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Fetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/testbed.CachePool/Fetch',
+            testbed_dot_proto_dot_testbed__pb2.FetchRequest.SerializeToString,
+            testbed_dot_proto_dot_testbed__pb2.FetchReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pull(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/testbed.CachePool/Pull',
+            testbed_dot_proto_dot_testbed__pb2.FetchRequest.SerializeToString,
+            testbed_dot_proto_dot_testbed__pb2.FetchReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Transfer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/testbed.CachePool/Transfer',
+            testbed_dot_proto_dot_testbed__pb2.TransferRequest.SerializeToString,
+            testbed_dot_proto_dot_testbed__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/testbed.CachePool/Stats',
+            testbed_dot_proto_dot_testbed__pb2.Empty.SerializeToString,
+            testbed_dot_proto_dot_testbed__pb2.PoolStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class SchedulerStub:
     """Missing associated documentation comment in .proto file."""
 

@@ -6,10 +6,14 @@ device) build bit-identical models; they are then cast to `cfg.dtype` on the cho
 
 Three entry points, all without autograd:
 
-* `prefill(tokens, state=None, on_layer=None)` -> (logits of the last token, `RequestState`).
-  `on_layer(i, kind, tensors)` fires as soon as layer i's state is final, before layer i+1 is
-  computed: that is where layer-wise streaming hands a layer to the network while the rest of
-  the prefill runs. A prior `state` continues a prefix (chunked prefill / prefix cache).
+* `prefill(tokens, state=None, on_layer=None, snapshot_at=())` -> (logits of the last token,
+  `RequestState`). `on_layer(i, kind, tensors)` fires as soon as layer i's state is final,
+  before layer i+1 is computed: that is where layer-wise streaming hands a layer to the network
+  while the rest of the prefill runs. A prior `state` continues a prefix (chunked prefill /
+  prefix cache: only the new tokens are computed, attending over the prior MLA latents, KDA
+  starting from the prior recurrent state). `snapshot_at` (absolute token positions) keeps the
+  KDA layers' state at those positions in `RequestState.snapshots` (`workers.model.prefix`
+  cuts them into pool blocks).
 * `decode_step(states, tokens)` -> logits [B, vocab], one token for each of B requests of any
   lengths (continuous batching); each `RequestState` is advanced in place.
 * `forward_full(tokens)` -> logits for every position in one pass: the reference the
@@ -44,13 +48,15 @@ class RequestState:
     """One request's per-layer state on the decode (or prefill) side, plus its length in tokens.
 
     `layers[i]` is a dict of tensors for a KDA layer (no batch dim) and a `LatentCache` for an
-    MLA layer.
+    MLA layer. `snapshots` maps a token position to {KDA layer index: its state after that
+    many tokens}, for the positions a prefill was asked to keep (`snapshot_at`).
     """
 
-    def __init__(self, kinds, layers, length):
+    def __init__(self, kinds, layers, length, snapshots=None):
         self.kinds = tuple(kinds)
         self.layers = layers
         self.length = length
+        self.snapshots = snapshots or {}
 
     def layer_tensors(self, i):
         """Layer i's state as name -> tensor (the unit that is shipped)."""
@@ -148,17 +154,26 @@ class HybridModel(nn.Module):
         return F.linear(rms_norm(x, self.norm_f, self.cfg.norm_eps), self.lm_head).float()
 
     @torch.no_grad()
-    def _run(self, tokens, state, on_layer, all_logits):
+    def _run(self, tokens, state, on_layer, all_logits, snapshot_at=()):
         tok = self._tokens(tokens)
         x = self.embed[tok].unsqueeze(0)                                   # [1, T, D]
-        layers = []
+        start = 0 if state is None else state.length
+        cuts = [p - start for p in snapshot_at]
+        if cuts and (cuts != sorted(set(cuts)) or cuts[0] < 1 or cuts[-1] > len(tok)):
+            raise ValueError(f"snapshot_at must increase within {start + 1}..{start + len(tok)}"
+                             f" (the tokens this prefill computes), got {list(snapshot_at)}")
+        layers, snapshots = [], {p: {} for p in snapshot_at}
         for i, blk in enumerate(self.blocks):
             h = rms_norm(x, blk.norm1, self.cfg.norm_eps)
             prior = None if state is None else state.layers[i]
             if blk.kind == "kda":
                 if prior is not None:
                     prior = {n: t.unsqueeze(0) for n, t in prior.items()}
-                out, st = blk.mixer.prefill(h, prior)
+                out, st = blk.mixer.prefill(h, prior, cuts)
+                if cuts:
+                    for p, snap in zip(snapshot_at, st):
+                        snapshots[p][i] = {n: t[0] for n, t in snap.items()}
+                    st = st[-1]
                 layer = {n: t[0] for n, t in st.items()}
             else:
                 if prior is not None:
@@ -169,15 +184,14 @@ class HybridModel(nn.Module):
             if on_layer is not None:
                 on_layer(i, blk.kind, layer.tensors() if blk.kind == "mla" else dict(layer))
             x = blk.mlp_residual(x + blk.res_scale * out)
-        length = len(tok) + (0 if state is None else state.length)
         logits = self._logits(x[0] if all_logits else x[0, -1])
-        return logits, RequestState(self.kinds, layers, length)
+        return logits, RequestState(self.kinds, layers, start + len(tok), snapshots)
 
-    def prefill(self, tokens, state=None, on_layer=None):
+    def prefill(self, tokens, state=None, on_layer=None, snapshot_at=()):
         """Logits [vocab] of the last token and the request's state; see the module docstring."""
         if len(tokens) == 0:
             raise ValueError("prefill needs at least one token")
-        return self._run(tokens, state, on_layer, all_logits=False)
+        return self._run(tokens, state, on_layer, all_logits=False, snapshot_at=snapshot_at)
 
     def forward_full(self, tokens):
         """Logits [T, vocab] of every position, in one pass (chunked KDA, causal MLA)."""

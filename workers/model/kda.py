@@ -146,18 +146,21 @@ def _decayed_products(k, q, G, incl, sub=SUB_CHUNK):
     return Kd, Md
 
 
-def short_conv(x, tail, weight):
+def short_conv(x, tail, weight, cuts=()):
     """Causal depthwise convolution. x: [B, T, C]; tail: [B, k-1, C] earlier inputs; weight [C, k].
 
     Written as k shifted multiply-adds (not cuDNN), so CPU and CUDA give the same fp32 result.
-    Returns the output (fp32) and the new tail (the last k-1 inputs, x's dtype).
+    Returns the output (fp32) and the new tail (the last k-1 inputs, x's dtype); with `cuts`
+    (offsets 1..T into x) also the tail as it stood after each cut, as a list of copies.
     """
     ksz = weight.shape[1]
     T = x.shape[1]
     xe = torch.cat([tail.to(x.dtype), x], dim=1)
     xf, w = xe.float(), weight.float()
     out = sum(xf[:, j:j + T] * w[:, j] for j in range(ksz))
-    return out, xe[:, xe.shape[1] - (ksz - 1):]
+    # x[c-(k-1):c] sits at xe[c:c+k-1] (xe is x shifted right by the k-1 tail entries).
+    at_cuts = [xe[:, c:c + ksz - 1].clone() for c in cuts]
+    return (out, xe[:, xe.shape[1] - (ksz - 1):]) + ((at_cuts,) if cuts else ())
 
 
 def _param(gen, shape, std):
@@ -201,20 +204,34 @@ class KDA(nn.Module):
                 "conv_v": torch.zeros(batch, self.ksz - 1, self.H * self.V, device=device, dtype=dtype)}
 
     # ---- shared pieces ----
-    def _inputs(self, x, state):
-        """q, k, v (fp32, [B, T, H, *]), g, beta and the new conv tails, for x [B, T, D]."""
+    def _inputs(self, x, state, cuts=()):
+        """q, k, v (fp32, [B, T, H, *]), g, beta and the new conv tails, for x [B, T, D].
+
+        With `cuts` the conv tails come back as a list: the tails after each cut, then the
+        final ones.
+        """
         B, T, _ = x.shape
         H, K, V = self.H, self.K, self.V
-        q, tq = short_conv(F.linear(x, self.w_q), state["conv_q"], self.conv_q)
-        k, tk = short_conv(F.linear(x, self.w_k), state["conv_k"], self.conv_k)
-        v, tv = short_conv(F.linear(x, self.w_v), state["conv_v"], self.conv_v)
+        tails = {}
+        convs = []
+        for name, w_in, w_conv in (("conv_q", self.w_q, self.conv_q),
+                                   ("conv_k", self.w_k, self.conv_k),
+                                   ("conv_v", self.w_v, self.conv_v)):
+            out, *tail = short_conv(F.linear(x, w_in), state[name], w_conv, cuts)
+            convs.append(out)
+            tails[name] = tail
+        q, k, v = convs
         q = F.normalize(F.silu(q).view(B, T, H, K), dim=-1, eps=1e-6)
         k = F.normalize(F.silu(k).view(B, T, H, K), dim=-1, eps=1e-6)
         v = F.silu(v).view(B, T, H, V)
         beta = torch.sigmoid(F.linear(x, self.w_b).float())                       # [B, T, H]
         f = F.linear(F.linear(x, self.w_f1), self.w_f2).float().view(B, T, H, K)
         g = -torch.exp(self.A_log.float())[:, None] * F.softplus(f + self.dt_bias.float().view(H, K))
-        return q, k, v, g, beta, {"conv_q": tq, "conv_k": tk, "conv_v": tv}
+        final = {n: t[0] for n, t in tails.items()}
+        if not cuts:
+            return q, k, v, g, beta, final
+        per_cut = [{n: t[1][j] for n, t in tails.items()} for j in range(len(cuts))]
+        return q, k, v, g, beta, per_cut + [final]
 
     def _output(self, o, x):
         """Per-head RMSNorm, sigmoid output gate, output projection. o: [B, T, H, V] fp32."""
@@ -223,15 +240,36 @@ class KDA(nn.Module):
         return F.linear((o * gate).flatten(-2).to(x.dtype), self.w_o)
 
     # ---- the two forms ----
-    def prefill(self, x, state=None):
-        """x: [B, T, D]; state (or None for an empty prefix). Returns (out [B, T, D], new state)."""
+    def prefill(self, x, state=None, cuts=()):
+        """x: [B, T, D]; state (or None for an empty prefix). Returns (out [B, T, D], new state).
+
+        `cuts`: increasing offsets 1..T into x where a snapshot of the state is wanted (a prefix
+        cache keeps them at block boundaries). The recurrence then runs segment by segment,
+        each segment chunked from its start, and the return value is (out, [state after each
+        cut..., final state]). Nothing else changes: projections and convolutions run once over
+        the whole x; when the cuts are multiples of the chunk length the chunks are the same.
+        """
         if state is None:
             state = self.empty_state(x.shape[0], x.device, x.dtype)
-        q, k, v, g, beta, tails = self._inputs(x, state)
-        o, S = kda_chunked(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                           g.transpose(1, 2), beta.transpose(1, 2), state["S"].float(),
-                           chunk=self.chunk)
-        return self._output(o.transpose(1, 2), x), {"S": S, **tails}
+        cuts = list(cuts)
+        if cuts and (cuts != sorted(set(cuts)) or cuts[0] < 1 or cuts[-1] > x.shape[1]):
+            raise ValueError(f"cuts must increase within 1..{x.shape[1]}, got {cuts}")
+        q, k, v, g, beta, tails = self._inputs(x, state, cuts)
+        args = [t.transpose(1, 2) for t in (q, k, v, g, beta)]
+        S = state["S"].float()
+        outs, states = [], []
+        for a, b in zip([0] + cuts, cuts + [x.shape[1]]):
+            if b == a:          # a cut at T: the final state is that snapshot
+                continue
+            o, S = kda_chunked(*(t[:, :, a:b] for t in args), S, chunk=self.chunk)
+            outs.append(o)
+            states.append(S)
+        if cuts and cuts[-1] == x.shape[1]:
+            states.append(S)
+        out = self._output(torch.cat(outs, dim=2).transpose(1, 2), x)
+        if not cuts:
+            return out, {"S": S, **tails}
+        return out, [{"S": s, **t} for s, t in zip(states, tails)]
 
     def step(self, x, state):
         """x: [B, D], one token per request; state batched ([B, ...]). Returns (out [B, D], state)."""

@@ -18,6 +18,7 @@ it is what makes S_kv(l) grow by `(mla_latent + mla_rope) * bytes` per token per
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 
 def rms_norm(x, weight, eps):
@@ -129,9 +130,9 @@ class MLA(nn.Module):
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, *, *]
         if P == 0:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-        else:  # query i sits at position P + i and sees keys 0 .. P + i
-            mask = torch.ones(T, P + T, dtype=torch.bool, device=x.device).tril(P)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        else:  # query i sits at position P + i and sees keys 0 .. P + i: causal, lower right
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(T, P + T),
+                                               scale=self.scale)
         out = F.linear(o[0].transpose(0, 1).flatten(-2), self.w_o)
         return out.unsqueeze(0), (c, r)
 

@@ -27,6 +27,7 @@ import torch
 from testbed import kvwire
 from workers.model.config import HybridConfig
 from workers.model.hybrid import HybridModel, RequestState
+from workers.model.prefix import PrefixState, blocks_of
 from workers.model.state_wire import LayerAssembler, encode_layer
 
 REQUEST_ID = 1
@@ -55,9 +56,17 @@ async def run_prefill(d, host, port):
         layer_ready[i] = time.time()
         loop.call_soon_threadsafe(queue.put_nowait, (i, frames))
 
+    P = req.get("prefix_len", 0)
+    state = None
+    if P:   # the cached prefix, as a pool holds it: block bytes (KDA snapshot per block)
+        block = req["block"]
+        _, pst = model.prefill(req["prompt"][:P], snapshot_at=list(range(block, P + 1, block)))
+        pool = [b.to_bytes() for b in blocks_of(pst, block)]
+        state = PrefixState.from_blocks(cfg, pool).request_state(cfg, model.device)
+
     def compute():
         t0 = time.time()
-        logits, _ = model.prefill(req["prompt"], on_layer=on_layer)
+        logits, _ = model.prefill(req["prompt"][P:], state=state, on_layer=on_layer)
         if model.device.type == "cuda":
             torch.cuda.synchronize()
         loop.call_soon_threadsafe(queue.put_nowait, None)

@@ -6,10 +6,19 @@ spine's KV data socket (`testbed/kvwire.py`) carries one frame per kvwire frame.
 
     header frame = 'PKVL' | version u8 | 0 u8 | json length u32 | crc32(json) u32 | json
     json         = {layer, n_layers, kind, chunk_bytes,
-                    tensors: [{name, dtype, shape, nbytes, crc32, chunks}, ...]}
+                    tensors: [{name, dtype, shape, nbytes, crc32, chunks}, ...][, start]}
+                   (`start`, when present: the tensors hold tokens start.. of the layer; a
+                   suffix shipped against a cached prefix, see `workers.model.prefix`)
     data frames  = each tensor's bytes, in header order, cut into `chunk_bytes` pieces
     trailer      = 'PKVT' | version u8 | 0 u8 | json length u32 | crc32(json) u32 | json
-                   (optional, after the last layer: {first_token, length, n_layers})
+                   (optional, after the last layer: {first_token, length, n_layers[, prefix]};
+                   `prefix` = {length, keys}: the decode side adds the first `length` tokens
+                   of every MLA layer from cached prefix blocks `keys`)
+    block header = 'PKVB' | version u8 | 0 u8 | json length u32 | crc32(json) u32 | json
+                   (a prefix-cache block's own record, first in its `pack`ed bytes)
+
+`pack` joins frames into one byte string (a pool holds a block as one) and `unpack` cuts it
+back into the same frames, reading each header to know its data chunks.
 
 Data frames carry no header of their own, so on the sending side they are memoryviews of the
 tensors themselves (torch -> numpy -> memoryview, no copy; a CUDA tensor is first copied to
@@ -42,6 +51,7 @@ from testbed.errors import TestbedError
 
 MAGIC = b"PKVL"
 TRAILER_MAGIC = b"PKVT"
+BLOCK_MAGIC = b"PKVB"
 VERSION = 1
 HEADER = struct.Struct("!4sBBII")
 DEFAULT_CHUNK_BYTES = 1 << 20
@@ -66,8 +76,10 @@ def _host_bytes(t):
     return memoryview(flat.numpy()).cast("B")
 
 
-def encode_layer(idx, tensors, n_layers=None, kind="", chunk_bytes=DEFAULT_CHUNK_BYTES):
-    """Frames of layer `idx`'s state (`tensors`: name -> tensor): a header, then data chunks."""
+def encode_layer(idx, tensors, n_layers=None, kind="", chunk_bytes=DEFAULT_CHUNK_BYTES, start=0):
+    """Frames of layer `idx`'s state (`tensors`: name -> tensor): a header, then data chunks.
+
+    `start` > 0 marks per-token tensors that begin at token `start` (a suffix)."""
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
     descs, views = [], []
@@ -79,20 +91,69 @@ def encode_layer(idx, tensors, n_layers=None, kind="", chunk_bytes=DEFAULT_CHUNK
                       "nbytes": mv.nbytes, "crc32": crc32(mv),
                       "chunks": math.ceil(mv.nbytes / chunk_bytes)})
         views.append(mv)
-    meta = json.dumps({"layer": idx, "n_layers": n_layers, "kind": kind,
-                       "chunk_bytes": chunk_bytes, "tensors": descs},
-                      separators=(",", ":")).encode()
+    head = {"layer": idx, "n_layers": n_layers, "kind": kind, "chunk_bytes": chunk_bytes,
+            "tensors": descs}
+    if start:
+        head["start"] = int(start)
+    meta = json.dumps(head, separators=(",", ":")).encode()
     frames = [HEADER.pack(MAGIC, VERSION, 0, len(meta), crc32(meta)) + meta]
     for mv in views:
         frames.extend(mv[o:o + chunk_bytes] for o in range(0, mv.nbytes, chunk_bytes))
     return frames
 
 
-def encode_trailer(first_token, length, n_layers):
-    """The frame that ends a request's state: prefill's greedy first token and the length."""
-    meta = json.dumps({"first_token": int(first_token), "length": int(length),
-                       "n_layers": n_layers}).encode()
-    return HEADER.pack(TRAILER_MAGIC, VERSION, 0, len(meta), crc32(meta)) + meta
+def encode_trailer(first_token, length, n_layers, prefix=None):
+    """The frame that ends a request's state: prefill's greedy first token and the length;
+    `prefix` ({length, keys}) when the MLA layers were shipped from token `length` on."""
+    rec = {"first_token": int(first_token), "length": int(length), "n_layers": n_layers}
+    if prefix is not None:
+        rec["prefix"] = prefix
+    return encode_record(TRAILER_MAGIC, rec)
+
+
+def encode_record(magic, rec):
+    """A header-form frame carrying the JSON record `rec` (trailer, block header)."""
+    meta = json.dumps(rec, separators=(",", ":")).encode()
+    return HEADER.pack(magic, VERSION, 0, len(meta), crc32(meta)) + meta
+
+
+def pack(frames):
+    """Frames joined into one byte string (`unpack` cuts it back)."""
+    return b"".join(frames)
+
+
+def unpack(data):
+    """The frames of `pack(frames)`, in order, as memoryviews of `data`.
+
+    Each header frame says how long it is; a layer header also says how many data chunks of
+    which sizes follow. Truncated data raises `StateWireError`.
+    """
+    mv = memoryview(data).cast("B")
+    off = 0
+
+    def take(n, what):
+        nonlocal off
+        if off + n > mv.nbytes:
+            raise StateWireError(f"packed state truncated: {what} needs {n} bytes at offset "
+                                 f"{off}, {mv.nbytes - off} left")
+        off += n
+        return mv[off - n:off]
+
+    while off < mv.nbytes:
+        head = take(HEADER.size, "a header")
+        n = HEADER.unpack(head)[3]
+        off -= HEADER.size
+        frame = take(HEADER.size + n, "a header")
+        magic, meta = _parse_header(frame)
+        yield frame
+        if magic != MAGIC:
+            continue
+        for d in meta["tensors"]:
+            left = d["nbytes"]
+            while left > 0:
+                k = min(meta["chunk_bytes"], left)
+                yield take(k, f"layer {meta['layer']} tensor {d['name']!r}")
+                left -= k
 
 
 def encode_state(state, chunk_bytes=DEFAULT_CHUNK_BYTES):
@@ -112,7 +173,7 @@ def _parse_header(frame):
     if mv.nbytes < HEADER.size:
         raise StateWireError(f"expected a layer header frame, got {mv.nbytes} bytes")
     magic, version, _, n, crc = HEADER.unpack(mv[:HEADER.size])
-    if magic not in (MAGIC, TRAILER_MAGIC):
+    if magic not in (MAGIC, TRAILER_MAGIC, BLOCK_MAGIC):
         raise StateWireError(f"expected a layer header frame (magic {MAGIC!r}), got {bytes(magic)!r}")
     if version != VERSION:
         raise StateWireError(f"layer header version {version}, this receiver reads {VERSION}")
@@ -120,6 +181,14 @@ def _parse_header(frame):
     if meta.nbytes != n or crc32(meta) != crc:
         raise StateWireError("layer header corrupt (length or crc32 mismatch)")
     return magic, json.loads(bytes(meta))
+
+
+def read_record(frame, magic):
+    """The JSON record of a header-form frame that must carry `magic`."""
+    got, meta = _parse_header(frame)
+    if got != magic:
+        raise StateWireError(f"expected a {magic!r} frame, got {bytes(got)!r}")
+    return meta
 
 
 class _Pending:
@@ -200,14 +269,16 @@ class LayerAssembler:
     `n_layers` (and optionally `kinds`, one per layer) is what the decode model expects; a
     header that disagrees is an error. `feed` returns the index of a layer it just completed,
     else None. `complete` is true when every layer arrived; `states()` returns the per-layer
-    dicts of tensors (name -> tensor, on CPU) in layer order; `trailer` is the end-of-state
-    record ({first_token, length, n_layers}) once it arrived, else None.
+    dicts of tensors (name -> tensor, on CPU) in layer order; `starts` the first token each
+    layer's tensors hold (0 unless a suffix was shipped); `trailer` is the end-of-state
+    record ({first_token, length, n_layers[, prefix]}) once it arrived, else None.
     """
 
     def __init__(self, n_layers, kinds=None):
         self.n_layers = n_layers
         self.kinds = tuple(kinds) if kinds is not None else None
         self.layers = {}
+        self.starts = {}             # layer -> first token its tensors hold (0: all of them)
         self.pending = {}            # stream -> _Pending
         self.bytes_received = 0
         self.trailer = None
@@ -230,6 +301,8 @@ class LayerAssembler:
                                          f"receiver's model has {self.n_layers}")
                 self.trailer = meta
                 return None
+            if magic == BLOCK_MAGIC:
+                raise StateWireError("a prefix-block header among a request's layer frames")
             cur = self._start(meta)
             if not cur.done:
                 self.pending[stream] = cur
@@ -240,6 +313,7 @@ class LayerAssembler:
                 return None
             del self.pending[stream]
         self.layers[cur.layer] = cur.tensors()
+        self.starts[cur.layer] = cur.meta.get("start", 0)
         return cur.layer
 
     def _start(self, meta):

@@ -1,0 +1,274 @@
+"""Cache-aware placement: where a request prefills when prefix caches are in play (docs/cache.md).
+
+The scheduler's global view of the caches is what the pools answer (`Lookup`, per request, in
+both clusters): how many leading blocks each holds (MLA KV, what a decode instance can reuse)
+and how many end at a KDA snapshot (what a prefill can continue from). Nothing is guessed
+from past routing.
+
+`scheduler.placement`:
+
+- `least_loaded` (cache-oblivious routing): the PrfaaS threshold applies to the whole input
+  length, the least-loaded instance of the chosen cluster prefills, continuing from whatever
+  its own cluster's pool holds.
+- `cache_aware` (PRFAAS.md "Scheduling"): with l_pd, l_prfaas the prefixes each cluster can
+  continue from,
+  - bandwidth scarce: judge each cluster's cache on its own: `L - l_pd <= t` prefills locally
+    (from l_pd), else PrfaaS (from l_prfaas);
+  - bandwidth abundant: `l_prefix = max(l_pd, l_prfaas)`; `L - l_prefix <= t` prefills locally,
+    else on PrfaaS; when the longer prefix sits in the other cluster it is moved there first
+    (pool -> pool over the WAN) if the plan with the move has the lower estimated TTFT.
+  The WAN counts as abundant while its measured KV egress / link rate (the run's kernel
+  counters, `timeseries.csv`, as `workers/adaptive.py` reads them) is below `cache.headroom`.
+  Every plan (instance, prefix it continues from, prefix move) is costed by estimated TTFT =
+  queued work + prefix fetch + uncached prefill + transfer (Mooncake's Conductor, Dynamo's
+  KV router); the transfer term is the prefix move's and, on PrfaaS, the KV's WAN time. A request longer than the threshold that the rule keeps
+  local only because of the local cache still goes to PrfaaS when PrfaaS's estimated TTFT
+  (with its own cache) is lower: the cache may save WAN bytes, but not at the cost of TTFT.
+  A cached prefix is used only when the part of its fetch not hidden behind the instance's
+  queue (the worker fetches while the request waits; the time per byte is learned from the
+  fetches prefill workers report, not assumed) costs less than computing it.
+
+The decode side's prefix (`decode_cached_len`) is what the local pool holds: the prefill ships
+only the recurrent state plus the MLA KV beyond it.
+"""
+
+import asyncio
+import dataclasses
+import time
+
+from testbed.proto import testbed_pb2 as pb
+from workers import cache_wire
+from workers.adaptive import read_last_row
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheView:
+    """Tokens each cluster's pool holds for one request (answers of `Lookup`)."""
+    local_kv: int = 0
+    local_state: int = 0
+    prfaas_kv: int = 0
+    prfaas_state: int = 0
+
+    def state(self, dc):
+        return self.prfaas_state if dc == "prfaas" else self.local_state
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterChoice:
+    remote: bool            # prefill on PrfaaS
+    routing_len: int        # the uncached length the rule compared with the threshold
+    transfer_from: str = ""  # "local"/"prfaas": move the longer prefix from there first
+
+
+def choose_cluster(placement, policy, threshold, input_len, view, abundant):
+    """The cluster a request prefills in, by the rules in the module docstring (pure)."""
+    fixed = {"naive": True, "homogeneous": False}.get(policy)
+    if placement != "cache_aware":
+        remote = fixed if fixed is not None else input_len > threshold
+        return ClusterChoice(remote, input_len)
+    if fixed is not None:
+        remote = fixed
+    elif abundant:
+        remote = input_len - max(view.local_state, view.prfaas_state) > threshold
+    else:
+        remote = input_len - view.local_state > threshold
+    here, there = ("prfaas", "local") if remote else ("local", "prfaas")
+    move = there if abundant and view.state(there) > view.state(here) else ""
+    best = max(view.state(here), view.state(there)) if move else view.state(here)
+    return ClusterChoice(remote, input_len - best, move)
+
+
+def estimated_ttft(queue_s, prefill_s, transfer_s=0.0):
+    """The cost an instance is chosen by: queued work + its uncached prefill + prefix moves."""
+    return queue_s + prefill_s + transfer_s
+
+
+def link_state(timeseries, last, to_emulated_bps):
+    """(utilisation or None, emulated link bit/s or None, new `last`) from the kernel counters'
+    last row and the previous reading `last` = (time, kv_tx_bytes)."""
+    row = read_last_row(timeseries)
+    try:
+        now = (float(row["time"]), int(row["kv_tx_bytes"]))
+        link_bps = float(row["kv_link_gbps"]) * to_emulated_bps
+    except (TypeError, KeyError, ValueError):
+        return None, None, last
+    if last is None or now[0] <= last[0] or link_bps <= 0:
+        return None, link_bps if link_bps > 0 else None, now if last is None else last
+    return (now[1] - last[1]) * 8 / (now[0] - last[0]) / link_bps, link_bps, now
+
+
+class CachePlacer:
+    """The scheduler's cache hook: look up both pools, choose, move a prefix if it pays."""
+
+    MIN_WINDOW_S = 0.1      # the link's utilisation is measured over at least this (emulated)
+
+    def __init__(self, rt, router, prefill_s, log):
+        c = rt["cache"]
+        self.cfg, self.router, self.prefill_s, self.log = c, router, prefill_s, log
+        self.block = c["block"]
+        self.pools = cache_wire.PoolClient()
+        self.addr = {dc: cache_wire.pool_addr(rt, dc) for dc in ("local", "prfaas")}
+        self.timeout = rt["kv_deadline_s"]
+        self.timeseries = f"{rt['_dir']}/timeseries.csv"
+        self.link = (None, None)            # (utilisation, emulated link bit/s)
+        self._last = None
+        self._checked = 0.0
+        from workers.cache_core import BlockSizes
+        self.sizes = BlockSizes(c["s_kv"], self.block, c["bytes_scale"])
+        self.fetch_s_per_byte = None        # learned from the prefill workers' reports
+
+    def _link(self):
+        now = time.monotonic()
+        if now - self._checked >= self.MIN_WINDOW_S:
+            self._checked = now
+            util, bps, self._last = link_state(self.timeseries, self._last,
+                                               self.cfg["link_to_emulated_bps"])
+            if bps is not None:
+                self.link = (util, bps)
+        return self.link
+
+    def abundant(self):
+        mode = self.cfg["transfer"]
+        if mode != "auto":
+            return mode == "always"
+        util, _ = self._link()
+        return util is None or util < self.cfg["headroom"]
+
+    async def lookup(self, blocks):
+        async def one(dc):
+            if not self.addr[dc] or not blocks:
+                return 0, 0
+            try:
+                r = await self.pools.stub(self.addr[dc]).Lookup(pb.BlockList(blocks=blocks),
+                                                                timeout=self.timeout)
+            except Exception as e:      # noqa: BLE001  a pool that does not answer: no hit
+                self.log.warning("lookup in %s pool failed: %s", dc, e)
+                return 0, 0
+            return r.kv_blocks * self.block, r.state_blocks * self.block
+        (lk, ls), (pk, ps) = await asyncio.gather(one("local"), one("prfaas"))
+        return CacheView(lk, ls, pk, ps)
+
+    def transfer_s(self, tokens):
+        _, bps = self._link()
+        if not bps or tokens <= 0:
+            return 0.0
+        util = self.link[0] or 0.0
+        nbytes = (tokens // self.block) * self.sizes.kv + self.sizes.state
+        return nbytes * 8 / (bps * max(0.05, 1.0 - util))
+
+    def kv_s(self, input_len, decode_cached):
+        """Estimated WAN time of the KV a PrfaaS prefill ships (emulated seconds)."""
+        _, bps = self._link()
+        if not bps:
+            return 0.0
+        util = self.link[0] or 0.0
+        return self.sizes.shipped(input_len, decode_cached) * 8 / (bps * max(0.05, 1.0 - util))
+
+    def observe(self, reply):
+        """Learn the pool -> instance fetch time from what prefill workers measured."""
+        if reply.cache_fetch_bytes > 0 and reply.cache_fetch_s > 0:
+            per_byte = reply.cache_fetch_s / reply.cache_fetch_bytes
+            self.fetch_s_per_byte = per_byte if self.fetch_s_per_byte is None else \
+                0.9 * self.fetch_s_per_byte + 0.1 * per_byte
+
+    def fetch_s(self, tokens):
+        """Estimated time to fetch a `tokens` prefix (KV blocks + one snapshot) from the pool,
+        from the fetch times the prefill workers reported (0 until the first one)."""
+        if tokens <= 0 or self.fetch_s_per_byte is None:
+            return 0.0
+        return ((tokens // self.block) * self.sizes.kv + self.sizes.state) * self.fetch_s_per_byte
+
+    def plan_cost(self, inst, L, cached, decode_cached, transfer_s=0.0):
+        """Estimated TTFT of prefilling on `inst` from `cached` tokens: queued work, the prefix's
+        fetch (plus a WAN prefix move), the uncached prefill, and the KV's WAN time for PrfaaS."""
+        ship = self.kv_s(L, decode_cached) if inst.dc == "prfaas" else 0.0
+        # The worker fetches as the request arrives, while it waits its turn: only the part of
+        # the fetch longer than the queue delays it.
+        return estimated_ttft(max(inst.outstanding_s, self.fetch_s(cached)),
+                              self.prefill_s(inst, L, cached), transfer_s + ship)
+
+    def worth(self, inst, L, tokens):
+        """Use a cached prefix only when the part of its fetch not hidden behind the instance's
+        queue costs less than computing it."""
+        exposed = max(0.0, self.fetch_s(tokens) - inst.outstanding_s)
+        return tokens if tokens > 0 and exposed < \
+            self.prefill_s(inst, L, 0) - self.prefill_s(inst, L, tokens) else 0
+
+    async def place(self, req):
+        """(kind, prefill Instance, decode Instance, Route fields) for one request; fills the
+        request's cached_len / decode_cached_len."""
+        L = req.input_len
+        whole = min(L // self.block, len(req.prefix_blocks))
+        blocks = list(req.prefix_blocks[:whole])
+        view = await self.lookup(blocks)
+        cap = ((L - 1) // self.block) * self.block     # at least one token is computed
+        view = CacheView(view.local_kv, min(view.local_state, cap), view.prfaas_kv,
+                         min(view.prfaas_state, cap))
+        r = self.router
+        choice = choose_cluster(self.cfg["placement"], r.policy, r.threshold, L, view,
+                                self.abundant())
+        if self.cfg["placement"] != "cache_aware":
+            kind, p, d = r.route_to(choice.remote, L)
+            return self._finish(req, kind, p, d, view, whole, p.dc, view.state(p.dc), 0)
+        # Plans: (estimated TTFT, instance, tokens continued from, prefix move from, its time).
+        plans = []
+        here = "prfaas" if choice.remote else "local"
+        for inst in (r.remote if choice.remote else r.local):
+            if not inst.down:
+                c = self.worth(inst, L, view.state(here))
+                plans.append((self.plan_cost(inst, L, c, view.local_kv), inst, c, "", 0.0))
+                if choice.transfer_from:
+                    there = choice.transfer_from
+                    t = self.transfer_s(view.state(there))
+                    c2 = self.worth(inst, L, view.state(there))
+                    if c2 > c:
+                        plans.append((self.plan_cost(inst, L, c2, view.local_kv, t), inst, c2,
+                                      there, t))
+        if not choice.remote and L > r.threshold and r.policy == "prfaas":
+            # Local only thanks to a cache: PrfaaS (with its own) still serves it if faster.
+            for inst in r.remote:
+                if not inst.down:
+                    c = self.worth(inst, L, view.prfaas_state)
+                    plans.append((self.plan_cost(inst, L, c, view.local_kv), inst, c, "", 0.0))
+        if not plans:                      # the chosen cluster is down: fail over as usual
+            kind, p, d = r.route_to(choice.remote, L - view.state(here))
+            return self._finish(req, kind, p, d, view, whole, p.dc, view.state(p.dc), 0)
+        _, inst, cached, move_from, _ = min(plans, key=lambda x: (x[0], x[1].name))
+        moved = 0
+        if move_from:
+            moved, ok = await self.pull(inst.dc, move_from, blocks[:cached // self.block])
+            if not ok:
+                cached = self.worth(inst, L, view.state(inst.dc))
+        kind, p, d = r.route_to(inst.dc == "prfaas", L - cached, lambda i: 0 if i is inst else 1)
+        if p is not inst:                  # failed over meanwhile
+            cached, move_from = self.worth(p, L, view.state(p.dc)), ""
+        return self._finish(req, kind, p, d, view, whole, p.dc, cached, moved,
+                            "transfer" if move_from and moved else "")
+
+    def _finish(self, req, kind, p, d, view, whole, dc, cached, moved, source=""):
+        req.cached_len = cached
+        decode = view.local_kv
+        if source == "transfer" and dc == "local":
+            decode = max(decode, cached)
+        req.decode_cached_len = min(decode, whole * self.block)
+        req.cache_source = source or (dc if cached else "")
+        return kind, p, d, {"cached_len": cached, "cache_source": req.cache_source,
+                            "prefix_transfer_bytes": moved,
+                            "lookup_local": view.local_state, "lookup_prfaas": view.prfaas_state}
+
+    def decode_fields(self, kind):
+        """DecodeRequest fields: the local pool to fetch the prefix from; store what comes over
+        the WAN there."""
+        return {"cache_pool": self.addr["local"] or "", "put_to_pool": kind == "remote"}
+
+    async def pull(self, into, source, blocks):
+        """Move `blocks` (and the snapshot after the last) from `source`'s pool into `into`'s,
+        over the WAN; returns (bytes that arrived, whether all of it did)."""
+        try:
+            r = await self.pools.stub(self.addr[into]).Pull(
+                pb.FetchRequest(blocks=blocks, state_at=len(blocks), source=self.addr[source]),
+                timeout=self.timeout)
+        except Exception as e:      # noqa: BLE001
+            self.log.warning("prefix transfer %s -> %s failed: %s", source, into, e)
+            return 0, False
+        return r.bytes, r.kv_blocks == len(blocks) and r.state
