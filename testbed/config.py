@@ -269,12 +269,12 @@ class RunSpec:
 class SloSpec:
     """Service-level objectives, as `vllm bench serve --goodput` and aiperf define them: a request
     is good when it completed and meets every objective given (real-world times)."""
-    ttft: float = spec(optional(positive(units.duration_s)), None,
-                       "time to first token at most this (real-world)")
-    tpot: float = spec(optional(positive(units.duration_s)), None,
+    ttft: float = spec(optional(positive(_duration(MAX_TIMEOUT_S, "1 day"))), None,
+                       "time to first token at most this (real-world; at most 1 day)")
+    tpot: float = spec(optional(positive(_duration(MAX_TIMEOUT_S, "1 day"))), None,
                        "time per output token after the first at most this (real-world)")
-    e2el: float = spec(optional(positive(units.duration_s)), None,
-                       "end-to-end latency at most this (real-world)")
+    e2el: float = spec(optional(positive(_duration(MAX_TIMEOUT_S, "1 day"))), None,
+                       "end-to-end latency at most this (real-world; at most 1 day)")
 
     def objectives_ms(self):
         """{metric: limit in ms} of the objectives that are set."""
