@@ -19,6 +19,8 @@ payloads multiplied by `bytes`, the WAN rate becomes `rate * bytes * time` and d
 import copy
 import dataclasses
 import itertools
+import importlib.metadata
+import importlib.util
 import math
 import pathlib
 
@@ -74,7 +76,6 @@ def _torch_config(value):
     if not isinstance(value, dict):
         raise ValueError(f"expected a mapping of model config keys, got {value!r}")
     try:
-        import importlib.util
         if importlib.util.find_spec("torch") is None:   # found without importing it (fast)
             raise ModuleNotFoundError("No module named 'torch'")
         from workers.model.config import HybridConfig   # imports torch only for the dtype
@@ -141,6 +142,25 @@ class ModelSpec:
         if self.profile not in profiles.available():
             raise ValueError(f"profile: no profile {self.profile!r}; available: "
                              f"{', '.join(profiles.available())}")
+        if self.engine == "torch" and self.device == "cuda":
+            why = _no_cuda_reason()
+            if why:
+                raise ValueError(f"device: cuda, but {why}; use device: auto (CUDA when there "
+                                 f"is one) or cpu")
+
+
+def _no_cuda_reason(dev=pathlib.Path("/dev")):
+    """Why the torch engine could not use CUDA here ('' if it may), found without importing
+    torch: no NVIDIA device node, or a CPU-only PyTorch build."""
+    if not any(dev.glob("nvidia[0-9]*")):
+        return "this machine shows no NVIDIA GPU (no /dev/nvidia0)"
+    try:
+        version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return ""                      # the torch check says so
+    if version.endswith("+cpu"):
+        return f"the installed PyTorch {version} is a CPU-only build (make deps TORCH=cuda)"
+    return ""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
