@@ -23,7 +23,7 @@ import time
 
 import yaml
 
-from testbed import __version__, config, kvwire, lifecycle, metrics, ownership, plot
+from testbed import __version__, config, kvwire, lifecycle, loadgen, metrics, ownership, plot
 from testbed.errors import ConfigError, PrivilegeError, RunInterrupted, WorkerError
 from testbed.measure import CounterSampler, EventLog
 from testbed.workload import generate
@@ -134,6 +134,7 @@ def runtime_for(exp, net):
         "request_timeout_s": exp.run.request_timeout / t,
         "drain_timeout_s": exp.run.drain_timeout / t,
         "instances": inst,
+        "frontdoor": loadgen.runtime(exp),
     }
 
 
@@ -257,12 +258,13 @@ class Run:
         cc = self.exp.network.congestion_control
         return _system_cc() if cc == "system" else cc
 
-    def _spawn(self, net, name, module, rt, extra=()):
+    def _spawn(self, net, name, module, rt, extra=(), host=None):
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         env[kvwire.CC_ENV] = self.congestion_control()
         argv = [sys.executable, "-m", module, "--runtime", str(self.dir / "runtime.json"),
                 "--name", name, *extra]
-        self.procs[name] = net.popen(name, argv, self.dir / "logs" / f"{name}.log", env=env)
+        self.procs[name] = net.popen(host or name, argv, self.dir / "logs" / f"{name}.log",
+                                     env=env)
 
     def _stop_processes(self):
         """SIGTERM every process of the run (client first), then SIGKILL what is left."""
@@ -285,6 +287,10 @@ class Run:
             if inst["role"] in ("prefill", "decode", "cachepool"):
                 self._spawn(net, name, f"workers.{inst['role']}", rt)
         self._spawn(net, "scheduler", "workers.scheduler", rt)
+        if self.exp.workload.client != "builtin":     # an external client's front door
+            self._spawn(net, "frontdoor", "workers.frontdoor", rt, host="client", extra=[
+                "--out", str(self.dir / "requests.jsonl"),
+                "--http-log", str(self.dir / "frontdoor.jsonl")])
         deadline = time.monotonic() + READY_TIMEOUT_S
         pending = set(self.procs)
         while pending:
@@ -335,9 +341,12 @@ class Run:
         records = self.dir / "requests.jsonl"
         start_at = time.time() + 0.5
         self.meta["client_start_at"] = start_at
-        self._spawn(net, "client", "workers.client", rt,
-                    ["--workload", str(self.dir / "workload.parquet"), "--out", str(records),
-                     "--start-at", f"{start_at:.6f}"])
+        if self.exp.workload.client == "builtin":
+            self._spawn(net, "client", "workers.client", rt,
+                        ["--workload", str(self.dir / "workload.parquet"), "--out", str(records),
+                         "--start-at", f"{start_at:.6f}"])
+        else:                           # command or aiperf, through the front door
+            loadgen.start_client(self, net, rt, workload)
         events("client_started", requests=len(workload))
         progress = Progress(records, len(workload), self.exp.label, self.progress)
         from testbed import faults

@@ -6,17 +6,24 @@ whether its call was cancelled; everything else (aiohttp server, SSE framing, re
 
 import asyncio
 import json
+import os
+import pathlib
+import subprocess
+import sys
 import time
 
-import aiohttp
+import pandas as pd
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from testbed import config, loadgen
+from testbed.errors import ConfigError
 from testbed.proto import testbed_pb2 as pb
 from workers import frontdoor
 from workers.frontdoor import FrontDoor, HttpError, parse
 
 MODEL = "kimi-linear-1t"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 class FakeCall:
@@ -238,3 +245,74 @@ def test_http_error_body_shape():
     e = HttpError(400, "bad", param="prompt")
     assert e.body() == {"error": {"message": "bad", "type": "invalid_request_error",
                                   "param": "prompt", "code": None}}
+
+
+# ---- workload.client keys and the trace handed to external tools ----
+
+TINY = pathlib.Path(__file__).resolve().parent / "data" / "tiny.yaml"
+
+
+@pytest.mark.parametrize("sets, key, words", [
+    (["workload.client=command"], "workload", "needs workload.command"),
+    (["workload.command=echo {url}"], "workload", "set client: command"),
+    (["workload.client=command", "workload.command=no-such-tool-xyz {url}"],
+     "workload.command", "not found"),
+    (["workload.client=command", "workload.command=\"echo 'unbalanced\""], "workload.command",
+     "cannot split"),
+    (["workload.client=webui"], "workload.client", "expected one of builtin, command, aiperf"),
+    (["workload.frontdoor.port=70000"], "workload.frontdoor.port", "<= 65535"),
+])
+def test_client_keys_are_checked(sets, key, words):
+    with pytest.raises(ConfigError) as e:
+        config.load_experiment(TINY, sets)
+    assert key in str(e.value) and words in str(e.value)
+
+
+def test_aiperf_missing_is_one_line_exit_2(tmp_path):
+    env = dict(os.environ, TESTBED_AIPERF=str(tmp_path / "none"), PATH="/usr/bin:/bin")
+    r = subprocess.run([sys.executable, "-m", "testbed.cli", "workload", str(TINY), "--set",
+                        "workload.client=aiperf"], capture_output=True, text=True, env=env,
+                       cwd=ROOT)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert "aiperf is not installed" in r.stderr and "workload.client" in r.stderr
+
+
+def test_command_argv_substitution_and_trace(tmp_path):
+    exp = config.load_experiment(TINY, ["workload.client=command",
+                                        "workload.command=curl -s {url}/v1/models --x={model}"])[0]
+    rt = {"instances": {"client": {"ip": "10.2.0.3"}}, "frontdoor": loadgen.runtime(exp),
+          "request_timeout_s": 30}
+    from testbed.workload import generate
+    wl = generate(exp.workload, exp.seed, requests=exp.requests, duration_s=exp.duration)
+    trace = loadgen.write_trace(tmp_path, wl, exp.scale.time)
+    argv = loadgen.client_argv(exp, rt, tmp_path, trace)
+    assert argv == ["curl", "-s", "http://10.2.0.3:8000/v1/models", "--x=kimi-linear-1t"]
+    rows = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert len(rows) == len(wl)
+    assert [r["input_length"] for r in rows] == wl.input_len.tolist()
+    assert rows[-1]["timestamp"] == round(wl.arrival_s.iloc[-1] / exp.scale.time * 1e3)
+
+
+def test_served_workload_and_compare(tmp_path):
+    """The front door's records become the analysed request list; a tool's records pair with
+    them in start order."""
+    stub = FakeStub()
+
+    async def fn(client):
+        for n in (3, 7):
+            r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "a " * n,
+                                                           "max_tokens": 4, "stream": True})
+            await r.text()
+    _run(tmp_path, stub, fn)
+    wl = loadgen.served_workload(tmp_path, 10.0)
+    assert wl.id.tolist() == [0, 1] and wl.input_len.tolist() == [3, 7]
+    assert wl.output_len.tolist() == [4, 4] and wl.arrival_s.iloc[0] == 0.0
+    from testbed.metrics import build_requests, read_records
+    sent, done = read_records(tmp_path / "requests.jsonl")
+    ours = build_requests(wl, sent, done, 10.0)
+    tool = pd.DataFrame({"start": ours.send_time - 0.001,
+                         "ttft_s": (ours.first_token - ours.send_time) + 0.002, "ok": True})
+    c = loadgen.compare(tool, ours, 10.0)
+    assert c["completed"] == c["completed_testbed"] == c["paired"] == 2
+    assert c["ttft_diff_ms_median"] == pytest.approx(20.0)
+    assert c["ttft_diff_emulated_ms_median"] == pytest.approx(2.0)

@@ -269,7 +269,8 @@ class FrontDoor:
         req.send_time = send
         row["id"] = rid
         self.rec.write({"ev": "sent", "id": rid, "send_time": send, "scheduled": row["arrival"],
-                        "lateness_s": send - row["arrival"]})
+                        "lateness_s": send - row["arrival"], "input_len": p.prompt_tokens,
+                        "output_len": p.max_tokens})
         track = Tracker(req, send)
         resp, error, n_out = None, None, 0
         call = self.stub.Submit(req, timeout=self.timeout_s)
