@@ -159,10 +159,25 @@ def summarize(run_dir, exp, df):
         "http_requests": len(http),
         "outcomes": pd.Series([r["outcome"] for r in http], dtype=object).value_counts().to_dict(),
         "http_status": {str(k): int(v) for k, v in pd.Series(
-            [r["http_status"] for r in http], dtype=object).value_counts().items()}}}
+            [r["http_status"] for r in http], dtype=object).value_counts().items()},
+        # What the front door itself adds to a client's TTFT: arrival (headers read) to the
+        # Submit, and first token received to first token written (emulated ms, median).
+        "overhead_emulated_ms_median": _overhead_ms(http, run_dir),
+        "client_minus_testbed_ttft_ms": None}}
     if exp.workload.client == "aiperf":
         out["aiperf"] = aiperf_summary(run_dir, exp, df)
+        out["frontdoor"]["client_minus_testbed_ttft_ms"] = out["aiperf"].get(
+            "compare", {}).get("ttft_diff_ms_median")
     return out
+
+
+def _overhead_ms(http, run_dir):
+    from testbed.metrics import read_records
+    sent, done = read_records(pathlib.Path(run_dir) / "requests.jsonl")
+    gaps = [(sent[h["id"]]["send_time"] - h["arrival"]) + (h["first_token"] - done[h["id"]][
+            "first_token"]) for h in http if h["outcome"] == "ok" and h["id"] in sent
+            and h["id"] in done and h["first_token"] and done[h["id"]]["first_token"]]
+    return float(np.median(gaps) * 1e3) if gaps else None
 
 
 def compare(tool, ours, time_scale):
