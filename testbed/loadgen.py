@@ -37,13 +37,15 @@ AIPERF_ENV = "TESTBED_AIPERF"        # path of an aiperf executable (e.g. in its
 
 
 def find_aiperf():
-    """The aiperf executable: $TESTBED_AIPERF, beside this Python, or on PATH; None if absent."""
+    """The aiperf executable: $TESTBED_AIPERF, beside this Python (pip install '.[aiperf]'),
+    in the repository's .venv-aiperf (`make aiperf`), or on PATH; None if absent."""
     env = os.environ.get(AIPERF_ENV)
     if env:
         return env if os.access(env, os.X_OK) else None
-    here = pathlib.Path(sys.executable).parent / "aiperf"
-    if os.access(here, os.X_OK):
-        return str(here)
+    for here in (pathlib.Path(sys.executable).parent / "aiperf",
+                 REPO / ".venv-aiperf" / "bin" / "aiperf"):
+        if os.access(here, os.X_OK):
+            return str(here)
     return shutil.which("aiperf")
 
 
