@@ -316,3 +316,31 @@ def test_served_workload_and_compare(tmp_path):
     assert c["completed"] == c["completed_testbed"] == c["paired"] == 2
     assert c["ttft_diff_ms_median"] == pytest.approx(20.0)
     assert c["ttft_diff_emulated_ms_median"] == pytest.approx(2.0)
+
+
+def test_aiperf_exports_are_read_and_compared(tmp_path, monkeypatch):
+    """aiperf 0.13's exports of a real aiperf run against the front door (3 requests, loopback,
+    the scheduler replaced by the stub above), read beside the front door's records."""
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(ROOT / "tests" / "data" / "aiperf_run", run)
+    monkeypatch.setenv(loadgen.AIPERF_ENV, "/bin/true")
+    exp = config.load_experiment(TINY, ["workload.client=aiperf", "scale.time=1",
+                                        "slo.ttft=30ms"])[0]
+    from testbed.metrics import build_requests, read_records
+    sent, done = read_records(run / "requests.jsonl")
+    df = build_requests(loadgen.served_workload(run, 1.0), sent, done, 1.0)
+    tool = loadgen.read_aiperf(run)
+    assert len(tool) == 3 and tool.ok.all()
+    s = loadgen.summarize(run, exp, df)
+    assert s["frontdoor"]["outcomes"] == {"ok": 3}
+    a = s["aiperf"]
+    assert a["request_count"] == 3 and a["errors"] == []
+    assert a["reported_ttft_ms"]["p50"] == pytest.approx(16.756737)
+    c = a["compare"]
+    assert c["paired"] == c["completed"] == c["completed_testbed"] == 3
+    # aiperf's clock starts before the request is written, so its TTFT is never below ours
+    assert c["ttft_diff_ms_median"] > 0
+    good = int((tool.ttft_s * 1e3 <= 30).sum())
+    span = (tool.start + tool.e2el_s).max() - tool.start.min()
+    assert a["request_goodput"] == pytest.approx(good / span)
