@@ -291,8 +291,13 @@ class Run:
             self._spawn(net, "frontdoor", "workers.frontdoor", rt, host="client", extra=[
                 "--out", str(self.dir / "requests.jsonl"),
                 "--http-log", str(self.dir / "frontdoor.jsonl")])
+        self._wait_ready(list(self.procs))
+        events("workers_ready", count=len(self.procs))
+
+    def _wait_ready(self, names):
+        """Wait (bounded) until every process in `names` has written its ready file."""
         deadline = time.monotonic() + READY_TIMEOUT_S
-        pending = set(self.procs)
+        pending = set(names)
         while pending:
             for name in list(pending):
                 if (self.dir / "ready" / name).exists():
@@ -303,8 +308,7 @@ class Run:
             if pending and time.monotonic() > deadline:
                 raise WorkerError(f"not ready after {READY_TIMEOUT_S:.0f}s: "
                                   f"{', '.join(sorted(pending))}; see {self.dir}/logs/")
-            time.sleep(0.05)
-        events("workers_ready", count=len(self.procs))
+            time.sleep(0.01)
 
     def _probe(self, net):
         from testbed.net.probe import measure_link
@@ -339,14 +343,23 @@ class Run:
 
     def _drive(self, net, rt, workload, events):
         records = self.dir / "requests.jsonl"
-        start_at = time.time() + 0.5
-        self.meta["client_start_at"] = start_at
-        if self.exp.workload.client == "builtin":
+        builtin = self.exp.workload.client == "builtin"
+        if builtin:
+            start_file = self.dir / "ready" / "start_at"
             self._spawn(net, "client", "workers.client", rt,
                         ["--workload", str(self.dir / "workload.parquet"), "--out", str(records),
-                         "--start-at", f"{start_at:.6f}"])
-        else:                           # command or aiperf, through the front door
+                         "--start-file", str(start_file)])
+            self._wait_ready(["client"])
+        # Arrival 0 is chosen once the client is ready, so the client's start-up time (seconds
+        # on a loaded machine) never shifts the arrivals against link changes and faults.
+        start_at = time.time() + 0.1
+        if builtin:
+            tmp = start_file.with_suffix(".tmp")
+            tmp.write_text(f"{start_at:.6f}")
+            tmp.rename(start_file)
+        else:       # command or aiperf through the front door (ready with the workers)
             loadgen.start_client(self, net, rt, workload)
+        self.meta["client_start_at"] = start_at
         events("client_started", requests=len(workload))
         progress = Progress(records, len(workload), self.exp.label, self.progress)
         from testbed import faults
