@@ -163,7 +163,7 @@ def summarize(run_dir, exp, df):
         "http_status": {str(k): int(v) for k, v in pd.Series(
             [r["http_status"] for r in http], dtype=object).value_counts().items()},
         # What the front door itself adds to a client's TTFT: arrival (headers read) to the
-        # Submit, and first token received to first token written (emulated ms, median).
+        # Submit, and first token received to handed to the connection (emulated ms, median).
         "overhead_emulated_ms_median": _overhead_ms(http, run_dir),
         "client_minus_testbed_ttft_ms": None}}
     if exp.workload.client == "aiperf":

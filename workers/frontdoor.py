@@ -21,7 +21,7 @@ so the prefix cache sees shared prefixes.
 Records, in the run directory: `requests.jsonl` (the built-in client's format: `sent` and `done`
 lines, TTFT from the Submit call to its first token, so `testbed analyse` works unchanged) and
 `frontdoor.jsonl`, one `http` line per HTTP request: arrival (headers read), the first and last
-token written to the client, tokens, HTTP status, outcome (`ok`, `failed`, `rejected`,
+token handed to the client's connection, tokens, HTTP status, outcome (`ok`, `failed`, `rejected`,
 `disconnected`) and error. Bad requests get OpenAI-style JSON errors (`{"error": {"message",
 "type", "param", "code"}}`): malformed JSON or fields 400, an unknown model 404, a body over the
 size limit 413, a prompt plus `max_tokens` beyond `workload.frontdoor.max_context` 400
@@ -284,13 +284,13 @@ class FrontDoor:
                     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                        "Cache-Control": "no-cache"})
                     await resp.prepare(request)
+                now = time.time()        # handed to the HTTP connection (the write may
+                row["first_token"] = row["first_token"] or now   # return after the client
+                row["last_token"] = now                         # has read it)
                 await resp.write(b"".join(
                     _sse(self._chunk(cid, chat, TOKEN_TEXT, first=(n_out == 0 and i == 0)))
                     for i in range(n)))
                 n_out += n
-                now = time.time()
-                row["first_token"] = row["first_token"] or now
-                row["last_token"] = now
         except grpc.aio.AioRpcError as e:
             error = f"scheduler: {e.code().name}: {e.details()}"
         except (asyncio.CancelledError, ConnectionError) as e:
