@@ -25,7 +25,8 @@ async def one(session, url, model, row, out):
     rec = {"i": row["i"], "start": time.time(), "first": None, "last": None, "tokens": 0,
            "ok": False, "error": ""}
     try:
-        async with session.post(f"{url}/v1/completions", json=body) as r:
+        async with session.post(f"{url}/v1/completions", json=body,
+                                headers={"X-Request-Id": str(row["i"])}) as r:
             if r.status != 200:
                 rec["error"] = f"HTTP {r.status}: {(await r.text())[:200]}"
             else:

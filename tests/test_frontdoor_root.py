@@ -57,15 +57,18 @@ def test_command_client_through_the_front_door(tmp_path):
     assert sorted(ours.input_len) == sorted(pd.read_parquet(out / "workload.parquet").input_len)
     c = loadgen.compare(tool, ours, summary["scale_time"])
     assert c["paired"] == 12 and c["completed"] == c["completed_testbed"] == 12
-    # Paired in start order, each request's times are causal across the three records (one host
+    # Each request's times are causal across the three records (one host
     # clock): the client sends, the front door receives and submits, the decode worker's first
     # token reaches the front door, is written, and then read by the client. So the client's
     # TTFT is the testbed's plus the HTTP legs (sizes reported in summary.json, not timed here).
+    # Paired exactly by the client's X-Request-Id header, which the front door records.
     t = pd.DataFrame([json.loads(x) for x in (out / "stream_client.jsonl").read_text()
-                      .splitlines()]).sort_values("start").reset_index(drop=True)
-    h = pd.DataFrame([x for x in http if x["outcome"] == "ok"]).sort_values(
-        "arrival").reset_index(drop=True)
-    o = ours.sort_values("send_time").reset_index(drop=True)
+                      .splitlines()]).sort_values("i").reset_index(drop=True)
+    h = pd.DataFrame([x for x in http if x["outcome"] == "ok"])
+    h["i"] = h.client_request_id.astype(int)
+    h = h.sort_values("i").reset_index(drop=True)
+    assert h.i.tolist() == t.i.tolist()
+    o = ours.set_index("id").loc[h.id].reset_index()
     assert (t.start <= h.arrival).all() and (h.arrival <= o.send_time).all()
     assert (o.send_time < o.first_token).all() and (o.first_token <= h.first_token).all()
     assert (h.first_token <= t["first"]).all() and (o.last_token <= t["last"]).all()

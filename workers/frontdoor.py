@@ -223,7 +223,10 @@ class FrontDoor:
     async def serve(self, request, chat):
         arrival = time.time()
         row = {"ev": "http", "id": None, "arrival": arrival, "endpoint": request.path,
-               "first_token": None, "last_token": None, "n_tokens": 0}
+               "first_token": None, "last_token": None, "n_tokens": 0,
+               # a client's own id for the request (aiperf sends both), to pair records exactly
+               "client_request_id": request.headers.get("X-Request-Id")
+               or request.headers.get("X-Correlation-Id")}
         try:
             try:
                 raw = await request.read()
