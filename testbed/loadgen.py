@@ -183,14 +183,17 @@ def _overhead_ms(http, run_dir):
 
 
 def compare(tool, ours, time_scale):
-    """A client's own per-request records beside the front door's, paired in start order (both
-    number requests in the order they were sent; the front door in arrival order).
+    """A client's own per-request records beside the front door's, paired by id where the tool
+    sent one (`our_id`: the front door's id of its X-Request-Id), else in start order (the
+    front door numbers requests in arrival order).
 
     `tool`: DataFrame with `start` (Unix s), `ttft_s` (emulated s, NaN if none) and `ok`;
     `ours`: requests.parquet rows. Times in the result are real-world ms (x scale.time), with
     the emulated per-request difference beside them."""
     t = tool.sort_values("start").reset_index(drop=True)
     o = ours.sort_values("send_time").reset_index(drop=True)
+    if "our_id" in t and t.our_id.notna().all() and t.our_id.isin(ours.id).all():
+        o = ours.set_index("id").loc[t.our_id.astype(int)].reset_index()   # paired by id
     n = min(len(t), len(o))
     both = (t.ok[:n].to_numpy() & (o.status[:n] == "ok").to_numpy())
     diff = (t.ttft_s[:n].to_numpy() * 1e3 * time_scale - o.ttft_ms[:n].to_numpy())[both]
@@ -220,10 +223,11 @@ def read_aiperf(run_dir):
         lat = m.get("request_latency", {}).get("value")
         ok = not obj.get("error") and not meta.get("was_cancelled") and ttft is not None
         rows.append({"start": meta.get("request_start_ns", 0) / 1e9,
+                     "rid": meta.get("x_request_id"),
                      "ttft_s": ttft / 1e3 if ttft is not None else np.nan,
                      "e2el_s": lat / 1e3 if lat is not None else np.nan,
                      "n_out": m.get("output_sequence_length", {}).get("value"), "ok": ok})
-    return pd.DataFrame(rows, columns=["start", "ttft_s", "e2el_s", "n_out", "ok"])
+    return pd.DataFrame(rows, columns=["start", "rid", "ttft_s", "e2el_s", "n_out", "ok"])
 
 
 def aiperf_summary(run_dir, exp, df):
@@ -241,6 +245,8 @@ def aiperf_summary(run_dir, exp, df):
            "reported_ttft_ms": {k: ttft[k] * T for k in ("avg", "p50", "p90", "p99")
                                 if ttft.get(k) is not None}}
     tool = read_aiperf(run_dir)
+    ids = {h.get("client_request_id"): h["id"] for h in read_http(run_dir)}
+    tool["our_id"] = tool.rid.map(ids)       # aiperf's X-Request-Id as the front door saw it
     out["compare"] = compare(tool, df, T)
     slo = exp.slo.objectives_ms()
     if slo and len(tool):

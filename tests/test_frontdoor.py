@@ -336,7 +336,10 @@ def test_aiperf_exports_are_read_and_compared(tmp_path, monkeypatch):
     assert s["frontdoor"]["outcomes"] == {"ok": 3}
     a = s["aiperf"]
     assert a["request_count"] == 3 and a["errors"] == []
-    assert a["reported_ttft_ms"]["p50"] == pytest.approx(16.756737)
+    assert a["reported_ttft_ms"]["p50"] == pytest.approx(19.613935)
+    # paired exactly: aiperf's X-Request-Id is in the front door's records
+    ids = {h["client_request_id"]: h["id"] for h in loadgen.read_http(run)}
+    assert sorted(ids) == sorted(tool.rid) and sorted(ids.values()) == [0, 1, 2]
     c = a["compare"]
     assert c["paired"] == c["completed"] == c["completed_testbed"] == 3
     # aiperf's clock starts before the request is written, so its TTFT is never below ours
