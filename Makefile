@@ -36,7 +36,7 @@ TORCH_CHECK := $(PY) -W ignore -c 'import sys, torch; cuda = torch.version.cuda 
   sys.exit(0 if cuda == ("$(TORCH)" == "cuda") else \
   "torch " + torch.__version__ + " is not a $(TORCH) build")'
 
-.PHONY: all deps apt-deps proto demo test unit bench clean-run distclean FORCE
+.PHONY: all deps apt-deps aiperf proto demo test unit bench clean-run distclean FORCE
 
 all: deps
 
@@ -77,6 +77,16 @@ $(VENV)/.torch: FORCE
 	@mkdir -p $(VENV)
 	@[ "$$(cat $@ 2>/dev/null)" = "$(TORCH)" ] || echo "$(TORCH)" > $@
 
+# aiperf (workload.client: aiperf) in a venv of its own: it pins pandas~=2.3.3, older than the
+# testbed's; testbed/loadgen.py finds .venv-aiperf/bin/aiperf (or $$TESTBED_AIPERF).
+AIPERF_VERSION ?= 0.13.0
+aiperf: .venv-aiperf/.installed
+
+.venv-aiperf/.installed:
+	test -x .venv-aiperf/bin/python || /usr/bin/python3 -m venv .venv-aiperf
+	.venv-aiperf/bin/python -m pip install -q --disable-pip-version-check 'aiperf==$(AIPERF_VERSION)'
+	touch $@
+
 # The gRPC stubs are committed (a plain `pip install .` needs no grpcio-tools); after editing
 # the .proto, `make proto` regenerates them (tests/test_proto.py fails until then). Compiled
 # from the repository root so the grpc module imports `from testbed.proto import testbed_pb2`.
@@ -99,4 +109,4 @@ clean-run:
 	$(PY) -m testbed.cli clean
 
 distclean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) .venv-aiperf *.egg-info

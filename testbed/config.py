@@ -777,8 +777,9 @@ def validate(raw, path=None, sweep_point=None, traces_read=None):
         if e.path:
             raise
         raise ConfigError(str(e), path=path) from None
-    from testbed import faults
+    from testbed import faults, loadgen
     faults.check(exp, path)
+    loadgen.check(exp, path)
     return dataclasses.replace(exp, label=label)
 
 

@@ -449,6 +449,9 @@ def analyse(run_dir, exp):
     """requests.jsonl + workload.parquet + timeseries.csv -> requests.parquet, summary.json."""
     d = pathlib.Path(run_dir)
     workload = pd.read_parquet(d / "workload.parquet")
+    if exp.workload.client != "builtin":     # what the front door received (testbed/loadgen.py)
+        from testbed import loadgen
+        workload = loadgen.served_workload(d, exp.scale.time)
     sent, done = read_records(d / "requests.jsonl")
     df = build_requests(workload, sent, done, exp.scale.time)
     df["slo_ok"] = meets_slo(df, exp.slo.objectives_ms())
@@ -479,6 +482,9 @@ def analyse(run_dir, exp):
         summary["warnings"].append(f"incomplete run: {summary['incomplete_reason']}")
     from testbed import faults     # accounting, recovery per injected fault
     summary.update(faults.analyse(d, exp, df))
+    if exp.workload.client != "builtin":
+        from testbed import loadgen
+        summary.update(loadgen.summarize(d, exp, df))
     (d / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 

@@ -23,7 +23,7 @@ import time
 
 import yaml
 
-from testbed import __version__, config, kvwire, lifecycle, metrics, ownership, plot
+from testbed import __version__, config, kvwire, lifecycle, loadgen, metrics, ownership, plot
 from testbed.errors import ConfigError, PrivilegeError, RunInterrupted, WorkerError
 from testbed.measure import CounterSampler, EventLog
 from testbed.workload import generate
@@ -134,6 +134,7 @@ def runtime_for(exp, net):
         "request_timeout_s": exp.run.request_timeout / t,
         "drain_timeout_s": exp.run.drain_timeout / t,
         "instances": inst,
+        "frontdoor": loadgen.runtime(exp),
     }
 
 
@@ -257,12 +258,13 @@ class Run:
         cc = self.exp.network.congestion_control
         return _system_cc() if cc == "system" else cc
 
-    def _spawn(self, net, name, module, rt, extra=()):
+    def _spawn(self, net, name, module, rt, extra=(), host=None):
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         env[kvwire.CC_ENV] = self.congestion_control()
         argv = [sys.executable, "-m", module, "--runtime", str(self.dir / "runtime.json"),
                 "--name", name, *extra]
-        self.procs[name] = net.popen(name, argv, self.dir / "logs" / f"{name}.log", env=env)
+        self.procs[name] = net.popen(host or name, argv, self.dir / "logs" / f"{name}.log",
+                                     env=env)
 
     def _stop_processes(self):
         """SIGTERM every process of the run (client first), then SIGKILL what is left."""
@@ -285,6 +287,10 @@ class Run:
             if inst["role"] in ("prefill", "decode", "cachepool"):
                 self._spawn(net, name, f"workers.{inst['role']}", rt)
         self._spawn(net, "scheduler", "workers.scheduler", rt)
+        if self.exp.workload.client != "builtin":     # an external client's front door
+            self._spawn(net, "frontdoor", "workers.frontdoor", rt, host="client", extra=[
+                "--out", str(self.dir / "requests.jsonl"),
+                "--http-log", str(self.dir / "frontdoor.jsonl")])
         self._wait_ready(list(self.procs))
         events("workers_ready", count=len(self.procs))
 
@@ -337,17 +343,22 @@ class Run:
 
     def _drive(self, net, rt, workload, events):
         records = self.dir / "requests.jsonl"
-        start_file = self.dir / "ready" / "start_at"
-        self._spawn(net, "client", "workers.client", rt,
-                    ["--workload", str(self.dir / "workload.parquet"), "--out", str(records),
-                     "--start-file", str(start_file)])
-        self._wait_ready(["client"])
+        builtin = self.exp.workload.client == "builtin"
+        if builtin:
+            start_file = self.dir / "ready" / "start_at"
+            self._spawn(net, "client", "workers.client", rt,
+                        ["--workload", str(self.dir / "workload.parquet"), "--out", str(records),
+                         "--start-file", str(start_file)])
+            self._wait_ready(["client"])
         # Arrival 0 is chosen once the client is ready, so the client's start-up time (seconds
         # on a loaded machine) never shifts the arrivals against link changes and faults.
         start_at = time.time() + 0.1
-        tmp = start_file.with_suffix(".tmp")
-        tmp.write_text(f"{start_at:.6f}")
-        tmp.rename(start_file)
+        if builtin:
+            tmp = start_file.with_suffix(".tmp")
+            tmp.write_text(f"{start_at:.6f}")
+            tmp.rename(start_file)
+        else:       # command or aiperf through the front door (ready with the workers)
+            loadgen.start_client(self, net, rt, workload)
         self.meta["client_start_at"] = start_at
         events("client_started", requests=len(workload))
         progress = Progress(records, len(workload), self.exp.label, self.progress)

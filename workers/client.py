@@ -43,6 +43,64 @@ def _prefill_fields(p):
             "cache_fetch_s": p.cache_fetch_s}
 
 
+class Tracker:
+    """One request's record, built from the scheduler's token chunks as they arrive: the first
+    and last token's arrival here, every token's decode stamp and arrival, and from the last
+    chunk the route, the prefill worker's report and any re-dispatches."""
+
+    def __init__(self, req, send):
+        self.req = req
+        self.out = {"ev": "done", "id": req.id, "send_time": send, "first_token": None,
+                    "last_token": None, "n_tokens": 0, "status": "failed", "error": ""}
+        self.token_times, self.client_times = [], []
+
+    def add(self, chunk, now):
+        """Take one chunk received at `now`; returns its number of tokens."""
+        out = self.out
+        if chunk.times:
+            if out["first_token"] is None:
+                out["first_token"] = now
+            out["last_token"] = now
+            out["n_tokens"] += len(chunk.times)
+            self.token_times.extend(chunk.times)
+            self.client_times.extend([now] * len(chunk.times))
+        if chunk.done:
+            out["status"], out["error"] = chunk.status or "failed", chunk.error
+            out.update(route=chunk.route.kind, decode_instance=chunk.route.decode or
+                       chunk.decode_instance, threshold=chunk.route.threshold,
+                       kv_recv_start=chunk.kv_recv_start or None,
+                       kv_recv_end=chunk.kv_recv_end or None,
+                       kv_bytes=chunk.kv_recv_bytes, decode_join=chunk.decode_join or None,
+                       kv_attempt=chunk.kv_attempt, attempts=chunk.attempts,
+                       redispatches=[{"time": r.time, "role": r.role,
+                                      "from": r.from_instance, "to": r.to_instance,
+                                      "reason": r.reason} for r in chunk.redispatches],
+                       planned_cached_len=chunk.route.cached_len,
+                       cache_source=chunk.route.cache_source,
+                       prefix_transfer_bytes=chunk.route.prefix_transfer_bytes,
+                       lookup_local=chunk.route.lookup_local,
+                       lookup_prfaas=chunk.route.lookup_prfaas,
+                       decode_cached_len=chunk.decode_cached_len,
+                       decode_cache_bytes=chunk.cache_fetch_bytes)
+            out.update(_prefill_fields(chunk.prefill))
+            if not out.get("prefill_instance"):
+                out["prefill_instance"] = chunk.route.prefill
+        return len(chunk.times)
+
+    def record(self, error=None, end=True):
+        """The `done` line: `error` is the reason of a request that did not end `ok` (a stream
+        broken or cut short); one that ended `ok` with fewer tokens than asked for fails too."""
+        out = self.out
+        if error is not None and out["status"] != "ok":
+            out["status"], out["error"] = "failed", error
+        if out["status"] == "ok" and out["n_tokens"] < self.req.output_len:
+            out["status"], out["error"] = "failed", (f"only {out['n_tokens']} of "
+                                                     f"{self.req.output_len} tokens")
+        if end:
+            out["end_time"] = time.time()      # when the stream ended here (a failure's time)
+        return {**out, "token_times": self.token_times, "client_times": self.client_times}
+
+
 async def one_request(stub, row, scheduled, rec, timeout_s):
     req = pb.Request(id=int(row.id), input_len=int(row.input_len),
                      output_len=int(row.output_len), cached_len=int(getattr(row, "cached_len", 0)))
@@ -53,51 +111,18 @@ async def one_request(stub, row, scheduled, rec, timeout_s):
     req.send_time = send
     rec.write({"ev": "sent", "id": req.id, "send_time": send, "scheduled": scheduled,
                "lateness_s": send - scheduled})
-    out = {"ev": "done", "id": req.id, "send_time": send, "first_token": None,
-           "last_token": None, "n_tokens": 0, "status": "failed", "error": ""}
-    token_times, client_times = [], []
+    track = Tracker(req, send)
+    error = None
     try:
         call = stub.Submit(req, timeout=timeout_s)
         async for chunk in call:
-            now = time.time()
-            if chunk.times:
-                if out["first_token"] is None:
-                    out["first_token"] = now
-                out["last_token"] = now
-                out["n_tokens"] += len(chunk.times)
-                token_times.extend(chunk.times)
-                client_times.extend([now] * len(chunk.times))
-            if chunk.done:
-                out["status"], out["error"] = chunk.status or "failed", chunk.error
-                out.update(route=chunk.route.kind, decode_instance=chunk.route.decode or
-                           chunk.decode_instance, threshold=chunk.route.threshold,
-                           kv_recv_start=chunk.kv_recv_start or None,
-                           kv_recv_end=chunk.kv_recv_end or None,
-                           kv_bytes=chunk.kv_recv_bytes, decode_join=chunk.decode_join or None,
-                           kv_attempt=chunk.kv_attempt, attempts=chunk.attempts,
-                           redispatches=[{"time": r.time, "role": r.role,
-                                          "from": r.from_instance, "to": r.to_instance,
-                                          "reason": r.reason} for r in chunk.redispatches],
-                           planned_cached_len=chunk.route.cached_len,
-                           cache_source=chunk.route.cache_source,
-                           prefix_transfer_bytes=chunk.route.prefix_transfer_bytes,
-                           lookup_local=chunk.route.lookup_local,
-                           lookup_prfaas=chunk.route.lookup_prfaas,
-                           decode_cached_len=chunk.decode_cached_len,
-                           decode_cache_bytes=chunk.cache_fetch_bytes)
-                out.update(_prefill_fields(chunk.prefill))
-                if not out.get("prefill_instance"):
-                    out["prefill_instance"] = chunk.route.prefill
+            track.add(chunk, time.time())
     except grpc.aio.AioRpcError as e:
-        out["error"] = f"scheduler: {e.code().name}: {e.details()}"
+        error = f"scheduler: {e.code().name}: {e.details()}"
     except asyncio.CancelledError:
-        out["error"] = "run ended before the request finished"
-        rec.write({**out, "token_times": token_times, "client_times": client_times})
+        rec.write(track.record("run ended before the request finished", end=False))
         raise
-    if out["status"] == "ok" and out["n_tokens"] < req.output_len:
-        out["status"], out["error"] = "failed", f"only {out['n_tokens']} of {req.output_len} tokens"
-    out["end_time"] = time.time()      # when the stream ended here (a failure's time)
-    rec.write({**out, "token_times": token_times, "client_times": client_times})
+    rec.write(track.record(error))
 
 
 async def _read_start(path, timeout_s=60.0):

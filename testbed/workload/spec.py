@@ -142,8 +142,51 @@ class TraceSpec:
                          "(drop it, count it, report the count)")
 
 
+def _command(value):
+    import shlex
+    value = string(value)
+    try:
+        argv = shlex.split(value)
+    except ValueError as e:
+        raise ValueError(f"cannot split the command line ({e})") from None
+    if not argv:
+        raise ValueError("expected a command line, got an empty one")
+    return value
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FrontdoorSpec:
+    """The OpenAI-compatible front door (workers/frontdoor.py) external clients drive."""
+
+    port: int = spec(integer(1, 65535), 8000, "TCP port it listens on, in the client host")
+    max_context: int = spec(positive(units.tokens), 131072,
+                            "prompt + max_tokens above this is refused with HTTP 400 "
+                            "context_length_exceeded (128Ki)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AiperfSpec:
+    endpoint: str = spec(choice("completions", "chat"), "completions",
+                         "aiperf --endpoint-type: /v1/completions or /v1/chat/completions")
+    args: str = spec(optional(_command), None,
+                     "more aiperf profile arguments (split like a shell), e.g. '--workers-max 2'")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class WorkloadSpec:
+    client: str = spec(choice("builtin", "command", "aiperf"), "builtin",
+                       "builtin: the testbed's gRPC client sends the workload | command: "
+                       "`workload.command` drives the OpenAI front door | aiperf: aiperf "
+                       "replays the workload against it (docs/frontdoor.md)")
+    command: str = spec(optional(_command), None,
+                        "client command: a command line run in the client host, split like a "
+                        "shell but not run by one; {url} (front door base URL, "
+                        "http://IP:PORT), {model}, {trace} (the workload as a mooncake trace, "
+                        "emulated ms) and {run_dir} are replaced")
+    frontdoor: FrontdoorSpec = spec(section(FrontdoorSpec), factory=FrontdoorSpec,
+                                    doc="the OpenAI-compatible front door (client command, aiperf)")
+    aiperf: AiperfSpec = spec(section(AiperfSpec), factory=AiperfSpec,
+                              doc="client aiperf: how aiperf is run")
     trace: TraceSpec = spec(optional(section(TraceSpec)), None,
                             doc="a request trace to replay or sample from")
     arrival: ArrivalSpec = spec(section(ArrivalSpec), factory=ArrivalSpec, doc="when requests arrive")
@@ -167,6 +210,10 @@ class WorkloadSpec:
                     getattr(self, name), dist="trace" if traced else "fixed"))
 
     def check(self):
+        if self.client == "command" and self.command is None:
+            raise ValueError("client command needs workload.command (the command line to run)")
+        if self.command is not None and self.client != "command":
+            raise ValueError(f"command is set but client is {self.client}; set client: command")
         for name in ("arrival", "input", "output"):
             try:
                 getattr(self, name).check()

@@ -1,0 +1,265 @@
+"""External load generators: `workload.client: command | aiperf` drive a run through the front door.
+
+With an external client the runner starts the OpenAI-compatible front door
+(workers/frontdoor.py) in the client host beside the other workers, then, instead of the
+built-in client, the tool, in the same host's network namespace:
+
+- `command`: `workload.command`, split like a shell (shlex; no shell runs it) with `{url}` (the
+  front door's base URL, `http://IP:PORT`), `{model}`, `{trace}` (the run's workload as a
+  mooncake trace, `trace.jsonl`, timestamps in emulated ms) and `{run_dir}` replaced;
+- `aiperf`: `aiperf profile` replaying `trace.jsonl` with `--fixed-schedule` against the front
+  door, streaming, with the tokenizer of testbed/tokenizer/ (the front door's own rule), its
+  artifacts in `aiperf/` of the run directory.
+
+Its output goes to logs/client.log; the run waits for it to exit, bounded like the built-in
+client's drain. The front door's records (requests.jsonl in the built-in client's format,
+frontdoor.jsonl per HTTP request) are what the analysis reads: `served_workload` is the request
+list as it arrived (the front door numbers requests in arrival order), and `summarize` adds the
+front door's HTTP outcomes and, for aiperf, aiperf's own metrics beside ours (summary.json
+`frontdoor`, `aiperf`).
+"""
+
+import json
+import os
+import pathlib
+import shlex
+import shutil
+import sys
+
+import numpy as np
+import pandas as pd
+
+from testbed.errors import ConfigError
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+TOKENIZER = pathlib.Path(__file__).resolve().parent / "tokenizer"
+AIPERF_ENV = "TESTBED_AIPERF"        # path of an aiperf executable (e.g. in its own venv)
+
+
+def find_aiperf():
+    """The aiperf executable: $TESTBED_AIPERF, beside this Python (pip install '.[aiperf]'),
+    in the repository's .venv-aiperf (`make aiperf`), or on PATH; None if absent."""
+    env = os.environ.get(AIPERF_ENV)
+    if env:
+        return env if os.access(env, os.X_OK) else None
+    for here in (pathlib.Path(sys.executable).parent / "aiperf",
+                 REPO / ".venv-aiperf" / "bin" / "aiperf"):
+        if os.access(here, os.X_OK):
+            return str(here)
+    return shutil.which("aiperf")
+
+
+def check(exp, path=None):
+    """A client that cannot start is refused before anything is built (ConfigError)."""
+    w = exp.workload
+    if w.client == "aiperf" and find_aiperf() is None:
+        raise ConfigError(f"client aiperf: aiperf is not installed; pip install '.[aiperf]' "
+                          f"(or name its executable in ${AIPERF_ENV})", path=path,
+                          key="workload.client")
+    if w.client == "command":
+        exe = shlex.split(w.command)[0]
+        if shutil.which(exe) is None:
+            raise ConfigError(f"command {exe!r} not found (not an executable file or on PATH)",
+                              path=path, key="workload.command")
+
+
+def runtime(exp):
+    """The front door's entry in runtime.json."""
+    f = exp.workload.frontdoor
+    return {"port": f.port, "max_context": f.max_context, "model": exp.model.profile}
+
+
+def url(rt):
+    return f"http://{rt['instances']['client']['ip']}:{rt['frontdoor']['port']}"
+
+
+def write_trace(run_dir, workload, time_scale):
+    """workload.parquet as a mooncake trace (JSONL) on the emulated timeline: timestamp (ms),
+    input_length, output_length, hash_ids (only when the workload has prefix blocks)."""
+    path = pathlib.Path(run_dir) / "trace.jsonl"
+    with open(path, "w") as f:
+        for row in workload.itertuples(index=False):
+            obj = {"timestamp": int(round(row.arrival_s / time_scale * 1e3)),
+                   "input_length": int(row.input_len), "output_length": int(row.output_len)}
+            blocks = getattr(row, "prefix_blocks", None)
+            if blocks is not None and len(blocks):
+                obj["hash_ids"] = [int(b) for b in blocks]
+            f.write(json.dumps(obj) + "\n")
+    return path
+
+
+def client_argv(exp, rt, run_dir, trace):
+    """The tool's argv for `workload.client`."""
+    w = exp.workload
+    subst = {"{url}": url(rt), "{model}": rt["frontdoor"]["model"], "{trace}": str(trace),
+             "{run_dir}": str(run_dir)}
+    if w.client == "command":
+        argv = shlex.split(w.command)
+        for k, v in subst.items():
+            argv = [a.replace(k, v) for a in argv]
+        return argv
+    timeout = rt["request_timeout_s"]
+    return [find_aiperf(), "profile", "--model", rt["frontdoor"]["model"], "--url", url(rt),
+            "--endpoint-type", w.aiperf.endpoint, "--streaming",
+            "--input-file", str(trace), "--custom-dataset-type", "mooncake_trace",
+            "--fixed-schedule", "--tokenizer", str(TOKENIZER),
+            "--extra-inputs", "ignore_eos:true", "--request-timeout-seconds", f"{timeout:g}",
+            "--random-seed", str(exp.seed), "--ui-type", "none",
+            "--artifact-dir", str(pathlib.Path(run_dir) / "aiperf"),
+            *shlex.split(w.aiperf.args or "")]
+
+
+def start_client(run, net, rt, workload):
+    """Start the external tool in the client host; returns its process (the runner waits on
+    it as on the built-in client)."""
+    trace = write_trace(run.dir, workload, run.exp.scale.time)
+    argv = client_argv(run.exp, rt, run.dir, trace)
+    (run.dir / "client_argv.json").write_text(json.dumps(argv))
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = net.popen("client", argv, run.dir / "logs" / "client.log", env=env)
+    run.procs["client"] = proc
+    return proc
+
+
+# ---- analysis ----
+
+def _jsonl(path):
+    """The objects of a JSONL file, lines cut by a crash skipped; none if it is missing."""
+    p = pathlib.Path(path)
+    if not p.exists():
+        return
+    for line in p.read_text(errors="replace").splitlines():
+        try:
+            yield json.loads(line)
+        except ValueError:
+            continue
+
+
+def read_http(run_dir):
+    """frontdoor.jsonl's per-request `http` rows."""
+    return [o for o in _jsonl(pathlib.Path(run_dir) / "frontdoor.jsonl") if o.get("ev") == "http"]
+
+
+def served_workload(run_dir, time_scale):
+    """The request list as the front door received it (from requests.jsonl's `sent` lines):
+    id, arrival_s (real-world seconds after the first arrival), input_len, output_len."""
+    from testbed.metrics import read_records
+    sent, _ = read_records(pathlib.Path(run_dir) / "requests.jsonl")
+    rows = sorted(sent.values(), key=lambda s: s["id"])
+    t0 = min((s["scheduled"] for s in rows), default=0.0)
+    return pd.DataFrame({
+        "id": np.asarray([s["id"] for s in rows], dtype=np.int64),
+        "arrival_s": np.asarray([(s["scheduled"] - t0) * time_scale for s in rows], dtype=float),
+        "input_len": np.asarray([s.get("input_len", 0) for s in rows], dtype=np.int64),
+        "output_len": np.asarray([s.get("output_len", 0) for s in rows], dtype=np.int64)})
+
+
+def summarize(run_dir, exp, df):
+    """summary.json's `frontdoor` (HTTP outcomes) and, for aiperf, `aiperf` keys."""
+    http = read_http(run_dir)
+    out = {"frontdoor": {
+        "http_requests": len(http),
+        "outcomes": pd.Series([r["outcome"] for r in http], dtype=object).value_counts().to_dict(),
+        "http_status": {str(k): int(v) for k, v in pd.Series(
+            [r["http_status"] for r in http], dtype=object).value_counts().items()},
+        # What the front door itself adds to a client's TTFT: arrival (headers read) to the
+        # Submit, and first token received to handed to the connection (emulated ms, median).
+        "overhead_emulated_ms_median": _overhead_ms(http, run_dir),
+        "client_minus_testbed_ttft_ms": None}}
+    if exp.workload.client == "aiperf":
+        out["aiperf"] = aiperf_summary(run_dir, exp, df)
+        out["frontdoor"]["client_minus_testbed_ttft_ms"] = out["aiperf"].get(
+            "compare", {}).get("ttft_diff_ms_median")
+    return out
+
+
+def _overhead_ms(http, run_dir):
+    from testbed.metrics import read_records
+    sent, done = read_records(pathlib.Path(run_dir) / "requests.jsonl")
+    gaps = [(sent[h["id"]]["send_time"] - h["arrival"]) + (h["first_token"] - done[h["id"]][
+            "first_token"]) for h in http if h["outcome"] == "ok" and h["id"] in sent
+            and h["id"] in done and h["first_token"] and done[h["id"]]["first_token"]]
+    return float(np.median(gaps) * 1e3) if gaps else None
+
+
+def compare(tool, ours, time_scale):
+    """A client's own per-request records beside the front door's, paired by id where the tool
+    sent one (`our_id`: the front door's id of its X-Request-Id), else in start order (the
+    front door numbers requests in arrival order).
+
+    `tool`: DataFrame with `start` (Unix s), `ttft_s` (emulated s, NaN if none) and `ok`;
+    `ours`: requests.parquet rows. Times in the result are real-world ms (x scale.time), with
+    the emulated per-request difference beside them."""
+    t = tool.sort_values("start").reset_index(drop=True)
+    o = ours.sort_values("send_time").reset_index(drop=True)
+    if "our_id" in t and t.our_id.notna().all() and t.our_id.isin(ours.id).all():
+        o = ours.set_index("id").loc[t.our_id.astype(int)].reset_index()   # paired by id
+    n = min(len(t), len(o))
+    both = (t.ok[:n].to_numpy() & (o.status[:n] == "ok").to_numpy())
+    diff = (t.ttft_s[:n].to_numpy() * 1e3 * time_scale - o.ttft_ms[:n].to_numpy())[both]
+    start_gap = (t.start[:n].to_numpy() - o.send_time[:n].to_numpy())[both]
+    ok_t = t[t.ok]
+    ms = 1e3 * time_scale
+
+    def pct(x, q):
+        return float(np.percentile(x, q)) if len(x) else None
+    return {"requests": int(len(t)), "completed": int(t.ok.sum()),
+            "completed_testbed": int((ours.status == "ok").sum()), "paired": int(both.sum()),
+            "p50_ttft_ms": pct(ok_t.ttft_s * ms, 50), "p90_ttft_ms": pct(ok_t.ttft_s * ms, 90),
+            "mean_ttft_ms": float((ok_t.ttft_s * ms).mean()) if len(ok_t) else None,
+            "ttft_diff_ms_median": pct(diff, 50), "ttft_diff_ms_p90": pct(diff, 90),
+            "ttft_diff_emulated_ms_median": pct(diff / time_scale, 50),
+            "send_before_submit_ms_median": pct(-start_gap * 1e3, 50)}
+
+
+def read_aiperf(run_dir):
+    """aiperf's per-request records (profile_export.jsonl, profiling phase) as `compare` wants."""
+    rows = []
+    for obj in _jsonl(pathlib.Path(run_dir) / "aiperf" / "profile_export.jsonl"):
+        meta, m = obj.get("metadata", {}), obj.get("metrics", {})
+        if meta.get("benchmark_phase", "profiling") != "profiling":
+            continue
+        ttft = m.get("time_to_first_token", {}).get("value")
+        lat = m.get("request_latency", {}).get("value")
+        ok = not obj.get("error") and not meta.get("was_cancelled") and ttft is not None
+        rows.append({"start": meta.get("request_start_ns", 0) / 1e9,
+                     "rid": meta.get("x_request_id"),
+                     "ttft_s": ttft / 1e3 if ttft is not None else np.nan,
+                     "e2el_s": lat / 1e3 if lat is not None else np.nan,
+                     "n_out": m.get("output_sequence_length", {}).get("value"), "ok": ok})
+    return pd.DataFrame(rows, columns=["start", "rid", "ttft_s", "e2el_s", "n_out", "ok"])
+
+
+def aiperf_summary(run_dir, exp, df):
+    """aiperf's metrics beside ours: its aggregate TTFT (profile_export_aiperf.json, converted
+    to real-world ms) and the per-request comparison; goodput from its records under our SLO."""
+    d = pathlib.Path(run_dir) / "aiperf"
+    agg_path = d / "profile_export_aiperf.json"
+    if not agg_path.exists():
+        return {"error": f"no {agg_path.name} (see logs/client.log)"}
+    agg = json.loads(agg_path.read_text())
+    T = exp.scale.time
+    ttft = agg.get("time_to_first_token") or {}
+    out = {"request_count": (agg.get("request_count") or {}).get("avg"),
+           "errors": (agg.get("error_summary") or []),
+           "reported_ttft_ms": {k: ttft[k] * T for k in ("avg", "p50", "p90", "p99")
+                                if ttft.get(k) is not None}}
+    tool = read_aiperf(run_dir)
+    ids = {h.get("client_request_id"): h["id"] for h in read_http(run_dir)}
+    tool["our_id"] = tool.rid.map(ids)       # aiperf's X-Request-Id as the front door saw it
+    out["compare"] = compare(tool, df, T)
+    slo = exp.slo.objectives_ms()
+    if slo and len(tool):
+        good = tool.ok.copy()
+        if "ttft" in slo:
+            good &= tool.ttft_s * 1e3 * T <= slo["ttft"]
+        if "e2el" in slo:
+            good &= tool.e2el_s * 1e3 * T <= slo["e2el"]
+        if "tpot" in slo:
+            n = tool.n_out.astype(float)
+            tpot = ((tool.e2el_s - tool.ttft_s) / (n - 1)).where(n > 1, 0.0)
+            good &= tpot * 1e3 * T <= slo["tpot"]
+        ok = tool[tool.ok]
+        span = ((ok.start + ok.e2el_s).max() - tool.start.min()) * T if len(ok) else 0.0
+        out["request_goodput"] = int(good.sum()) / span if span > 0 else 0.0
+    return out
