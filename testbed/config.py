@@ -190,14 +190,22 @@ class AdaptiveSpec:
                          "prfaas: adapt the threshold to WAN egress and queue depths (short "
                          "timescale); `threshold` is the starting value")
     interval: float = spec(positive(_duration(MAX_INTERVAL_S, "1h")), 2.0,
-                           "control period (real-world)")
+                           "at most one threshold change per this (real-world); evaluated at "
+                           "every request and every interval without one")
+    window: float = spec(positive(_duration(MAX_INTERVAL_S, "1h")), 4.0,
+                         "egress utilisation and PrfaaS queue growth are measured over this "
+                         "(real-world)")
+    dwell: float = spec(_duration(MAX_INTERVAL_S, "1h"), 2.0,
+                        "hysteresis: a raise or lower signal must hold this long (real-world) "
+                        "before the threshold moves")
     egress_high: float = spec(units.probability, 0.8,
-                              "raise the threshold when measured egress / link rate is above this")
+                              "raise the threshold when measured egress / link rate is above this "
+                              "and the PrfaaS queue grows")
     egress_low: float = spec(units.probability, 0.3,
                              "lower it when egress is below this and PrfaaS queues are short")
     queue_ratio: float = spec(at_most(positive(units.number), 1e6, "1e6"), 1.5,
-                              "raise when PrfaaS queued work per instance exceeds local's by this "
-                              "factor; lower when it is below 1/this")
+                              "raise when the PrfaaS queue grows and its queued work per instance "
+                              "exceeds local's by this factor; lower when below 1/this")
     step: float = spec(at_most(positive(units.number), 10, "10"), 0.1,
                        "multiplicative step of each change")
     min: int = spec(units.tokens, 1024, "lowest threshold")

@@ -38,7 +38,8 @@ def _adaptive(exp):
     a = exp.scheduler.adaptive
     if not (a.enabled and exp.scheduler.policy == "prfaas"):
         return None
-    return {"interval_s": a.interval / exp.scale.time, "egress_high": a.egress_high,
+    return {"interval_s": a.interval / exp.scale.time, "window_s": a.window / exp.scale.time,
+            "dwell_s": a.dwell / exp.scale.time, "egress_high": a.egress_high,
             "egress_low": a.egress_low, "queue_ratio": a.queue_ratio, "step": a.step,
             "min": a.min, "max": a.max,
             # timeseries' kv_link_gbps is real-world Gbit/s; its kv_rate_bps is emulated bit/s

@@ -42,6 +42,7 @@ class SchedulerService(pbg.SchedulerServicer):
         self.stats = pb.SchedulerStats(threshold=rt["scheduler"]["threshold"])
         self.health = Health(self, rt, log)     # instance states, failover (workers/recovery.py)
         self.placer = None          # workers.placement.CachePlacer when the cache is on
+        self.controller = None      # workers.adaptive.ThresholdController when adaptive
         if rt.get("cache", {}).get("enabled"):
             from workers.placement import CachePlacer
             self.placer = CachePlacer(rt, self.router, lambda inst, l, cached: prof.t_prefill_cached(
@@ -80,6 +81,8 @@ class SchedulerService(pbg.SchedulerServicer):
             self.placer.observe(reply)
 
     async def Submit(self, req, context):
+        if self.controller is not None:     # short timescale: per request (workers/adaptive.py)
+            self.controller.on_request()
         async for chunk in Flight(self, req).run():
             yield chunk
 
@@ -101,8 +104,9 @@ async def main():
         tasks.append(asyncio.create_task(service.health.loop()))
     if rt["scheduler"].get("adaptive"):
         from workers.adaptive import ThresholdController
-        ctl = ThresholdController(service.router, rt["scheduler"]["adaptive"], rt["_dir"], log)
-        tasks.append(asyncio.create_task(ctl.run()))
+        service.controller = ThresholdController(service.router, rt["scheduler"]["adaptive"],
+                                                 rt["_dir"], log)
+        tasks.append(asyncio.create_task(service.controller.run()))
     common.mark_ready(rt, args.name)
     log.info("scheduler up on %s:%s, policy %s", inst["ip"], inst["grpc_port"],
              rt["scheduler"]["policy"])
