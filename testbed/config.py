@@ -219,6 +219,29 @@ class AdaptiveSpec:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class RolesSpec:
+    enabled: bool = spec(boolean, False,
+                         "prfaas: long timescale; every local instance is a dual-role worker and "
+                         "the scheduler re-plans N_p/N_d and t from the measured length mix, "
+                         "converting one instance at a time (workers/roles.py)")
+    interval: float = spec(positive(_duration(MAX_INTERVAL_S, "1h")), 30.0,
+                           "time between re-plans (real-world)")
+    window: float = spec(positive(_duration(MAX_INTERVAL_S, "1h")), 60.0,
+                         "re-plan from the requests that arrived within this (real-world)")
+    min_requests: int = spec(integer(2, 1_000_000), 20,
+                             "re-plan only when the window holds at least this many requests")
+    cost: float = spec(_duration(MAX_INTERVAL_S, "1h"), 5.0,
+                       "conversion delay after the drain (real-world): the instance serves "
+                       "nothing meanwhile")
+    gain: float = spec(units.probability, 0.05,
+                       "convert only when the planner predicts at least this relative gain in "
+                       "Lambda_max over the split in force (hysteresis)")
+    retune: bool = spec(boolean, True,
+                        "set the threshold to the planner's t for the measured mix at each "
+                        "re-plan (the short timescale, if on, adapts from there)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class SchedulerSpec:
     policy: str = spec(choice("homogeneous", "naive", "prfaas"), "prfaas",
                        "homogeneous: all local | naive: all prefill on PrfaaS | prfaas: threshold")
@@ -226,6 +249,8 @@ class SchedulerSpec:
                           "prfaas: offload requests longer than this (tokens; the paper's 19.4K)")
     adaptive: AdaptiveSpec = spec(section(AdaptiveSpec), factory=AdaptiveSpec,
                                   doc="short-timescale threshold control (docs in workers/adaptive.py)")
+    roles: RolesSpec = spec(section(RolesSpec), factory=RolesSpec,
+                            doc="long-timescale role conversion of local instances (workers/roles.py)")
     failover: FailoverSpec = spec(section(FailoverSpec), factory=FailoverSpec,
                                   doc="fall back to the other cluster when instances stop answering")
     placement: str = spec(choice("least_loaded", "cache_aware"), "least_loaded",
@@ -332,6 +357,13 @@ class Experiment:
         if pol == "prfaas" and (c.prfaas.instances < 1 or c.local.prefill < 1):
             raise ValueError("policy prfaas needs clusters.prfaas.instances >= 1 and "
                              "clusters.local.prefill >= 1")
+        if self.scheduler.roles.enabled:
+            if pol != "prfaas" or c.local.instances < 2:
+                raise ValueError("scheduler.roles needs policy prfaas and at least 2 local "
+                                 "instances")
+            if self.model.engine != "profile" or self.cache.enabled:
+                raise ValueError("scheduler.roles needs model.engine profile and cache.enabled "
+                                 "false (dual-role workers run the profile engines only)")
 
     def decode_model(self):
         """The decode step model (testbed.profile.DecodeModel) with this experiment's overrides,
@@ -555,7 +587,7 @@ def _check_workload(exp, base, traces_read):
                               f"only {len(trace)} rows; lower 'requests' or widen the window",
                               key="requests")
     else:
-        rate = a.mean_rate
+        rate = max([a.mean_rate] + [w.phase_specs(p)[0].mean_rate for p in w.phases])
         if exp.requests is not None:
             n = exp.requests
         elif exp.duration is not None:
