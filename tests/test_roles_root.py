@@ -21,8 +21,8 @@ def test_a_prefill_instance_becomes_decode_and_no_request_is_lost(tmp_path):
                         "--no-progress"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     df = pd.read_parquet(out / "requests.parquet")
-    assert len(df) == 40 and (df.status == "ok").all(), df[df.status != "ok"].error.tolist()
-    assert json.loads((out / "summary.json").read_text())["completed"] == 40
+    assert len(df) == 30 and (df.status == "ok").all(), df[df.status != "ok"].error.tolist()
+    assert json.loads((out / "summary.json").read_text())["completed"] == 30
     ev = pd.read_csv(out / "events.csv")
     roles = ev[ev.kind == "role"]
     drain = roles[roles.detail.str.contains("state=draining") &
