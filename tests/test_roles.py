@@ -54,7 +54,7 @@ def test_threshold_is_retuned_per_split():
     inp = planner_inputs(runtime(), *mix(9.9, 1024))
     d = replan(inp, 2, 4, 2, 0.05)
     assert set(d["threshold"]) == {1, 2, 3}
-    assert all(inp.lengths.min - 1 <= t < inp.lengths.max for t in d["threshold"].values())
+    assert all(inp.lengths.min <= t <= inp.lengths.max for t in d["threshold"].values())
 
 
 def test_roles_config_is_validated(tmp_path):

@@ -54,8 +54,7 @@ def replan(inp, n_prfaas, n_local, n_p_now, gain):
     """The decision for one measured mix: a dict with the best split and threshold, Lambda_max
     of the split in force (at its best t) and of the best, and `target` = the N_p to move
     toward (n_p_now when the gain is below `gain`)."""
-    v = inp.lengths.values          # t below the shortest offloads all, t = a length splits
-    ts = np.concatenate(([v[0] - 1], v[:-1]))
+    ts = inp.lengths.values[:-1] if inp.lengths.values.size > 1 else inp.lengths.values
     sp = plan.split(inp, ts, "expected")
     g = {k: np.asarray(v)[None, :] for k, v in sp.items()}
     n_p = np.arange(1, n_local, dtype=float)[:, None]
