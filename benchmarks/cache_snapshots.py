@@ -7,7 +7,7 @@ blocks ending at a snapshot, then stores its new blocks and the snapshots the po
 block, `testbed workload`). No network: it isolates what the snapshot policy costs
 (docs/cache.md).
 
-    .venv/bin/python benchmarks/cache_snapshots.py [experiments/prefix_cache.yaml] [--set k=v]
+    .venv/bin/python benchmarks/cache_snapshots.py [experiments/prefix_cache_mooncake.yaml] [--set k=v]
 """
 
 import argparse
@@ -41,7 +41,8 @@ def replay(blocks, lengths, every, block=512):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("file", nargs="?", default=str(ROOT / "experiments" / "prefix_cache.yaml"))
+    p.add_argument("file", nargs="?",
+                   default=str(ROOT / "experiments" / "prefix_cache_mooncake.yaml"))
     p.add_argument("--set", dest="overrides", action="append", default=[])
     args = p.parse_args()
     exp = load_experiment(args.file, args.overrides)[0]

@@ -19,6 +19,8 @@ payloads multiplied by `bytes`, the WAN rate becomes `rate * bytes * time` and d
 import copy
 import dataclasses
 import itertools
+import importlib.metadata
+import importlib.util
 import math
 import pathlib
 
@@ -74,7 +76,6 @@ def _torch_config(value):
     if not isinstance(value, dict):
         raise ValueError(f"expected a mapping of model config keys, got {value!r}")
     try:
-        import importlib.util
         if importlib.util.find_spec("torch") is None:   # found without importing it (fast)
             raise ModuleNotFoundError("No module named 'torch'")
         from workers.model.config import HybridConfig   # imports torch only for the dtype
@@ -141,6 +142,25 @@ class ModelSpec:
         if self.profile not in profiles.available():
             raise ValueError(f"profile: no profile {self.profile!r}; available: "
                              f"{', '.join(profiles.available())}")
+        if self.engine == "torch" and self.device == "cuda":
+            why = _no_cuda_reason()
+            if why:
+                raise ValueError(f"device: cuda, but {why}; use device: auto (CUDA when there "
+                                 f"is one) or cpu")
+
+
+def _no_cuda_reason(dev=pathlib.Path("/dev")):
+    """Why the torch engine could not use CUDA here ('' if it may), found without importing
+    torch: no NVIDIA device node, or a CPU-only PyTorch build."""
+    if not any(dev.glob("nvidia[0-9]*")):
+        return "this machine shows no NVIDIA GPU (no /dev/nvidia0)"
+    try:
+        version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return ""                      # the torch check says so
+    if version.endswith("+cpu"):
+        return f"the installed PyTorch {version} is a CPU-only build (make deps TORCH=cuda)"
+    return ""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -302,12 +322,12 @@ class RunSpec:
 class SloSpec:
     """Service-level objectives, as `vllm bench serve --goodput` and aiperf define them: a request
     is good when it completed and meets every objective given (real-world times)."""
-    ttft: float = spec(optional(positive(units.duration_s)), None,
-                       "time to first token at most this (real-world)")
-    tpot: float = spec(optional(positive(units.duration_s)), None,
+    ttft: float = spec(optional(positive(_duration(MAX_TIMEOUT_S, "1 day"))), None,
+                       "time to first token at most this (real-world; at most 1 day)")
+    tpot: float = spec(optional(positive(_duration(MAX_TIMEOUT_S, "1 day"))), None,
                        "time per output token after the first at most this (real-world)")
-    e2el: float = spec(optional(positive(units.duration_s)), None,
-                       "end-to-end latency at most this (real-world)")
+    e2el: float = spec(optional(positive(_duration(MAX_TIMEOUT_S, "1 day"))), None,
+                       "end-to-end latency at most this (real-world; at most 1 day)")
 
     def objectives_ms(self):
         """{metric: limit in ms} of the objectives that are set."""

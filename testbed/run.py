@@ -302,8 +302,13 @@ class Run:
             if inst["role"] in ("prefill", "decode", "cachepool"):
                 self._spawn(net, name, f"workers.{inst.get('worker', inst['role'])}", rt)
         self._spawn(net, "scheduler", "workers.scheduler", rt)
+        self._wait_ready(list(self.procs))
+        events("workers_ready", count=len(self.procs))
+
+    def _wait_ready(self, names):
+        """Wait (bounded) until every process in `names` has written its ready file."""
         deadline = time.monotonic() + READY_TIMEOUT_S
-        pending = set(self.procs)
+        pending = set(names)
         while pending:
             for name in list(pending):
                 if (self.dir / "ready" / name).exists():
@@ -314,8 +319,7 @@ class Run:
             if pending and time.monotonic() > deadline:
                 raise WorkerError(f"not ready after {READY_TIMEOUT_S:.0f}s: "
                                   f"{', '.join(sorted(pending))}; see {self.dir}/logs/")
-            time.sleep(0.05)
-        events("workers_ready", count=len(self.procs))
+            time.sleep(0.01)
 
     def _probe(self, net):
         from testbed.net.probe import measure_link
@@ -351,11 +355,18 @@ class Run:
 
     def _drive(self, net, rt, workload, events):
         records = self.dir / "requests.jsonl"
-        start_at = time.time() + 0.5
-        self.meta["client_start_at"] = start_at
+        start_file = self.dir / "ready" / "start_at"
         self._spawn(net, "client", "workers.client", rt,
                     ["--workload", str(self.dir / "workload.parquet"), "--out", str(records),
-                     "--start-at", f"{start_at:.6f}"])
+                     "--start-file", str(start_file)])
+        self._wait_ready(["client"])
+        # Arrival 0 is chosen once the client is ready, so the client's start-up time (seconds
+        # on a loaded machine) never shifts the arrivals against link changes and faults.
+        start_at = time.time() + 0.1
+        tmp = start_file.with_suffix(".tmp")
+        tmp.write_text(f"{start_at:.6f}")
+        tmp.rename(start_file)
+        self.meta["client_start_at"] = start_at
         events("client_started", requests=len(workload))
         progress = Progress(records, len(workload), self.exp.label, self.progress)
         from testbed import faults

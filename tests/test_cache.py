@@ -322,3 +322,20 @@ def test_a_prefix_slower_to_fetch_than_to_compute_is_not_used(tmp_path):
     pl.router.local[0].outstanding_s = 1.0
     _, p, _, info = asyncio.run(pl.place(_req(4000)))
     assert p.dc == "local" and info["cached_len"] == 512
+
+
+def test_a_prefix_move_ships_only_what_the_destination_lacks(tmp_path):
+    # A PrfaaS prefill left its KV in the local pool (decode stores it) but no KDA snapshot:
+    # moving the 16Ki prefix back needs only the snapshot, which rides with the last block.
+    view = CacheView(local_kv=16384, local_state=0, prfaas_kv=16384, prfaas_state=16384)
+    pl, _, moves = _placer(tmp_path, view)
+    _, p, _, info = asyncio.run(pl.place(_req(18000)))
+    assert p.dc == "local" and info["cache_source"] == "transfer"
+    assert moves == [("local", "prfaas", 1)] and info["cached_len"] == 16384
+    # Its estimated WAN time is that of one block and a snapshot, not of 32 blocks and one.
+    assert pl.move_start(16384, 16384) == 31 and pl.move_start(16384, 4096) == 8
+    assert pl.move_start(16384, 0) == 0 and pl.move_start(16384, 32768) == 31
+    pl.link, pl._checked = (0.0, 1e9), float("inf")         # an idle 1 Gbit/s emulated link
+    s = pl.sizes
+    assert pl.transfer_s(16384, 16384) == pytest.approx((s.kv + s.state) * 8 / 1e9)
+    assert pl.transfer_s(16384, 0) == pytest.approx((32 * s.kv + s.state) * 8 / 1e9)

@@ -113,11 +113,11 @@ def test_loss_measured_one_way(link_factory):
 
 def test_down_stops_traffic_and_up_restores(link_factory):
     link = link_factory(rate=50e6)
-    assert link.wan.set(up=False) < 0.05
+    link.wan.set(up=False)
     c, s = probe.measure_udp(link.src, link.dst, link.dst_ip, probes=20)
     assert s["got"]["p"] == 0 and not c["rtt_ns"]
     assert link.wan.stats()["kv"]["up"] is False
-    assert link.wan.set(up=True) < 0.05
+    link.wan.set(up=True)
     c, s = probe.measure_udp(link.src, link.dst, link.dst_ip, probes=20)
     assert len(c["rtt_ns"]) >= 19
 
@@ -131,8 +131,7 @@ def test_rate_change_shows_in_kernel_counters_within_100ms(link_factory):
         time.sleep(1.0)   # the flow is through slow start at 4 ms RTT (probe.WARMUP_S is 0.5 s)
         before = _rate_over(link.wan, 0.1)
         t_set = time.monotonic()
-        took = link.wan.set("kv", rate=20e6)
-        assert took < 0.05
+        link.wan.set("kv", rate=20e6)      # its apply time is benchmarks' business
         while time.monotonic() < t_set + 0.05:
             time.sleep(0.005)
         after = _rate_over(link.wan, 0.05)   # the window ends 100 ms after the change

@@ -19,6 +19,7 @@ import textwrap
 import pytest
 
 from testbed import cli
+from testbed.config import _no_cuda_reason
 from testbed.net.spec import netem_in_kernel
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -29,6 +30,8 @@ def corpus():
     files = sorted(CORPUS.glob("*.yaml"))
     if netem_in_kernel():       # valid on a kernel that has netem
         files = [f for f in files if f.name != "backend_netem_without_netem.yaml"]
+    if not _no_cuda_reason():   # valid on a machine with a GPU and a CUDA build
+        files = [f for f in files if f.name != "torch_cuda_without_gpu.yaml"]
     return files
 
 

@@ -84,16 +84,6 @@ def test_set_rejects_unknown_keys_before_touching_the_kernel():
         w.set(bandwidth=5)
 
 
-def test_load_trace(tmp_path):
-    f = tmp_path / "bw.csv"
-    f.write_text("time,rate\n0,100Mbit\n1.5s,50Mbit\n3,1e8\n")
-    rows = shaping.load_trace(f, time_scale=2.0, rate_scale=0.5)
-    assert rows == [(0.0, 50e6), (0.75, 25e6), (1.5, 50e6)]
-    f.write_text("time,rate\n2,1Mbit\n1,1Mbit\n")
-    with pytest.raises(ConfigError, match="non-decreasing"):
-        shaping.load_trace(f)
-
-
 def test_gilbert_chain_parameters():
     p_gb, p_bg = shaping.gilbert(0.01, 4)
     assert p_bg == 0.25

@@ -11,6 +11,7 @@ worker's per-token stamps come along for ITL.
 import argparse
 import asyncio
 import json
+import pathlib
 import time
 
 import grpc
@@ -99,6 +100,16 @@ async def one_request(stub, row, scheduled, rec, timeout_s):
     rec.write({**out, "token_times": token_times, "client_times": client_times})
 
 
+async def _read_start(path, timeout_s=60.0):
+    """Unix time of arrival 0, once the runner has written it to `path`."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"client: no start time in {path} after {timeout_s:.0f}s")
+        await asyncio.sleep(0.002)
+    return float(path.read_text())
+
+
 async def run(args):
     rt = common.load_runtime(args.runtime)
     sched = rt["instances"]["scheduler"]
@@ -109,7 +120,13 @@ async def run(args):
                                         options=common.grpc_options())
     await asyncio.wait_for(channel.channel_ready(), 10.0)
     stub = pbg.SchedulerStub(channel)
-    start = max(args.start_at, time.time())
+    start_at = args.start_at
+    if args.start_file:
+        # Ready (workload loaded, scheduler connected); the runner then picks arrival 0, the
+        # same instant its link schedule and faults count from, however long this start took.
+        common.mark_ready(rt, args.name)
+        start_at = await _read_start(pathlib.Path(args.start_file))
+    start = max(start_at, time.time())
     tasks = []
     for row in df.itertuples(index=False):
         at = start + row.arrival_s / scale
@@ -136,6 +153,8 @@ def main():
     p.add_argument("--workload", required=True, help="workload.parquet")
     p.add_argument("--out", required=True, help="requests.jsonl to append to")
     p.add_argument("--start-at", type=float, default=0.0, help="Unix time of arrival 0")
+    p.add_argument("--start-file", default="",
+                   help="say ready, then read the Unix time of arrival 0 from this file")
     args = p.parse_args()
     common.die_with_orchestrator()
     asyncio.run(run(args))

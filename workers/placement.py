@@ -52,6 +52,9 @@ class CacheView:
     def state(self, dc):
         return self.prfaas_state if dc == "prfaas" else self.local_state
 
+    def kv(self, dc):
+        return self.prfaas_kv if dc == "prfaas" else self.local_kv
+
 
 @dataclasses.dataclass(frozen=True)
 class ClusterChoice:
@@ -148,12 +151,22 @@ class CachePlacer:
         (lk, ls), (pk, ps) = await asyncio.gather(one("local"), one("prfaas"))
         return CacheView(lk, ls, pk, ps)
 
-    def transfer_s(self, tokens):
+    def move_start(self, tokens, have_kv):
+        """First block of a `tokens` prefix move that the destination lacks: a pool that already
+        holds the KV of leading blocks (e.g. the local pool, which decode instances fill with
+        the KV of PrfaaS prefills, but no snapshot) needs only the rest and the snapshot, which
+        rides with the last block."""
+        n = tokens // self.block
+        return max(0, min(have_kv // self.block, n - 1))
+
+    def transfer_s(self, tokens, have_kv=0):
+        """Estimated WAN time of moving a `tokens` prefix to a pool holding `have_kv` of its KV."""
         _, bps = self._link()
         if not bps or tokens <= 0:
             return 0.0
         util = self.link[0] or 0.0
-        nbytes = (tokens // self.block) * self.sizes.kv + self.sizes.state
+        n = tokens // self.block
+        nbytes = (n - self.move_start(tokens, have_kv)) * self.sizes.kv + self.sizes.state
         return nbytes * 8 / (bps * max(0.05, 1.0 - util))
 
     def kv_s(self, input_len, decode_cached):
@@ -219,7 +232,7 @@ class CachePlacer:
                 plans.append((self.plan_cost(inst, L, c, view.local_kv), inst, c, "", 0.0))
                 if choice.transfer_from:
                     there = choice.transfer_from
-                    t = self.transfer_s(view.state(there))
+                    t = self.transfer_s(view.state(there), view.kv(here))
                     c2 = self.worth(inst, L, view.state(there))
                     if c2 > c:
                         plans.append((self.plan_cost(inst, L, c2, view.local_kv, t), inst, c2,
@@ -236,7 +249,8 @@ class CachePlacer:
         _, inst, cached, move_from, _ = min(plans, key=lambda x: (x[0], x[1].name))
         moved = 0
         if move_from:
-            moved, ok = await self.pull(inst.dc, move_from, blocks[:cached // self.block])
+            start = self.move_start(cached, view.kv(inst.dc))
+            moved, ok = await self.pull(inst.dc, move_from, blocks[start:cached // self.block])
             if not ok:
                 cached = self.worth(inst, L, view.state(inst.dc))
         kind, p, d = r.route_to(inst.dc == "prfaas", L - cached, lambda i: 0 if i is inst else 1)

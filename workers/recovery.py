@@ -2,8 +2,10 @@
 
 `Health` keeps every prefill and decode instance's state. With failover on it health-checks them
 all (`health_interval_s`, `health_timeout_s`; down after two missed checks in a row, up again at
-the first answer, so a restarted worker rejoins); an RPC that finds an instance unreachable marks
-it down at once. Every transition is a `health` row in the run's events.csv.
+the first answer, so a restarted worker rejoins; a late answer does not count as a miss while the
+instance's tokens keep arriving, so an overloaded decode worker is not taken for a dead one); an
+RPC that finds an instance unreachable marks it down at once. Every transition is a `health` row
+in the run's events.csv.
 
 `Flight` serves one request (the scheduler's `Submit`): it places it (`SchedulerService.place`:
 with the prefix cache, the placement policy of workers/placement.py, so that under `cache_aware`
@@ -45,6 +47,11 @@ class Health:
         self.events = control.event_log(rt)
         self.flights = set()
         self._up = asyncio.Event()
+        self.last_seen = {}         # instance name -> monotonic time of its last token chunk
+
+    def seen(self, inst):
+        """Traffic from `inst` (a token chunk) is a sign of life, as a health reply is."""
+        self.last_seen[inst.name] = time.monotonic()
 
     def set(self, inst, down, reason):
         """Mark `inst` down or up; logs the transition and tells the requests on it."""
@@ -84,11 +91,17 @@ class Health:
         misses = dict.fromkeys((i.name for i in insts), 0)
 
         async def check(inst):
+            asked = time.monotonic()
             try:
                 await stubs[inst.name].Health(pb.Empty(), timeout=timeout)
                 misses[inst.name] = 0
             except grpc.aio.AioRpcError as e:
-                misses[inst.name] += 1
+                # A busy worker may answer late (its event loop is stepping a batch on a loaded
+                # machine) while its tokens still flow: passive liveness, not a miss.
+                if self.last_seen.get(inst.name, -1e9) >= asked - timeout:
+                    misses[inst.name] = 0
+                else:
+                    misses[inst.name] += 1
                 last = e.code().name
             if misses[inst.name] >= misses_down:
                 self.set(inst, True, f"{misses[inst.name]} missed health checks ({last})")
@@ -308,6 +321,7 @@ class Flight:
                             yield await self._finish(chunk)
                             return
                         self.tokens += len(chunk.times)
+                        self.svc.health.seen(self.d)
                         self.next_chunk = asyncio.ensure_future(self.stream.__anext__())
                         yield chunk
                 if error is not None:

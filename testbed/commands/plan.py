@@ -54,19 +54,38 @@ def _rate(text):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+MAX_LENGTHS_FILE_BYTES = 64 << 20
+MAX_LENGTH_TOKENS = 10_000_000
+
+
 def read_lengths(path):
-    """Lengths from a text file, one number a line ('#' comments allowed)."""
+    """Lengths from a text file, one number of tokens a line ('#' comments and blank lines
+    allowed); any other line is an error naming its line number."""
     p = pathlib.Path(path)
     if not p.is_file():
         raise ConfigError("no such lengths file", path=str(path))
+    if p.stat().st_size > MAX_LENGTHS_FILE_BYTES:
+        raise ConfigError(f"larger than {MAX_LENGTHS_FILE_BYTES >> 20} MiB", path=str(path))
     try:
-        values = np.loadtxt(p, dtype=float, comments="#", ndmin=1)
-    except ValueError as e:
-        raise ConfigError(f"expected one number a line ({e})", path=str(path)) from None
-    try:
-        return planner.LengthDistribution.from_lengths(values, label=p.name)
-    except ValueError as e:
-        raise ConfigError(str(e), path=str(path)) from None
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError("not a UTF-8 text file", path=str(path)) from None
+    values = []
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        try:
+            v = float(line)
+        except ValueError:
+            v = math.nan
+        if not (math.isfinite(v) and 0 <= v <= MAX_LENGTH_TOKENS):
+            raise ConfigError(f"line {n}: expected one length in tokens (0 to "
+                              f"{MAX_LENGTH_TOKENS:,}), got {line[:40]!r}", path=str(path))
+        values.append(v)
+    if not values:
+        raise ConfigError("no lengths in the file", path=str(path))
+    return planner.LengthDistribution.from_lengths(np.array(values), label=p.name)
 
 
 def run(args):

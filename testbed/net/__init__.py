@@ -1,6 +1,11 @@
-"""The emulated network: topology builder, WAN shaping backends, kernel counters, link probes.
+"""The emulated network: experiment's `network:` section, topology builder, WAN shaping, link
+schedule and link probes.
 
-`build.py` turns a `topologies/` graph into Mininet hosts and LinuxBridge switches; `shaping.py`
-puts the WAN link model on the router's two egress interfaces; `counters.py` samples what the
-kernel counted on them. Everything here is driven through pyroute2 (netlink), never tc strings.
+`spec.py` is the `network:` section (real-world units, validated once); `build.py` turns a
+`topologies/` graph into Mininet hosts and LinuxBridge switches; `shaping.py` puts the WAN link
+model on the router's two egress interfaces (HTB + netem, or HTB + bfifo + the `delayline.c`
+NFQUEUE delay line where the kernel has no netem; qdiscs through pyroute2 netlink, loss and
+link-down through iptables); `schedule.py` applies scheduled changes and rate traces while a run
+goes on; `probe.py` measures the link as built. The kernel's counters on the WAN interfaces are
+sampled by `testbed.measure.CounterSampler`.
 """

@@ -24,12 +24,11 @@ Per direction the model is: random loss (independent, or in bursts from a Gilber
 `auto` picks netem when a scratch namespace accepts an HTB + netem pair (`probe_backend`). HTB's
 burst is computed from the rate (`htb_burst_bytes`): pyroute2's default (rate/HZ + MTU) is far too
 small above 1 Gbit/s. `Wan.set` changes a live link (one netlink request, or one write to the
-delay line, or one iptables-restore) and logs the change; `TraceReplayer` replays a (time, rate)
-trace through it.
+delay line, or one iptables-restore) and logs the change; runs replay rate traces and scheduled changes through it
+(`testbed.net.schedule.LinkSchedule`, fed by `config.read_rate_trace`).
 """
 
 import contextlib
-import csv
 import errno as errno_mod
 import functools
 import hashlib
@@ -786,70 +785,6 @@ class Wan:
         """{'kv': {'held','passed','dropped'}, ...} for directions with a running delay line."""
         return {d: dl.counters() for d, dl in self._delaylines.items()}
 
-    def replay(self, rows, direction=None, loop=False):
-        """Start replaying a bandwidth trace [(t_s, rate_bps), ...]; returns the TraceReplayer."""
-        return TraceReplayer(self, rows, direction=direction, loop=loop).start()
-
     def _event(self, kind, **fields):
         if self.events is not None:
             self.events(kind, **fields)
-
-
-# ---------------------------------------------------------------- bandwidth traces
-
-def load_trace(path, time_scale=1.0, rate_scale=1.0):
-    """Rows (t_s, rate_bps) of a CSV with columns time,rate (header optional; units allowed:
-    '2.5s', '40Gbit'). Emulated time = t / time_scale, emulated rate = rate * rate_scale."""
-    rows = []
-    with open(path, newline="") as f:
-        for n, rec in enumerate(csv.reader(f), 1):
-            if not rec or rec[0].strip().startswith("#"):
-                continue
-            try:
-                t, r = units.duration_s(rec[0].strip()), units.rate_bps(rec[1].strip())
-            except (ValueError, IndexError) as e:
-                if n == 1:
-                    continue   # header
-                raise ConfigError(f"line {n}: expected time,rate ({e})", path=str(path)) from None
-            rows.append((t / time_scale, r * rate_scale))
-    if not rows or any(b[0] < a[0] for a, b in zip(rows, rows[1:])):
-        raise ConfigError("expected at least one row, times non-decreasing", path=str(path))
-    return rows
-
-
-class TraceReplayer:
-    """Applies each (t_s, rate_bps) of a trace at t_s after start() through `Wan.set`."""
-
-    def __init__(self, wan, rows, direction=None, loop=False):
-        self.wan, self.rows, self.direction, self.loop = wan, list(rows), direction, loop
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="wan-trace", daemon=True)
-        self.applied = 0
-        self.error = None
-
-    def start(self):
-        self._thread.start()
-        return self
-
-    def _run(self):
-        period = self.rows[-1][0] if self.loop and self.rows[-1][0] > 0 else None
-        t0 = time.monotonic()
-        while True:
-            for t, rate in self.rows:
-                # wait until the row is due, or stop
-                if self._stop.wait(max(0.0, t0 + t - time.monotonic())):
-                    return
-                try:
-                    self.wan.set(self.direction, rate=rate)
-                    self.applied += 1
-                except Exception as e:   # the run keeps going; the error is kept and logged
-                    self.error = e
-                    self.wan._event("wan_trace_error", error=str(e))
-                    return
-            if period is None:
-                return
-            t0 += period
-
-    def stop(self, timeout_s=2.0):
-        self._stop.set()
-        self._thread.join(timeout_s)
