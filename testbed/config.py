@@ -210,14 +210,22 @@ class AdaptiveSpec:
                          "prfaas: adapt the threshold to WAN egress and queue depths (short "
                          "timescale); `threshold` is the starting value")
     interval: float = spec(positive(_duration(MAX_INTERVAL_S, "1h")), 2.0,
-                           "control period (real-world)")
+                           "at most one threshold change per this (real-world); evaluated at "
+                           "every request and every interval without one")
+    window: float = spec(positive(_duration(MAX_INTERVAL_S, "1h")), 4.0,
+                         "egress utilisation and PrfaaS queue growth are measured over this "
+                         "(real-world)")
+    dwell: float = spec(_duration(MAX_INTERVAL_S, "1h"), 2.0,
+                        "hysteresis: a raise or lower signal must hold this long (real-world) "
+                        "before the threshold moves")
     egress_high: float = spec(units.probability, 0.8,
-                              "raise the threshold when measured egress / link rate is above this")
+                              "raise the threshold when measured egress / link rate is above this "
+                              "and the PrfaaS queue grows")
     egress_low: float = spec(units.probability, 0.3,
                              "lower it when egress is below this and PrfaaS queues are short")
     queue_ratio: float = spec(at_most(positive(units.number), 1e6, "1e6"), 1.5,
-                              "raise when PrfaaS queued work per instance exceeds local's by this "
-                              "factor; lower when it is below 1/this")
+                              "raise when the PrfaaS queue grows and its queued work per instance "
+                              "exceeds local's by this factor; lower when below 1/this")
     step: float = spec(at_most(positive(units.number), 10, "10"), 0.1,
                        "multiplicative step of each change")
     min: int = spec(units.tokens, 1024, "lowest threshold")
@@ -231,6 +239,29 @@ class AdaptiveSpec:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class RolesSpec:
+    enabled: bool = spec(boolean, False,
+                         "prfaas: long timescale; every local instance is a dual-role worker and "
+                         "the scheduler re-plans N_p/N_d and t from the measured length mix, "
+                         "converting one instance at a time (workers/roles.py)")
+    interval: float = spec(positive(_duration(MAX_INTERVAL_S, "1h")), 30.0,
+                           "time between re-plans (real-world)")
+    window: float = spec(positive(_duration(MAX_INTERVAL_S, "1h")), 60.0,
+                         "re-plan from the requests that arrived within this (real-world)")
+    min_requests: int = spec(integer(2, 1_000_000), 20,
+                             "re-plan only when the window holds at least this many requests")
+    cost: float = spec(_duration(MAX_INTERVAL_S, "1h"), 5.0,
+                       "conversion delay after the drain (real-world): the instance serves "
+                       "nothing meanwhile")
+    gain: float = spec(units.probability, 0.05,
+                       "convert only when the planner predicts at least this relative gain in "
+                       "Lambda_max over the split in force (hysteresis)")
+    retune: bool = spec(boolean, True,
+                        "set the threshold to the planner's t for the measured mix at each "
+                        "re-plan (the short timescale, if on, adapts from there)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class SchedulerSpec:
     policy: str = spec(choice("homogeneous", "naive", "prfaas"), "prfaas",
                        "homogeneous: all local | naive: all prefill on PrfaaS | prfaas: threshold")
@@ -238,6 +269,8 @@ class SchedulerSpec:
                           "prfaas: offload requests longer than this (tokens; the paper's 19.4K)")
     adaptive: AdaptiveSpec = spec(section(AdaptiveSpec), factory=AdaptiveSpec,
                                   doc="short-timescale threshold control (docs in workers/adaptive.py)")
+    roles: RolesSpec = spec(section(RolesSpec), factory=RolesSpec,
+                            doc="long-timescale role conversion of local instances (workers/roles.py)")
     failover: FailoverSpec = spec(section(FailoverSpec), factory=FailoverSpec,
                                   doc="fall back to the other cluster when instances stop answering")
     placement: str = spec(choice("least_loaded", "cache_aware"), "least_loaded",
@@ -344,6 +377,13 @@ class Experiment:
         if pol == "prfaas" and (c.prfaas.instances < 1 or c.local.prefill < 1):
             raise ValueError("policy prfaas needs clusters.prfaas.instances >= 1 and "
                              "clusters.local.prefill >= 1")
+        if self.scheduler.roles.enabled:
+            if pol != "prfaas" or c.local.instances < 2:
+                raise ValueError("scheduler.roles needs policy prfaas and at least 2 local "
+                                 "instances")
+            if self.model.engine != "profile" or self.cache.enabled:
+                raise ValueError("scheduler.roles needs model.engine profile and cache.enabled "
+                                 "false (dual-role workers run the profile engines only)")
 
     def decode_model(self):
         """The decode step model (testbed.profile.DecodeModel) with this experiment's overrides,
@@ -567,7 +607,7 @@ def _check_workload(exp, base, traces_read):
                               f"only {len(trace)} rows; lower 'requests' or widen the window",
                               key="requests")
     else:
-        rate = a.mean_rate
+        rate = max([a.mean_rate] + [w.phase_specs(p)[0].mean_rate for p in w.phases])
         if exp.requests is not None:
             n = exp.requests
         elif exp.duration is not None:

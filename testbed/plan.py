@@ -262,8 +262,11 @@ def _request_list(exp, base_dir):
 
 
 def uses_request_list(exp):
-    """True when L cannot come from the input spec alone: a trace, or shared prefixes."""
+    """True when L cannot come from the input spec alone: a trace, shared prefixes, or phases
+    (then the planner sees the whole run's mix)."""
     w = exp.workload
+    if getattr(w, "phases", ()):
+        return True
     prefix = getattr(w, "prefix", None)
     has_prefixes = bool(prefix is not None and prefix.documents > 0) or \
         bool(getattr(w, "trace_prefixes", lambda: False)())
@@ -307,7 +310,8 @@ def input_distribution(exp, lengths=None, base_dir=None):
 
 def mean_output_length(exp, base_dir=None):
     """L_out: the mean output length."""
-    dist = distribution_from_spec(exp.workload.output)
+    dist = None if getattr(exp.workload, "phases", ()) else \
+        distribution_from_spec(exp.workload.output)
     if dist is None:
         dist = _from_request_list(exp, "output_len", base_dir)
     return dist.mean

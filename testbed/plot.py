@@ -340,9 +340,10 @@ def run_figures(top):
     """Every figure of a run directory (or an experiment's top directory), as PNG and PDF."""
     top = pathlib.Path(top)
     out = top / "figures"
-    from testbed import plot_cache
+    from testbed import plot_cache, plot_control
     figures = (ttft_cdf(top, out), egress_timeline(top, out), ttft_timeline(top, out),
                threshold_timeline(top, out), failure_heatmap(top, out),
                plot_cache.cache_by_run(top, out, find_runs, _label, _save),
-               plot_cache.cache_capacity(top, out, find_runs, _label, _save))
+               plot_cache.cache_capacity(top, out, find_runs, _label, _save),
+               plot_control.control_timeline(top, out, find_runs, _label, _save))
     return [p for p in figures if p is not None] + fault_timeline(top, out)

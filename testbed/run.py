@@ -38,11 +38,24 @@ def _adaptive(exp):
     a = exp.scheduler.adaptive
     if not (a.enabled and exp.scheduler.policy == "prfaas"):
         return None
-    return {"interval_s": a.interval / exp.scale.time, "egress_high": a.egress_high,
+    return {"interval_s": a.interval / exp.scale.time, "window_s": a.window / exp.scale.time,
+            "dwell_s": a.dwell / exp.scale.time, "egress_high": a.egress_high,
             "egress_low": a.egress_low, "queue_ratio": a.queue_ratio, "step": a.step,
             "min": a.min, "max": a.max,
             # timeseries' kv_link_gbps is real-world Gbit/s; its kv_rate_bps is emulated bit/s
             "link_to_emulated_bps": 1e9 * exp.scale.bytes * exp.scale.time}
+
+
+def _roles(exp):
+    """The long timescale's settings (emulated seconds; the planner's inputs real-world), or
+    None when it is off."""
+    r = exp.scheduler.roles
+    if not r.enabled:
+        return None
+    from testbed import plan
+    return {"interval_s": r.interval / exp.scale.time, "window_s": r.window / exp.scale.time,
+            "min_requests": r.min_requests, "cost_s": r.cost / exp.scale.time, "gain": r.gain,
+            "retune": r.retune, "wan_rate_bps": plan.wan_kv_rate_bps(exp)}
 
 
 def _system_cc():
@@ -107,6 +120,10 @@ def runtime_for(exp, net):
         inst[f"lp{i}"] = {"role": "prefill", "dc": "local", "accelerator": c.local.accelerator}
     for i in range(c.local.decode):
         inst[f"ld{i}"] = {"role": "decode", "dc": "local", "accelerator": c.local.accelerator}
+    if exp.scheduler.roles.enabled:       # `role` is then the role each starts in
+        for d in inst.values():
+            if d["dc"] == "local":
+                d["worker"] = "dualrole"
     inst["scheduler"] = {"role": "scheduler", "dc": "local", "accelerator": ""}
     inst["client"] = {"role": "client", "dc": "local", "accelerator": ""}
     from testbed import profile as profiles
@@ -128,7 +145,7 @@ def runtime_for(exp, net):
                       "health_interval_s": exp.scheduler.failover.interval / t,
                       "health_timeout_s": exp.scheduler.failover.timeout / t,
                       "failover_max_local": exp.scheduler.failover.max_local,
-                      "adaptive": _adaptive(exp)},
+                      "adaptive": _adaptive(exp), "roles": _roles(exp)},
         "kv_deadline_s": exp.run.kv_deadline / t,
         "token_flush_s": exp.run.token_flush / t,
         "request_timeout_s": exp.run.request_timeout / t,
@@ -285,7 +302,7 @@ class Run:
         net.registry.on_close(self._stop_processes, "processes")
         for name, inst in rt["instances"].items():
             if inst["role"] in ("prefill", "decode", "cachepool"):
-                self._spawn(net, name, f"workers.{inst['role']}", rt)
+                self._spawn(net, name, f"workers.{inst.get('worker', inst['role'])}", rt)
         self._spawn(net, "scheduler", "workers.scheduler", rt)
         if self.exp.workload.client != "builtin":     # an external client's front door
             self._spawn(net, "frontdoor", "workers.frontdoor", rt, host="client", extra=[
@@ -338,7 +355,8 @@ class Run:
     def _respawn(self, net, rt, events, name):
         """A `restart` fault: start a killed worker again; it rejoins through the health check."""
         (self.dir / "ready" / name).unlink(missing_ok=True)
-        self._spawn(net, name, f"workers.{rt['instances'][name]['role']}", rt)
+        i = rt["instances"][name]
+        self._spawn(net, name, f"workers.{i.get('worker', i['role'])}", rt)
         events("worker_restarted", name=name, pid=self.procs[name].pid)
 
     def _drive(self, net, rt, workload, events):

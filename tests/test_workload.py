@@ -459,3 +459,48 @@ def test_shipped_mooncake_experiment(traces_dir):
     assert 300 <= len(df) <= 400
     assert df.arrival_s.max() < 300.0           # 120 s of trace at 0.4x
     assert summarize(df)["prefix_hit_share"] > 0.05
+
+
+# ---- phases: a mix that shifts mid-run ----
+
+def _phased_spec(phases, **base):
+    from testbed import schema
+    from testbed.workload.spec import WorkloadSpec
+    data = {"arrival": {"process": "poisson", "rate": "2/s"},
+            "input": {"dist": "fixed", "tokens": 1000},
+            "output": {"dist": "fixed", "tokens": 10}, "phases": phases, **base}
+    return schema.build(WorkloadSpec, data, "workload")
+
+
+def test_phases_shift_the_mix_at_their_boundaries():
+    from testbed.workload.generate import generate
+    spec = _phased_spec([{"until": "30s", "input": {"dist": "fixed", "tokens": 2000}},
+                         {"input": {"dist": "uniform", "min": 50000, "max": 60000},
+                          "arrival": {"process": "constant", "rate": "1/s"}}])
+    df = generate(spec, seed=5, duration_s=60)
+    first, second = df[df.arrival_s < 30], df[df.arrival_s >= 30]
+    assert (first.input_len == 2000).all() and len(first) > 30
+    assert second.input_len.between(50000, 60000).all()
+    assert len(second) == 30 and (df.output_len == 10).all()     # 1/s for 30 s; base output
+    assert df.arrival_s.is_monotonic_increasing
+    again = generate(spec, seed=5, duration_s=60)
+    assert again.equals(df)                                       # deterministic
+
+
+def test_phases_with_a_request_count_stop_at_the_count():
+    from testbed.workload.generate import generate
+    spec = _phased_spec([{"until": "10s"}, {"input": {"dist": "fixed", "tokens": 7}}])
+    df = generate(spec, seed=1, requests=50)
+    assert len(df) == 50 and (df[df.arrival_s >= 10].input_len == 7).all()
+
+
+@pytest.mark.parametrize("phases, message", [
+    ([{"input": {"dist": "fixed", "tokens": 5}}, {"until": "10s"}], "phases[0]: 'until' missing"),
+    ([{"until": "10s"}, {"until": "5s"}], "phases[1]: until 5s must be after"),
+    ([{"until": "10s", "input": {"dist": "lognormal", "mu": 9}}], "phases[0].input"),
+    ([{"until": "10s", "bogus": 1}], "unknown key 'bogus'"),
+])
+def test_bad_phases_are_refused_with_the_key(phases, message):
+    from testbed.errors import ConfigError
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        _phased_spec(phases)

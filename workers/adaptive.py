@@ -4,22 +4,39 @@ PRFAAS.md: "watch PrfaaS egress utilisation and queue depths; when the link near
 queues surge, raise t (offload less); when the link idles and PrfaaS has spare compute, lower t".
 The paper gives no numbers; these are the testbed's, set in `scheduler.adaptive`:
 
-- egress utilisation = the WAN's measured KV-direction egress over the link rate in force, both
-  read from the run's own kernel counters (the last row of `timeseries.csv`, which the runner
-  writes at 20 Hz; the scheduler does not guess it from what it routed);
-- queue pressure = seconds of prefill work queued per PrfaaS instance over the same per local
-  prefill instance (`Instance.outstanding_s`, the router's own book).
+- egress utilisation = the WAN's measured KV-direction egress over the last `window` divided by
+  the link rate in force, both read from the run's own kernel counters (`timeseries.csv`, which
+  the runner writes at 20 Hz; the scheduler does not guess it from what it routed);
+- PrfaaS queue = seconds of prefill work queued per PrfaaS instance (`Instance.outstanding_s`,
+  the router's own book), and its growth over the same `window` (the trend);
+- queue pressure = PrfaaS queue over the local prefill queue per instance.
 
-Every `interval`: if utilisation > `egress_high` or pressure > `queue_ratio`, t grows by `step`
-(x(1+step)); if utilisation < `egress_low`, local prefill has work queued and pressure <
-1/`queue_ratio`, t shrinks by the same factor; otherwise it holds; t stays within [min, max]. Each decision is appended to `scheduler.csv` in the run
-directory (time, threshold, utilisation, backlogs), so analysis and figures can show it.
+The law (`Control.observe`, pure, unit-tested on synthetic inputs):
+
+- raise t (x(1+step)) only when the PrfaaS queue is *growing* AND either the utilisation is above
+  `egress_high` (the link is the cause) or the pressure is above `queue_ratio` (PrfaaS compute is
+  the cause). A busy link whose queue drains holds: utilisation alone never raises t.
+- lower t (/(1+step)) when the utilisation is below `egress_low`, the PrfaaS queue is not growing,
+  the pressure is below 1/`queue_ratio` and local prefill has work PrfaaS could take.
+- hysteresis: a raise or lower signal must hold without a break for `dwell` before t moves (a
+  single burst does not move it), the egress band [low, high] holds, and t moves at most once per
+  `interval`; it stays within [min, max].
+
+It is evaluated at every request the scheduler receives (per request: the request is routed with
+the threshold in force after this evaluation) and every `interval` when no request comes. Every
+evaluation is a row of `scheduler.csv` in the run directory: time, threshold, utilisation,
+backlogs, trend and the reason (`raise:link`, `raise:compute`, `lower:idle`, `dwell:raise`, ...),
+so analysis and figures can show each decision.
 """
 
 import asyncio
+import collections
 import csv
 import pathlib
 import time
+
+COLUMNS = ["time", "threshold", "egress_utilisation", "backlog_remote_s", "backlog_local_s",
+           "remote_trend_s", "reason", "trigger"]
 
 
 def read_last_row(path):
@@ -44,67 +61,133 @@ def read_last_row(path):
     return None
 
 
-def decide(t, util, remote_s, local_s, cfg):
-    """The next threshold from the current one and the signals (pure; unit-tested).
+class Control:
+    """The control law with its memory (windows, dwell, last change); no I/O.
 
-    util: measured egress / link rate over the last period (None when unknown); remote_s,
-    local_s: prefill work queued per PrfaaS / per local prefill instance, in seconds.
+    cfg: step, egress_high, egress_low, queue_ratio, min, max, and window_s, dwell_s,
+    interval_s in the caller's clock (emulated seconds in a run).
     """
-    grow = 1.0 + cfg["step"]
-    pressure = remote_s / local_s if local_s > 0 else (float("inf") if remote_s > 0 else 1.0)
-    if (util is not None and util > cfg["egress_high"]) or pressure > cfg["queue_ratio"]:
-        t *= grow
-    elif (util is None or util < cfg["egress_low"]) and local_s > 0 \
-            and pressure < 1.0 / cfg["queue_ratio"]:
-        t /= grow     # only when local prefill has work that PrfaaS could take
-    return int(min(max(t, cfg["min"]), cfg["max"]))
+
+    def __init__(self, t, cfg):
+        self.t, self.cfg = int(t), cfg
+        self.tx = collections.deque()       # (time, cumulative KV egress bytes)
+        self.queue = collections.deque()    # (time, PrfaaS backlog s)
+        self.pending = None                 # ("raise"|"lower", since)
+        self.changed = None                 # time of the last change
+
+    @staticmethod
+    def _trim(dq, now, window):
+        while len(dq) > 1 and dq[1][0] <= now - window:
+            dq.popleft()
+
+    def utilisation(self, now, tx_bytes, link_bps):
+        """Egress over the last window / link rate; None until a window's worth is known."""
+        if tx_bytes is None or not link_bps or link_bps <= 0:
+            return None
+        if not self.tx or now > self.tx[-1][0]:
+            self.tx.append((now, tx_bytes))
+        self._trim(self.tx, now, self.cfg["window_s"])
+        t0, b0 = self.tx[0]
+        if now - t0 <= 0:
+            return None
+        return (tx_bytes - b0) * 8 / (now - t0) / link_bps
+
+    def trend(self, now, remote_s):
+        """Growth of the PrfaaS backlog over the window (seconds of work; > 0: growing)."""
+        self.queue.append((now, remote_s))
+        self._trim(self.queue, now, self.cfg["window_s"])
+        return remote_s - self.queue[0][1]
+
+    def signal(self, util, remote_s, local_s, trend):
+        """'raise:link' | 'raise:compute' | 'lower:idle' | None, from one set of inputs."""
+        c = self.cfg
+        pressure = remote_s / local_s if local_s > 0 else (float("inf") if remote_s > 0 else 1.0)
+        growing = trend > 0 and remote_s > 0
+        if growing and util is not None and util > c["egress_high"]:
+            return "raise:link"
+        if growing and pressure > c["queue_ratio"]:
+            return "raise:compute"
+        if (util is None or util < c["egress_low"]) and trend <= 0 and local_s > 0 \
+                and pressure < 1.0 / c["queue_ratio"]:
+            return "lower:idle"
+        return None
+
+    def observe(self, now, tx_bytes, link_bps, remote_s, local_s):
+        """Feed one set of measurements; returns (threshold, utilisation, trend, reason)."""
+        c = self.cfg
+        util = self.utilisation(now, tx_bytes, link_bps)
+        trend = self.trend(now, remote_s)
+        sig = self.signal(util, remote_s, local_s, trend)
+        if sig is None:
+            self.pending = None
+            return self.t, util, trend, "hold"
+        direction = sig.split(":")[0]
+        if self.pending is None or self.pending[0] != direction:
+            self.pending = (direction, now)
+        if now - self.pending[1] < c["dwell_s"]:
+            return self.t, util, trend, f"dwell:{direction}"
+        if self.changed is not None and now - self.changed < c["interval_s"]:
+            return self.t, util, trend, f"wait:{direction}"
+        grow = 1.0 + c["step"]
+        t = self.t * grow if direction == "raise" else self.t / grow
+        t = int(min(max(t, c["min"]), c["max"]))
+        if t == self.t:
+            return self.t, util, trend, f"bound:{direction}"
+        self.t, self.changed = t, now
+        return t, util, trend, sig
 
 
 class ThresholdController:
+    """Drives a `Control` from the run's measurements and sets `router.threshold`."""
+
     def __init__(self, router, cfg, run_dir, log):
         self.router, self.cfg, self.log = router, cfg, log
         self.timeseries = pathlib.Path(run_dir) / "timeseries.csv"
-        self.last = None
+        self.law = Control(router.threshold, cfg)
+        self.last_eval = 0.0
         self.out = open(pathlib.Path(run_dir) / "scheduler.csv", "w", newline="", buffering=1)
         self.w = csv.writer(self.out)
-        self.w.writerow(["time", "threshold", "egress_utilisation", "backlog_remote_s",
-                         "backlog_local_s"])
+        self.w.writerow(COLUMNS)
 
-    def utilisation(self):
-        """KV-direction egress over the last period (kernel byte counter difference) divided by
-        the link rate in force, from the runner's timeseries.csv."""
+    def link(self):
+        """(cumulative KV egress bytes, link rate in force in emulated bit/s), timeseries.csv."""
         row = read_last_row(self.timeseries)
         try:
-            now = (float(row["time"]), int(row["kv_tx_bytes"]))
-            link_bps = float(row["kv_link_gbps"]) * self.cfg["link_to_emulated_bps"]
+            return (int(row["kv_tx_bytes"]),
+                    float(row["kv_link_gbps"]) * self.cfg["link_to_emulated_bps"])
         except (TypeError, KeyError, ValueError):
-            return None
-        prev, self.last = self.last, now
-        if prev is None or now[0] <= prev[0] or link_bps <= 0:
-            return None
-        return (now[1] - prev[1]) * 8 / (now[0] - prev[0]) / link_bps
+            return None, None
 
     @staticmethod
     def _backlog(instances):
         up = [i for i in instances if not i.down]
         return sum(i.outstanding_s for i in up) / len(up) if up else 0.0
 
-    def step(self):
-        util = self.utilisation()
+    def step(self, trigger="timer"):
+        now = time.time()
+        self.last_eval = now
+        tx, link_bps = self.link()
         remote, local = self._backlog(self.router.remote), self._backlog(self.router.local)
-        t = decide(self.router.threshold, util, remote, local, self.cfg)
-        if t != self.router.threshold:
-            self.log.info("threshold %d -> %d (egress %s, backlog remote %.3fs local %.3fs)",
-                          self.router.threshold, t,
-                          "?" if util is None else f"{util:.2f}", remote, local)
+        old = self.router.threshold
+        self.law.t = old            # the long timescale may have re-planned it
+        t, util, trend, reason = self.law.observe(now, tx, link_bps, remote, local)
+        if t != old:
+            self.log.info("threshold %d -> %d (%s; egress %s, backlog remote %.3fs local %.3fs, "
+                          "trend %+.3fs)", old, t, reason, "?" if util is None else f"{util:.2f}",
+                          remote, local, trend)
         self.router.threshold = t
-        self.w.writerow([f"{time.time():.6f}", t, "" if util is None else f"{util:.4f}",
-                         f"{remote:.6f}", f"{local:.6f}"])
+        self.w.writerow([f"{now:.6f}", t, "" if util is None else f"{util:.4f}",
+                         f"{remote:.6f}", f"{local:.6f}", f"{trend:.6f}", reason, trigger])
+
+    def on_request(self):
+        """Per request: evaluate before the request is routed."""
+        self.step("request")
 
     async def run(self):
         try:
             while True:
                 await asyncio.sleep(self.cfg["interval_s"])
-                self.step()
+                if time.time() - self.last_eval >= self.cfg["interval_s"]:
+                    self.step()
         finally:
             self.out.close()

@@ -144,7 +144,8 @@ async def main():
     # KV connections to every decode worker are opened now, not by the first request: a serving
     # system keeps its transfer connections up, and a request's TTFT should not include the TCP
     # handshake (or an ARP miss) across the WAN.
-    decode = [(i["ip"], i["kv_port"]) for i in rt["instances"].values() if i["role"] == "decode"]
+    decode = [(i["ip"], i["kv_port"]) for i in rt["instances"].values()
+              if i["role"] == "decode" or i.get("worker") == "dualrole"]    # may become decode
     for host, port in await service.pool.warm(decode, common.WARM_TIMEOUT_S):
         log.warning("no KV connection to %s:%s after %.0fs; its first request connects",
                     host, port, common.WARM_TIMEOUT_S)

@@ -42,6 +42,7 @@ class SchedulerService(pbg.SchedulerServicer):
         self.stats = pb.SchedulerStats(threshold=rt["scheduler"]["threshold"])
         self.health = Health(self, rt, log)     # instance states, failover (workers/recovery.py)
         self.placer = None          # workers.placement.CachePlacer when the cache is on
+        self.on_request = []        # callables(request): workers/adaptive.py, workers/roles.py
         if rt.get("cache", {}).get("enabled"):
             from workers.placement import CachePlacer
             self.placer = CachePlacer(rt, self.router, lambda inst, l, cached: prof.t_prefill_cached(
@@ -80,6 +81,8 @@ class SchedulerService(pbg.SchedulerServicer):
             self.placer.observe(reply)
 
     async def Submit(self, req, context):
+        for hook in self.on_request:        # the controllers see every request before it is routed
+            hook(req)
         async for chunk in Flight(self, req).run():
             yield chunk
 
@@ -102,7 +105,13 @@ async def main():
     if rt["scheduler"].get("adaptive"):
         from workers.adaptive import ThresholdController
         ctl = ThresholdController(service.router, rt["scheduler"]["adaptive"], rt["_dir"], log)
+        service.on_request.append(lambda req: ctl.on_request())
         tasks.append(asyncio.create_task(ctl.run()))
+    if rt["scheduler"].get("roles"):
+        from workers.roles import RoleManager
+        roles = RoleManager(service, rt, log)
+        service.on_request.append(roles.on_request)
+        tasks.append(asyncio.create_task(roles.run()))
     common.mark_ready(rt, args.name)
     log.info("scheduler up on %s:%s, policy %s", inst["ip"], inst["grpc_port"],
              rt["scheduler"]["policy"])

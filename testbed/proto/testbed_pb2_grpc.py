@@ -657,3 +657,118 @@ class Decode:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class RoleStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.SetRole = channel.unary_unary(
+                '/testbed.Role/SetRole',
+                request_serializer=testbed_dot_proto_dot_testbed__pb2.RoleRequest.SerializeToString,
+                response_deserializer=testbed_dot_proto_dot_testbed__pb2.RoleReply.FromString,
+                _registered_method=True)
+        self.Health = channel.unary_unary(
+                '/testbed.Role/Health',
+                request_serializer=testbed_dot_proto_dot_testbed__pb2.Empty.SerializeToString,
+                response_deserializer=testbed_dot_proto_dot_testbed__pb2.HealthReply.FromString,
+                _registered_method=True)
+
+
+class RoleServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def SetRole(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Health(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_RoleServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'SetRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetRole,
+                    request_deserializer=testbed_dot_proto_dot_testbed__pb2.RoleRequest.FromString,
+                    response_serializer=testbed_dot_proto_dot_testbed__pb2.RoleReply.SerializeToString,
+            ),
+            'Health': grpc.unary_unary_rpc_method_handler(
+                    servicer.Health,
+                    request_deserializer=testbed_dot_proto_dot_testbed__pb2.Empty.FromString,
+                    response_serializer=testbed_dot_proto_dot_testbed__pb2.HealthReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'testbed.Role', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('testbed.Role', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Role:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def SetRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/testbed.Role/SetRole',
+            testbed_dot_proto_dot_testbed__pb2.RoleRequest.SerializeToString,
+            testbed_dot_proto_dot_testbed__pb2.RoleReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Health(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/testbed.Role/Health',
+            testbed_dot_proto_dot_testbed__pb2.Empty.SerializeToString,
+            testbed_dot_proto_dot_testbed__pb2.HealthReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -178,6 +178,35 @@ def _schedule(spec, seed, trace, requests, duration_s):
     return t
 
 
+def _phased(spec, seed, requests, duration_s):
+    """(arrival times, input lengths, output lengths) of a workload with `phases`: each phase's
+    process runs from the previous phase's end to its `until` (or the run's end), and each
+    request's lengths come from the phase it arrives in. One random stream per quantity, drawn
+    phase after phase, so the list is as deterministic as an unphased one."""
+    if requests is None and duration_s is None:
+        raise ConfigError("give 'requests' or 'duration'", key="requests")
+    rng = {k: _rng(seed, k) for k in ("arrival", "input", "output")}
+    times, inp, out = [], [], []
+    start, count = 0.0, 0
+    for ph in spec.phases:
+        a, i, o = spec.phase_specs(ph)
+        end = ph.until if ph.until is not None else duration_s
+        if duration_s is not None and end is not None:
+            end = min(end, duration_s)
+        left = None if requests is None else requests - count
+        if left == 0 or (end is not None and end <= start):
+            break
+        t = arrivals(a, rng["arrival"], n=left, until_s=None if end is None else end - start)
+        times.append(t + start)
+        inp.append(lengths(i, len(t), rng["input"]))
+        out.append(lengths(o, len(t), rng["output"]))
+        count += len(t)
+        if end is None:
+            break
+        start = end
+    return np.concatenate(times), np.concatenate(inp), np.concatenate(out)
+
+
 def generate(spec, seed, requests=None, duration_s=None, *, base_dir=None, trace=None):
     """The request list of `spec` (WorkloadSpec) for `seed`: a DataFrame with COLUMNS.
 
@@ -188,10 +217,14 @@ def generate(spec, seed, requests=None, duration_s=None, *, base_dir=None, trace
     """
     if trace is None and spec.trace is not None:
         trace = traces.load(spec.trace, base_dir)
-    t = _schedule(spec, seed, trace, requests, duration_s)
-    n = len(t)
-    inp, in_rows = _column_lengths(spec.input, "input", n, trace, _rng(seed, "input"))
-    out, _ = _column_lengths(spec.output, "output", n, trace, _rng(seed, "output"))
+    if getattr(spec, "phases", ()):
+        t, inp, out = _phased(spec, seed, requests, duration_s)
+        n, in_rows = len(t), None
+    else:
+        t = _schedule(spec, seed, trace, requests, duration_s)
+        n = len(t)
+        inp, in_rows = _column_lengths(spec.input, "input", n, trace, _rng(seed, "input"))
+        out, _ = _column_lengths(spec.output, "output", n, trace, _rng(seed, "output"))
     if spec.trace_prefixes() and trace.blocks is not None:
         blocks = list(trace.blocks[:n])
     else:

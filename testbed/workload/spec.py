@@ -14,7 +14,8 @@ import pathlib
 
 from testbed import units
 from testbed.errors import ConfigError
-from testbed.schema import (at_most, choice, integer, optional, positive, section, spec, string)
+from testbed.schema import (at_most, choice, integer, list_of, optional, positive, section, spec,
+                            string)
 
 BLOCK_TOKENS = 512  # tokens per prefix block, as in the Mooncake trace format (`hash_ids`)
 MAX_DOCUMENTS = 100_000   # synthetic shared prefixes (a hard limit)
@@ -173,6 +174,21 @@ class AiperfSpec:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class PhaseSpec:
+    """One phase of a workload whose mix shifts: what it sets replaces the base section."""
+
+    until: float = spec(optional(positive(units.duration_s)), None,
+                        "the phase ends at this time since the first arrival (real-world); "
+                        "only the last phase may omit it (it lasts to the end)")
+    arrival: ArrivalSpec = spec(optional(section(ArrivalSpec)), None,
+                                "the arrival process in this phase (default: workload.arrival)")
+    input: LengthSpec = spec(optional(section(LengthSpec)), None,
+                             "input lengths in this phase (default: workload.input)")
+    output: LengthSpec = spec(optional(section(LengthSpec)), None,
+                              "output lengths in this phase (default: workload.output)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class WorkloadSpec:
     client: str = spec(choice("builtin", "command", "aiperf"), "builtin",
                        "builtin: the testbed's gRPC client sends the workload | command: "
@@ -196,6 +212,10 @@ class WorkloadSpec:
                               doc="output length in tokens")
     prefix: PrefixSpec = spec(section(PrefixSpec), factory=PrefixSpec,
                               doc="synthetic shared prefixes (traces bring their own)")
+    phases: tuple = spec(list_of(section(PhaseSpec)), (),
+                         "a mix that shifts: [{until: 60s, input: {...}}, {input: {...}, "
+                         "arrival: {...}}]; each phase's arrival/input/output replace the base "
+                         "ones (keys below)")
 
     def __post_init__(self):
         # Fill the defaults that depend on whether a trace is given, so the resolved config
@@ -219,6 +239,7 @@ class WorkloadSpec:
                 getattr(self, name).check()
             except ValueError as e:
                 raise ValueError(f"{name}: {e}") from None
+        self._check_phases()
         uses = self.trace_uses()
         if self.trace is None and uses:
             raise ValueError(f"{' and '.join(uses)} need workload.trace")
@@ -229,6 +250,51 @@ class WorkloadSpec:
             raise ValueError("prefix.documents: the mooncake trace brings its own prefix "
                              "blocks (hash_ids); drop workload.prefix or use input.dist "
                              "empirical")
+
+    def _check_phases(self):
+        if not self.phases:
+            return
+        if self.trace is not None:
+            raise ValueError("phases: not with workload.trace (synthetic workloads only)")
+        prev = 0.0
+        for k, ph in enumerate(self.phases):
+            where = f"phases[{k}]"
+            if ph.until is None and k != len(self.phases) - 1:
+                raise ValueError(f"{where}: 'until' missing (only the last phase may omit it)")
+            if ph.until is not None and ph.until <= prev:
+                raise ValueError(f"{where}: until {ph.until:g}s must be after the previous "
+                                 f"phase's end ({prev:g}s)")
+            prev = ph.until or prev
+            a, i, o = self.phase_specs(ph)
+            if a.process not in ("poisson", "gamma", "constant"):
+                raise ValueError(f"{where}: arrival process {a.process} (phases take poisson, "
+                                 f"gamma or constant)")
+            for name, sp in (("input", i), ("output", o)):
+                if sp.dist not in ("fixed", "uniform", "lognormal"):
+                    raise ValueError(f"{where}: {name} dist {sp.dist} (phases take fixed, "
+                                     f"uniform or lognormal)")
+                try:
+                    sp.check()
+                except ValueError as e:
+                    raise ValueError(f"{where}.{name}: {e}") from None
+            try:
+                a.check()
+            except ValueError as e:
+                raise ValueError(f"{where}.arrival: {e}") from None
+
+    def phase_specs(self, phase):
+        """(arrival, input, output) in force during `phase` (a PhaseSpec)."""
+        def fill(sp, base):
+            if sp is None:
+                return base
+            if sp.dist is None:
+                sp = dataclasses.replace(sp, dist="fixed")
+            return sp
+
+        arrival = phase.arrival if phase.arrival is not None else self.arrival
+        if arrival.process is None:
+            arrival = dataclasses.replace(arrival, process="poisson")
+        return arrival, fill(phase.input, self.input), fill(phase.output, self.output)
 
     def trace_uses(self):
         """Which keys read the trace, e.g. ['arrival.process trace', 'input.dist empirical']."""
