@@ -23,9 +23,10 @@ class _Stub:
         self.late = False
 
     async def Health(self, request, timeout):
-        await asyncio.sleep(0)
-        if self.late:
+        if self.late:                           # no answer within the deadline
+            await asyncio.sleep(timeout)
             raise _Late()
+        await asyncio.sleep(0)
 
 
 def _service(tmp_path):
@@ -75,4 +76,15 @@ def test_late_answers_while_tokens_flow_are_not_misses(tmp_path):
         svc.decode_stub["ld0"].late = True
         await _run_for(svc.health, 0.3, during=lambda: svc.health.seen(d))
         assert not d.down
+    asyncio.run(main())
+
+
+def test_tokens_that_stop_when_it_freezes_do_not_delay_detection(tmp_path):
+    svc, d = _service(tmp_path)
+
+    async def main():
+        svc.decode_stub["ld0"].late = True
+        svc.health.seen(d)                      # its last chunk, just before it froze
+        await _run_for(svc.health, 0.3)
+        assert d.down
     asyncio.run(main())

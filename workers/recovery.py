@@ -97,8 +97,10 @@ class Health:
                 misses[inst.name] = 0
             except grpc.aio.AioRpcError as e:
                 # A busy worker may answer late (its event loop is stepping a batch on a loaded
-                # machine) while its tokens still flow: passive liveness, not a miss.
-                if self.last_seen.get(inst.name, -1e9) >= asked - timeout:
+                # machine) while its tokens still flow: passive liveness, not a miss. Tokens must
+                # still be arriving halfway through the wait: what a worker sent just before it
+                # froze lands within milliseconds and must not excuse the check.
+                if self.last_seen.get(inst.name, -1e9) > asked + timeout / 2:
                     misses[inst.name] = 0
                 else:
                     misses[inst.name] += 1
