@@ -33,11 +33,14 @@ import time
 STATE_DIR = pathlib.Path(os.environ.get("TESTBED_STATE_DIR", "/run/prfaas-testbed"))
 ORCHESTRATOR_ENV = "TESTBED_ORCHESTRATOR"   # "<pid>:<start time>" of the process to die with
 PR_SET_PDEATHSIG = 1
-TEARDOWN_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+# SIGINT too: a shell starts background jobs with SIGINT ignored, and Python then keeps it ignored
+# (no KeyboardInterrupt), so `kill -INT` to a backgrounded run would do nothing.
+TEARDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 
 def sigterm_unwinds():
-    """Make SIGTERM, SIGHUP and SIGQUIT tear down like Ctrl-C (KeyboardInterrupt), this process only.
+    """Make SIGINT, SIGTERM, SIGHUP and SIGQUIT tear down like Ctrl-C (KeyboardInterrupt), even
+    when SIGINT was inherited as ignored; this process only.
 
     pyroute2 forks helper processes for namespaces; a fork inherits Python signal handlers, and a
     handler that raised there would unwind a copy of the caller's stack in the child, running its

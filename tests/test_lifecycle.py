@@ -106,7 +106,7 @@ def test_identity_checks_start_time_not_just_pid():
     assert not lifecycle.identity_alive("garbage")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT])
 def test_teardown_signals_unwind_like_ctrl_c(sig):
     code = textwrap.dedent("""
         import time
@@ -118,7 +118,9 @@ def test_teardown_signals_unwind_like_ctrl_c(sig):
         except KeyboardInterrupt:
             print("unwound", flush=True)
         """)
-    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=ENV)
+    # Started with SIGINT ignored, as a shell starts a background job.
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=ENV,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     assert p.stdout.readline().strip() == "ready"
     p.send_signal(sig)
     out, _ = p.communicate(timeout=10)
