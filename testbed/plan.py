@@ -308,10 +308,13 @@ def input_distribution(exp, lengths=None, base_dir=None):
     return distribution_from_spec(exp.workload.input)
 
 
-def mean_output_length(exp, base_dir=None):
-    """L_out: the mean output length."""
+def mean_output_length(exp, base_dir=None, output_lengths=None):
+    """L_out: the mean output length; of the spec when it is analytic, else of the request list
+    (`output_lengths` when given: a run's own, so no request list is generated)."""
     dist = None if getattr(exp.workload, "phases", ()) else \
         distribution_from_spec(exp.workload.output)
+    if dist is None and output_lengths is not None and len(output_lengths):
+        return float(np.mean(output_lengths))
     if dist is None:
         dist = _from_request_list(exp, "output_len", base_dir)
     return dist.mean
@@ -353,14 +356,16 @@ def wan_kv_rate_bps(exp):
     return float(exp.network.wan.direction("kv")["rate"])
 
 
-def inputs_for(exp, lengths=None, b_out_bps=None, base_dir=None):
+def inputs_for(exp, lengths=None, b_out_bps=None, base_dir=None, output_lengths=None):
     """Model inputs of one experiment; B_out defaults to the WAN kv rate (module docstring).
 
-    `base_dir` (the experiment file's folder) resolves a relative trace path."""
+    `lengths` / `output_lengths` (arrays) replace the workload's input / output lengths (a
+    run's measured ones: then no request list is generated); `base_dir` (the experiment file's
+    folder) resolves a relative trace path."""
     prof = _profile(exp.model.profile)
     wan = wan_kv_rate_bps(exp)
     dist = input_distribution(exp, lengths, base_dir)
-    l_out = mean_output_length(exp, base_dir)
+    l_out = mean_output_length(exp, base_dir, output_lengths)
     decode = exp.decode_model()
     return Inputs(
         profile=prof,
@@ -585,7 +590,8 @@ def _configured(exp, inp, latency=DEFAULT_LATENCY):
     return evaluate_config(inp, pol, t, n_prfaas, c.local.prefill, c.local.decode, latency)
 
 
-def predict(exp, lengths=None, b_out_bps=None, base_dir=None, latency=DEFAULT_LATENCY):
+def predict(exp, lengths=None, b_out_bps=None, base_dir=None, latency=DEFAULT_LATENCY,
+            output_lengths=None):
     """The model's prediction for ONE experiment as configured (no optimisation).
 
     Returns the same keys as each policy of `plan_file` (ROW_KEYS) in the `latency` mode (the
@@ -596,7 +602,7 @@ def predict(exp, lengths=None, b_out_bps=None, base_dir=None, latency=DEFAULT_LA
     as None with the reason in `warnings`."""
     check_latency(latency)
     try:
-        inp = inputs_for(exp, lengths, b_out_bps, base_dir)
+        inp = inputs_for(exp, lengths, b_out_bps, base_dir, output_lengths)
         row = with_both_modes(_configured(exp, inp, latency), inp, latency)
     except (TestbedError, ValueError) as e:
         row = {k: None for k in ROW_KEYS}
