@@ -17,11 +17,11 @@ milliseconds, seconds, requests/s and Gbit/s (1e9 bit/s).
 Everything is read from the run directory (`testbed.rundir`: the Experiment from its config.yaml,
 the scale from runtime.json), never from an Experiment in memory, so the run itself, `testbed
 analyse RUN_DIR`, and a directory copied elsewhere are analysed alike, a run that was killed
-(SIGKILL, power cut) included. `summary.json` says `incomplete: true` and why (`incomplete_reason`) when
-the records show the run did not end normally: no metadata.json (the orchestrator never reached
-its teardown), an interruption or error in events.csv, or no `finished` line from the client.
-`not_finished` counts requests sent without a reply on record, `not_sent` those never sent; both
-are among `failed`.
+(SIGKILL, power cut) included. `summary.json` says `incomplete: true` and why
+(`incomplete_reason`) when the records show the run did not end normally: no metadata.json (the
+orchestrator never reached its teardown), an interruption or error in events.csv, or no
+`finished` line from the client. `not_finished` counts requests sent without a reply on record,
+`not_sent` those never sent; both are among `failed`.
 """
 
 from __future__ import annotations

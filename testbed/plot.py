@@ -29,7 +29,7 @@ STYLE = {
 }
 
 
-def _save(fig, out_dir, stem):
+def _save(fig, out_dir: pathlib.Path, stem: str) -> pathlib.Path:
     """Write `stem`.png and .pdf into out_dir; returns the PNG's path."""
     fig.tight_layout()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -59,7 +59,7 @@ def load_requests(top) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
-def ttft_cdf(top, out_dir):
+def ttft_cdf(top, out_dir: pathlib.Path) -> pathlib.Path | None:
     df = load_requests(top)
     ok = df[df.status == "ok"] if len(df) else df
     if not len(ok):
@@ -94,7 +94,7 @@ def _arrival_clock(d, ts: pd.DataFrame, scale: Scale) -> pd.Series:
     return scale.real_s(ts.time - start)
 
 
-def egress_timeline(top, out_dir):
+def egress_timeline(top, out_dir: pathlib.Path) -> pathlib.Path | None:
     """KV-direction WAN egress over time (kernel counters, real-world units), one line per run;
     the configured link rate in force as a dashed line."""
     frames, link = [], None
@@ -126,7 +126,7 @@ def egress_timeline(top, out_dir):
     return _save(fig, out_dir, "egress")
 
 
-def _down_spans(ts):
+def _down_spans(ts: pd.DataFrame) -> list[tuple[float, float]]:
     """(start, end) real-world times where the KV direction of the link was down."""
     down = ts.kv_up.to_numpy() == 0
     t = ts.t_real_s.to_numpy()
@@ -142,7 +142,7 @@ def _down_spans(ts):
     return spans
 
 
-def ttft_timeline(top, out_dir):
+def ttft_timeline(top, out_dir: pathlib.Path) -> pathlib.Path | None:
     """TTFT of each request against its arrival time; link-down periods shaded."""
     runs = find_runs(top)
     frames, spans = [], []
@@ -172,7 +172,7 @@ def ttft_timeline(top, out_dir):
     return _save(fig, out_dir, "ttft_timeline")
 
 
-def threshold_timeline(top, out_dir):
+def threshold_timeline(top, out_dir: pathlib.Path) -> pathlib.Path | None:
     """The adaptive threshold over time (scheduler.csv), with the measured egress utilisation."""
     frames = []
     for d, s, df in _run_csvs(top, rundir.RunDir.SCHEDULER):
@@ -227,7 +227,7 @@ def _health_spans(events, t0: float, scale: Scale, t_last: float) -> dict:
     return out
 
 
-def fault_timeline(top, out_dir):
+def fault_timeline(top, out_dir: pathlib.Path) -> list[pathlib.Path]:
     """Per run with faults: TTFT by arrival with every fault shaded and its detection marked;
     under it, each instance's health as the scheduler saw it and the WAN's state."""
     from testbed.faults import read_events
@@ -294,7 +294,7 @@ def fault_timeline(top, out_dir):
     return paths
 
 
-def failure_heatmap(top, out_dir):
+def failure_heatmap(top, out_dir: pathlib.Path) -> pathlib.Path | None:
     """failure_matrix.csv (written by a run of an experiment with faults and variants): p90 TTFT
     inflation over the fault-free run of the same policy and failover, and failed requests."""
     path = pathlib.Path(top) / rundir.RunDir.FAILURE_MATRIX

@@ -22,13 +22,16 @@ import dataclasses
 import io
 import json
 import pathlib
-from typing import Any
+from typing import TYPE_CHECKING
 
 import pandas as pd
 import yaml
 
 from testbed.errors import RunDirError
 from testbed.scale import Scale
+
+if TYPE_CHECKING:       # config imports faults, loadgen, ...: analysis imports it when needed
+    from testbed.config import Experiment
 
 SCHEMA = 1      # major version; bump when a file's meaning changes incompatibly
 
@@ -191,11 +194,13 @@ def scale(run_dir) -> Scale:
     """The scale a run used: runtime.json, metadata.json, config.yaml, then summary.json (a
     hand-made or pre-versioning directory); Scale() when none says."""
     rd = RunDir(run_dir)
-    for path, key in ((rd.runtime, "scale"), (rd.metadata, "scale")):
-        if path.exists():
-            s = _json(path).get(key)
-            if s:
-                return Scale.from_dict(s)
+    try:
+        return Scale.load(rd.path)          # runtime.json, metadata.json
+    except FileNotFoundError:
+        pass
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise RunDirError(f"cannot read the run's scale ({type(e).__name__}: {e})",
+                          path=str(rd.path)) from None
     if rd.config.exists():
         s = (config_mapping(rd.config) or {}).get("scale")
         if s:
@@ -218,7 +223,7 @@ def config_mapping(path) -> dict:
     return raw
 
 
-def experiment(run_dir):
+def experiment(run_dir) -> Experiment:
     """The `Experiment` of config.yaml, rebuilt structurally: the run validated it when it
     started; checks that open trace or rate-trace files are not repeated, so a copied
     directory needs nothing beside it."""
@@ -312,7 +317,7 @@ class RunInfo:
     """What analysis knows of a run besides its records, all from the run directory."""
 
     dir: RunDir
-    experiment: Any                     # testbed.config.Experiment, from config.yaml
+    experiment: Experiment              # from config.yaml
     scale: Scale
     metadata: dict                      # {} for a run killed before its teardown
     runtime: dict | None                # None for a run killed before its workers started

@@ -3,10 +3,10 @@
 Works on any run directory, in particular one whose `testbed run` was killed (SIGKILL, a closed
 terminal, a crash) and so never analysed itself, and on one copied from another machine: the
 Experiment is read back from the saved config.yaml, the requests from workload.parquet and the
-client's requests.jsonl, the link from timeseries.csv and events.csv (`testbed.rundir`). The summary says `incomplete: true` and why, and counts requests
-never finished (`not_finished`) and never sent (`not_sent`) as failed. Then the figures are
-redrawn. Under sudo, the run directory is handed to the invoking user (SUDO_UID): a killed run
-never got to do that itself.
+client's requests.jsonl, the link from timeseries.csv and events.csv (`testbed.rundir`). The
+summary says `incomplete: true` and why, and counts requests never finished (`not_finished`)
+and never sent (`not_sent`) as failed. Then the figures are redrawn. Under sudo, the run
+directory is handed to the invoking user (SUDO_UID): a killed run never got to do that itself.
 """
 
 import pathlib
