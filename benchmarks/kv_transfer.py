@@ -209,8 +209,8 @@ def main():
         return asyncio.run(sender(a.host, a.tokens, a.requests, a.chunks, a.streams, a.repeat))
     if os.geteuid() != 0:
         sys.exit("kv_transfer: needs root (two network namespaces and a veth)")
-    from testbed.commands.selfcheck import ADDR_DEC, build_pair
     from testbed.lifecycle import Registry
+    from testbed.net.pair import ns_popen, ns_run, veth_pair
 
     import signal
 
@@ -220,22 +220,22 @@ def main():
     load_before = os.getloadavg()
     reg = Registry(secrets.token_hex(4), kind="bench-kv")
     try:
-        ns_pre, ns_dec, _ = build_pair(reg)
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
-        base = [sys.executable, __file__, "--host", ADDR_DEC]
-        recv = subprocess.Popen(["ip", "netns", "exec", ns_dec] + base + ["--role", "recv"],
-                                stdout=subprocess.PIPE, text=True, env=env)
-        reg.add_process(recv.pid, "kv_transfer receiver")
-        if recv.stdout.readline().strip() != "ready":
-            sys.exit("kv_transfer: receiver did not start")
-        args = ["--role", "send", "--tokens", str(a.tokens), "--requests", str(a.requests),
-                "--chunks", *map(str, a.chunks), "--streams", *map(str, a.streams),
-                "--repeat", str(a.repeat)]
-        out = subprocess.run(["ip", "netns", "exec", ns_pre] + base + args, env=env,
-                             capture_output=True, text=True, timeout=a.timeout)
-        if out.returncode:
-            sys.exit(f"kv_transfer: sender failed:\n{out.stderr[-2000:]}")
-        res = json.loads(out.stdout.strip().splitlines()[-1])
+        with veth_pair(reg, names=("pre", "dec")) as pair:
+            env = dict(os.environ, PYTHONPATH=str(ROOT))
+            base = [sys.executable, __file__, "--host", pair.ip_b]
+            recv = ns_popen(pair.b, base + ["--role", "recv"], stdout=subprocess.PIPE, text=True,
+                            env=env)
+            reg.add_process(recv.pid, "kv_transfer receiver")
+            if recv.stdout.readline().strip() != "ready":
+                sys.exit("kv_transfer: receiver did not start")
+            args = ["--role", "send", "--tokens", str(a.tokens), "--requests", str(a.requests),
+                    "--chunks", *map(str, a.chunks), "--streams", *map(str, a.streams),
+                    "--repeat", str(a.repeat)]
+            out = ns_run(pair.a, base + args, env=env, capture_output=True, text=True,
+                         timeout=a.timeout)
+            if out.returncode:
+                sys.exit(f"kv_transfer: sender failed:\n{out.stderr[-2000:]}")
+            res = json.loads(out.stdout.strip().splitlines()[-1])
     finally:
         reg.close()
     load = " ".join(f"{x:.2f}" for x in load_before)

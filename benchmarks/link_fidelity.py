@@ -1,7 +1,7 @@
 """Link fidelity sweep: configured vs measured WAN, side by side, on one backend.
 
 Sweeps rate {10M, 100M, 1G} x delay {0, 5, 20 ms} x jitter {0, 2 ms} x loss {0, 1%} over a link
-built alone (`testbed.commands.linktest.two_host_link`, the same `Wan` a run uses) and measures
+built alone (`testbed.net.pair.routed_pair`, the same `Wan` a run uses) and measures
 each with `testbed.net.probe.measure_link`. Prints one row per point with the ratios the issue's
 targets are stated in; not part of the test suite's pass/fail.
 
@@ -26,7 +26,7 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from testbed import lifecycle  # noqa: E402
-from testbed.commands.linktest import two_host_link  # noqa: E402
+from testbed.net.pair import routed_pair  # noqa: E402
 from testbed.net import shaping  # noqa: E402
 from testbed.net.probe import GOODPUT_BASIS, measure_link  # noqa: E402
 
@@ -64,7 +64,7 @@ def run_point(cfg, backend, duration_s, loss_packets, loss_burst=None):
     rate, delay, jitter, loss = cfg
     d = shaping.check_params({"rate": rate, "delay": delay, "jitter": jitter, "loss": loss,
                               "loss_burst": loss_burst}, "bench")
-    with two_host_link({"kv": d, "request": d}, backend=backend) as link:
+    with routed_pair({"kv": d, "request": d}, backend=backend) as link:
         r = measure_link(link.src, link.dst, link.dst_ip, d, duration_s=duration_s,
                          loss_packets=loss_packets)
         r["backend"] = link.wan.backend

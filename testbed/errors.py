@@ -39,6 +39,11 @@ def one_line(text, limit=MAX_MESSAGE_CHARS):
     return out if len(out) <= limit else out[:limit - 3] + "..."
 
 
+class RunDirError(ConfigError):
+    """A run directory this testbed cannot read: a file missing or unreadable, or a layout
+    (`schema` in metadata.json) newer than this version knows. Bad input: exit code 2."""
+
+
 class PrivilegeError(TestbedError):
     """The command needs root (network namespaces, tc)."""
 

@@ -4,8 +4,8 @@
 each router egress interface, queue backlog, drops, link state, and the configured link rate in
 force, `*_link_gbps`, for comparison) at `hz` (default 20 Hz) in a
 thread and writes `timeseries.csv`. Rates are differences of kernel byte counters, never what the
-workers say they sent. Real-world columns are converted back with the run's scale
-(rate / (scale.bytes * scale.time), time * scale.time).
+workers say they sent. Real-world columns are converted back with the run's `Scale`
+(`real_rate`, `real_s`).
 
 `EventLog` appends timestamped rows to `events.csv` (link changes, worker deaths, phases).
 """
@@ -50,12 +50,12 @@ class CounterSampler:
             "tx_bytes", "tx_packets", "rate_bps", "egress_gbps", "backlog_bytes",
             "backlog_packets", "drops", "up", "link_gbps")]
 
-    def __init__(self, wan, path, time_scale, bytes_scale, hz=20.0):
+    def __init__(self, wan, path, scale, hz=20.0):
+        """`scale`: the run's `testbed.scale.Scale` (real-world columns are converted back)."""
         self.wan = wan
         self.path = path
         self.period = 1.0 / hz
-        self.time_scale = time_scale
-        self.to_real = 1.0 / (bytes_scale * time_scale)
+        self.scale = scale
         self.thread = None
         self.stop_event = threading.Event()
         self.first = None
@@ -75,7 +75,7 @@ class CounterSampler:
     def _sample(self, prev):
         now = time.time()
         stats = self.wan.stats()
-        row = [f"{now:.6f}", f"{now - self.t0:.6f}", f"{(now - self.t0) * self.time_scale:.6f}"]
+        row = [f"{now:.6f}", f"{now - self.t0:.6f}", f"{self.scale.real_s(now - self.t0):.6f}"]
         for d in DIRECTIONS:
             s = stats[d]
             rate = 0.0
@@ -83,9 +83,9 @@ class CounterSampler:
                 dt = now - prev[0]
                 rate = (s["tx_bytes"] - prev[1][d]["tx_bytes"]) * 8 / dt if dt > 0 else 0.0
             row += [s["tx_bytes"], s["tx_packets"], f"{rate:.1f}",
-                    f"{rate * self.to_real / 1e9:.6f}", s["backlog_bytes"],
+                    f"{self.scale.real_rate(rate) / 1e9:.6f}", s["backlog_bytes"],
                     s.get("backlog_packets", 0), s["drops"], int(bool(s["up"])),
-                    f"{s.get('rate_bps', 0) * self.to_real / 1e9:.6f}"]
+                    f"{self.scale.real_rate(s.get('rate_bps', 0)) / 1e9:.6f}"]
         self.w.writerow(row)
         return (now, stats)
 

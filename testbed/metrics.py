@@ -10,28 +10,33 @@ is kept and marked failed with the reason. Metric definitions follow `vllm bench
 - E2EL: last token received - send time.
 - throughput: completed requests / (last completion - first send).
 
-Times measured on the emulated timeline are converted back to real-world units by multiplying
-durations by `scale.time`; byte rates by dividing by `scale.bytes * scale.time`. The summary keys
-are real-world milliseconds, seconds, requests/s and Gbit/s (1e9 bit/s).
+Times measured on the emulated timeline are converted back to real-world units by the run's
+`testbed.scale.Scale` (durations `real_ms`, rates `real_rate`). The summary keys are real-world
+milliseconds, seconds, requests/s and Gbit/s (1e9 bit/s).
 
-Everything is read from the run directory, so a run that was killed (SIGKILL, power cut) can be
-analysed afterwards: `analyse_dir` (`testbed analyse RUN_DIR`) reads the Experiment back from the
-saved `config.yaml`. `summary.json` says `incomplete: true` and why (`incomplete_reason`) when
-the records show the run did not end normally: no metadata.json (the orchestrator never reached
-its teardown), an interruption or error in events.csv, or no `finished` line from the client.
-`not_finished` counts requests sent without a reply on record, `not_sent` those never sent; both
-are among `failed`.
+Everything is read from the run directory (`testbed.rundir`: the Experiment from its config.yaml,
+the scale from runtime.json), never from an Experiment in memory, so the run itself, `testbed
+analyse RUN_DIR`, and a directory copied elsewhere are analysed alike, a run that was killed
+(SIGKILL, power cut) included. `summary.json` says `incomplete: true` and why
+(`incomplete_reason`) when the records show the run did not end normally: no metadata.json (the
+orchestrator never reached its teardown), an interruption or error in events.csv, or no
+`finished` line from the client. `not_finished` counts requests sent without a reply on record,
+`not_sent` those never sent; both are among `failed`.
 """
 
+from __future__ import annotations
+
 import csv
-import io
 import json
 import math
 import pathlib
 
 import numpy as np
 import pandas as pd
-import yaml
+
+from testbed import rundir
+from testbed.rundir import RunInfo, read_records  # noqa: F401  (read_records: loadgen's import)
+from testbed.scale import Scale
 
 SUMMARY_KEYS = [
     "label", "policy", "completed", "failed", "duration_s", "request_throughput",
@@ -47,26 +52,8 @@ CACHE_COLUMNS = ("cached_len", "planned_cached_len", "decode_cached_len", "cache
                  "decode_cache_bytes", "lookup_local", "lookup_prfaas")
 
 
-def read_records(path):
-    """Latest `sent` and `done` line of each request id in a client JSONL file."""
-    sent, done = {}, {}
-    p = pathlib.Path(path)
-    if not p.exists():
-        return sent, done
-    with open(p) as f:
-        for line in f:
-            try:
-                obj = json.loads(line)
-            except ValueError:
-                continue            # a line cut by a crash
-            if obj.get("ev") == "sent":
-                sent[obj["id"]] = obj
-            elif obj.get("ev") == "done":
-                done[obj["id"]] = obj
-    return sent, done
-
-
-def build_requests(workload, sent, done, time_scale):
+def build_requests(workload: pd.DataFrame, sent: dict, done: dict,
+                   scale: Scale) -> pd.DataFrame:
     """One row per workload request, measured fields joined, durations in real-world ms."""
     rows = []
     for w in workload.itertuples(index=False):
@@ -97,24 +84,24 @@ def build_requests(workload, sent, done, time_scale):
             df[col] = None
     # Where the prefix came from: the route's source when the prefill really continued from it.
     df["cache_source"] = df.cache_source.where(df.cached_len.fillna(0) > 0, "").fillna("")
-    ms = 1e3 * time_scale
-    df["ttft_ms"] = (df.first_token - df.send_time) * ms
-    df["e2el_ms"] = (df.last_token - df.send_time) * ms
+    ms = scale.real_ms
+    df["ttft_ms"] = ms(df.first_token - df.send_time)
+    df["e2el_ms"] = ms(df.last_token - df.send_time)
     n = df.n_tokens.where(df.n_tokens > 1)
     df["tpot_ms"] = (df.e2el_ms - df.ttft_ms) / (n - 1)
-    df["prefill_ms"] = (df.prefill_end - df.prefill_start) * ms
-    df["prefill_queue_ms"] = (df.prefill_start - df.prefill_queued) * ms
-    df["transfer_ms"] = (df.kv_recv_end - df.kv_recv_start) * ms
-    df["transfer_after_prefill_ms"] = (df.kv_recv_end - df.prefill_end) * ms
-    df["decode_queue_ms"] = (df.decode_join - df.kv_recv_end) * ms   # waiting for a batch slot
+    df["prefill_ms"] = ms(df.prefill_end - df.prefill_start)
+    df["prefill_queue_ms"] = ms(df.prefill_start - df.prefill_queued)
+    df["transfer_ms"] = ms(df.kv_recv_end - df.kv_recv_start)
+    df["transfer_after_prefill_ms"] = ms(df.kv_recv_end - df.prefill_end)
+    df["decode_queue_ms"] = ms(df.decode_join - df.kv_recv_end)   # waiting for a batch slot
     df["mean_itl_ms"] = [
-        float(np.mean(np.diff(t))) * ms if isinstance(t, list) and len(t) > 1 else np.nan
+        ms(float(np.mean(np.diff(t)))) if isinstance(t, list) and len(t) > 1 else np.nan
         for t in df.get("token_times", pd.Series([None] * len(df)))]
     df["lateness_ms"] = df.lateness_s * 1e3     # of the emulated schedule, not scaled
     return df
 
 
-def tokens_table(df, time_scale):
+def tokens_table(df: pd.DataFrame, scale: Scale) -> pd.DataFrame:
     """One row per output token: its time at the decode worker and at the client (Unix s, the
     emulated timeline) and the inter-token latency at each (real-world ms). The client receives
     tokens in chunks (the first alone, then every few ms), so its times step per chunk."""
@@ -131,14 +118,13 @@ def tokens_table(df, time_scale):
     out = pd.DataFrame({"id": np.asarray(ids, dtype=np.int64), "index": np.asarray(idx, dtype=np.int64),
                         "decode_time": np.asarray(dec, dtype=float),
                         "client_time": np.asarray(cli, dtype=float)})
-    ms = 1e3 * time_scale
     first = out["index"] == 0
-    out["itl_decode_ms"] = out.groupby("id").decode_time.diff().where(~first) * ms
-    out["itl_client_ms"] = out.groupby("id").client_time.diff().where(~first) * ms
+    out["itl_decode_ms"] = scale.real_ms(out.groupby("id").decode_time.diff().where(~first))
+    out["itl_client_ms"] = scale.real_ms(out.groupby("id").client_time.diff().where(~first))
     return out
 
 
-def decode_steps(df, model, time_scale):
+def decode_steps(df: pd.DataFrame, model, scale: Scale) -> pd.DataFrame:
     """Every decode step, rebuilt from the tokens: all tokens one step emits carry the same
     time stamp at their decode instance. One row per step with its batch size, the context
     tokens the batch held, the measured step time (since the instance's previous step, only
@@ -158,8 +144,7 @@ def decode_steps(df, model, time_scale):
     steps = steps.sort_values(["decode_instance", "time"])
     prev = steps.groupby("decode_instance").shift(1)
     continued = [isinstance(a, frozenset) and bool(a & b) for a, b in zip(prev.ids, steps.ids)]
-    steps["measured_ms"] = np.where(continued, (steps.time - prev.time) * 1e3 * time_scale,
-                                    np.nan)
+    steps["measured_ms"] = np.where(continued, scale.real_ms(steps.time - prev.time), np.nan)
     # A token's index is how many its request held before the step: `context` is what the
     # decode worker summed when it chose the step's duration.
     steps["expected_ms"] = [model.step_time(b, c) * 1e3
@@ -172,15 +157,17 @@ def _pct(series, q):
     return float(np.percentile(s, q)) if len(s) else float("nan")
 
 
-def summarize(df, exp, timeseries=None, counters=None):
+def summarize(df: pd.DataFrame, run: RunInfo, timeseries: pd.DataFrame | None = None,
+              counters: dict | None = None) -> dict:
+    """The run's metrics (summary.json's measured keys) from its requests table."""
     ok = df[df.status == "ok"]
-    T, B = exp.scale.time, exp.scale.bytes
+    exp, scale = run.experiment, run.scale
     t0 = df.send_time.min()
     t1 = ok.last_token.max() if len(ok) else float("nan")
     span_emul = (t1 - t0) if len(ok) else float("nan")
-    duration_s = span_emul * T
+    duration_s = scale.real_s(span_emul)
     out = {
-        "label": exp.label, "policy": exp.scheduler.policy,
+        "label": run.label, "policy": run.policy,
         "requests": int(len(df)), "completed": int(len(ok)), "failed": int(len(df) - len(ok)),
         "duration_s": duration_s,
         "request_throughput": len(ok) / duration_s if duration_s and duration_s > 0 else 0.0,
@@ -195,19 +182,20 @@ def summarize(df, exp, timeseries=None, counters=None):
         "kv_bytes_received_remote": int(df.kv_bytes[df.route == "remote"].fillna(0).sum()),
         "mean_send_lateness_ms": float(df.lateness_ms.mean()),
         "p99_send_lateness_ms": _pct(df.lateness_ms, 99),
-        "scale_time": T, "scale_bytes": B,
+        "scale": scale.to_dict(),
     }
     out.update(goodput(df, exp.slo.objectives_ms(), duration_s))
-    out.update(egress(timeseries, t0, t1, T, B))
+    out.update(egress(timeseries, t0, t1, scale))
     if counters:
         out["wan_bytes_counted"] = counters.get("kv", {}).get("tx_bytes")
     errors = df.error[df.status != "ok"].dropna().value_counts()
     out["failure_reasons"] = {str(k): int(v) for k, v in errors.head(5).items()}
-    out["steady_throughput"] = steady_throughput(ok.last_token, T)
-    out["emulation"] = emulation_fidelity(ok, exp)
-    out.update(cache_summary(df, exp))
+    out["steady_throughput"] = steady_throughput(ok.last_token, scale)
+    out["emulation"] = emulation_fidelity(ok, run)
+    out.update(cache_summary(df, run))
     # The planner's L is the uncached length: what the run really prefilled.
-    out["prediction"] = predicted(exp, (df.input_len - df.cached_len.fillna(0)).to_numpy())
+    out["prediction"] = predicted(exp, (df.input_len - df.cached_len.fillna(0)).to_numpy(),
+                                  df.output_len.to_numpy())
     return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in out.items()}
 
 
@@ -241,9 +229,10 @@ def goodput(df, objectives_ms, duration_s):
             "slo": {"objectives_ms": objectives_ms, "good": int(good.sum()),
                     "attainment": attained,
                     "attainment_of_sent": float(good.mean()) if len(df) else None}}
-def cache_summary(df, exp):
+def cache_summary(df: pd.DataFrame, run: RunInfo) -> dict:
     """Prefix cache keys of summary.json (docs/cache.md). Bytes are emulated bytes, like
-    `wan_bytes_measured` (divide by scale.bytes for real-world)."""
+    `wan_bytes_measured` (`Scale.real_bytes` for real-world)."""
+    exp = run.experiment
     done = df[df.prefill_end.notna()]
     inp = float(df.input_len.sum())
     cached = done.cached_len.fillna(0)
@@ -256,7 +245,7 @@ def cache_summary(df, exp):
     from testbed import profile as profiles
     try:
         prof = profiles.load(exp.model.profile)
-        full = prof.s_kv(done.input_len.to_numpy(dtype=float)) * exp.scale.bytes
+        full = run.scale.emulated_bytes(prof.s_kv(done.input_len.to_numpy(dtype=float)))
         out["kv_bytes_saved_by_cache"] = int(max(0.0, float(
             (full - done.kv_bytes_sent.fillna(0).to_numpy()).sum()))) if exp.cache.enabled else 0
     except Exception:   # noqa: BLE001  a summary never fails on the profile
@@ -270,7 +259,7 @@ def cache_summary(df, exp):
     return out
 
 
-def steady_throughput(completions, time_scale, lo=0.1, hi=0.9):
+def steady_throughput(completions: pd.Series, scale: Scale, lo=0.1, hi=0.9) -> float:
     """Completions per real-world second between the 10th and 90th percentile completion.
 
     `request_throughput` divides by the whole span, ramp-up (the first TTFT) and the last
@@ -282,10 +271,10 @@ def steady_throughput(completions, time_scale, lo=0.1, hi=0.9):
         return float("nan")
     a, b = t[int(lo * (len(t) - 1))], t[int(hi * (len(t) - 1))]
     n = int(hi * (len(t) - 1)) - int(lo * (len(t) - 1))
-    return n / ((b - a) * time_scale) if b > a else float("nan")
+    return n / scale.real_s(b - a) if b > a else float("nan")
 
 
-def emulation_fidelity(ok, exp, tolerance=0.05):
+def emulation_fidelity(ok: pd.DataFrame, run: RunInfo, tolerance=0.05) -> dict:
     """Did the emulated accelerators keep their profiled times on this machine?
 
     Compares what the workers measured with what the profile asked for: mean decode step (ITL
@@ -293,12 +282,13 @@ def emulation_fidelity(ok, exp, tolerance=0.05):
     first tokens took from the decode worker to the client (the testbed's own control plane).
     A CPU too busy for the chosen `scale.time` shows here first; the warning says so.
     """
+    exp, scale = run.experiment, run.scale
     if exp.model.engine != "profile" or not len(ok):
         return {}
     from testbed import profile as profiles
 
     prof = profiles.load(exp.model.profile)
-    steps = decode_steps(ok, exp.decode_model(), exp.scale.time).dropna(subset=["measured_ms"])
+    steps = decode_steps(ok, exp.decode_model(), scale).dropna(subset=["measured_ms"])
     out = {"warnings": []}
     if len(steps):
         # Time-weighted: the measured decode time over what the model asked for those steps.
@@ -317,22 +307,22 @@ def emulation_fidelity(ok, exp, tolerance=0.05):
     lag = [(f - t[0]) for f, t in zip(ok.first_token, ok.get("token_times", [None] * len(ok)))
            if isinstance(t, list) and t and np.isfinite(f)]
     if lag:
-        out["first_token_lag_ms"] = float(np.median(lag)) * 1e3 * exp.scale.time
+        out["first_token_lag_ms"] = scale.real_ms(float(np.median(lag)))
         if out["first_token_lag_ms"] > 50:
             out["warnings"].append(
                 f"first tokens reached the client {out['first_token_lag_ms']:.0f} ms (median, "
                 f"real-world) after the decode worker made them: the control plane is CPU-bound "
-                f"at scale.time {exp.scale.time:g}; TTFT includes that lag")
+                f"at scale.time {scale.time:g}; TTFT includes that lag")
     for key, what in (("decode_step_ratio", "decode steps"), ("prefill_ratio", "prefills")):
         r = out.get(key)
         if r is not None and abs(r - 1) > tolerance:
             out["warnings"].append(
                 f"{what} took {r:.2f}x their profiled time: this machine could not keep up "
-                f"at scale.time {exp.scale.time:g}; lower it for exact timing")
+                f"at scale.time {scale.time:g}; lower it for exact timing")
     return out
 
 
-def egress(ts, t0, t1, time_scale, bytes_scale):
+def egress(ts: pd.DataFrame | None, t0: float, t1: float, scale: Scale) -> dict:
     """WAN KV-direction egress from the kernel counters over [t0, t1] (the measured span).
 
     mean = bytes counted / span; peak = the largest rate over windows of 1 s real-world time
@@ -342,7 +332,6 @@ def egress(ts, t0, t1, time_scale, bytes_scale):
            "request_bytes_measured": 0}
     if ts is None or not len(ts) or not np.isfinite(t0):
         return out
-    to_real = 1.0 / (bytes_scale * time_scale)
     before = ts[ts.time <= t0]
     start = before.iloc[-1] if len(before) else ts.iloc[0]
     end_t = t1 if np.isfinite(t1) else ts.time.iloc[-1]
@@ -352,116 +341,82 @@ def egress(ts, t0, t1, time_scale, bytes_scale):
     out["wan_bytes_measured"] = int(end.kv_tx_bytes - start.kv_tx_bytes)
     out["request_bytes_measured"] = int(end.request_tx_bytes - start.request_tx_bytes)
     if span > 0:
-        out["egress_mean_gbps"] = out["wan_bytes_measured"] * 8 / span * to_real / 1e9
+        out["egress_mean_gbps"] = scale.real_rate(out["wan_bytes_measured"] * 8 / span) / 1e9
     win = ts[(ts.time >= start.time) & (ts.time <= end.time)]
     if len(win) >= 2:
-        dt = max(1.0 / time_scale, float(np.median(np.diff(win.time))) * 2)
+        dt = max(scale.emulated_s(1.0), float(np.median(np.diff(win.time))) * 2)
         t = win.time.to_numpy()
         b = win.kv_tx_bytes.to_numpy(dtype=float)
         j = np.searchsorted(t, t + dt)
         valid = j < len(t)
         if valid.any():
             rates = (b[j[valid]] - b[valid]) * 8 / (t[j[valid]] - t[valid])
-            out["egress_peak_gbps"] = float(rates.max()) * to_real / 1e9
+            out["egress_peak_gbps"] = scale.real_rate(float(rates.max())) / 1e9
     return out
 
 
-def predicted(exp, input_lengths=None):
+def predicted(exp, input_lengths=None, output_lengths=None) -> dict:
     """The planner's prediction for this run's configuration, from the uncached lengths the run
-    really prefilled (input_len - cached_len: the full lengths when the cache is off).
+    really prefilled (input_len - cached_len: the full lengths when the cache is off) and the
+    output lengths it asked for (so no workload is regenerated: a trace need not be at hand).
     """
     if exp.model.engine != "profile":
         return {"note": "the planner models profiled accelerators; the torch engine's timing "
                         "is its own (no prediction)"}
     from testbed import plan
     try:
-        return plan.predict(exp, lengths=input_lengths)
+        return plan.predict(exp, lengths=input_lengths, output_lengths=output_lengths)
     except Exception as e:  # a prediction must never lose a measured run
         return {"error": f"{type(e).__name__}: {e}"}
 
 
-def read_timeseries(path):
-    """timeseries.csv as numbers, or None; a last line cut by a crash is dropped."""
-    p = pathlib.Path(path)
-    if not p.exists():
-        return None
-    text = p.read_text(errors="replace")
-    if not text.endswith("\n"):
-        text = text[:text.rfind("\n") + 1]
-    lines = text.splitlines()
-    if len(lines) < 2:
-        return None
-    ts = pd.read_csv(io.StringIO(text), on_bad_lines="skip")
-    return ts.apply(pd.to_numeric, errors="coerce").dropna().reset_index(drop=True)
-
-
-def incomplete_reasons(run_dir):
+def incomplete_reasons(run_dir) -> list[str]:
     """Why a run directory's records are incomplete; [] when the run ended normally."""
-    d = pathlib.Path(run_dir)
+    rd = rundir.RunDir(run_dir)
     reasons = []
-    if not (d / "metadata.json").exists():
+    if not rd.metadata.exists():
         reasons.append("the orchestrator stopped before its teardown (no metadata.json: killed)")
-    if (d / "events.csv").exists():
-        with open(d / "events.csv", newline="", errors="replace") as f:
+    if rd.events.exists():
+        with open(rd.events, newline="", errors="replace") as f:
             for row in csv.reader(f):
                 if len(row) >= 2 and row[1] == "interrupted":
                     reasons.append("interrupted (Ctrl-C, SIGTERM, SIGHUP or SIGQUIT)")
                 elif len(row) >= 3 and row[1] == "error":
                     reasons.append(f"the run failed: {row[2]}")
-    finished = False
-    if (d / "requests.jsonl").exists():
-        with open(d / "requests.jsonl", errors="replace") as f:
-            finished = any('"ev":"finished"' in line for line in f)
-    if not finished:
+    if not rundir.client_finished(rd):
         reasons.append("the client did not finish (no 'finished' record in requests.jsonl)")
     return reasons
 
 
-def load_experiment(run_dir):
-    """The Experiment a run directory was made with, read back from its config.yaml."""
-    from testbed import config
-    from testbed.errors import ConfigError
-
-    path = pathlib.Path(run_dir) / "config.yaml"
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-        raise ConfigError(f"cannot read the run's configuration ({type(e).__name__})",
-                          path=str(path)) from None
-    if not isinstance(raw, dict):
-        raise ConfigError("expected the resolved configuration (a mapping)", path=str(path))
-    return config.validate(raw, str(path))
+def _warnings(summary: dict, meta: dict, reasons: list[str]) -> list[str]:
+    fid = meta.get("link_fidelity") or {}
+    out = list(fid.get("warnings", [])) + (summary.get("emulation") or {}).get("warnings", [])
+    out += [f"scheduled link change at {e['at_s']:g}s (emulated) failed: {e['error']}"
+            for e in meta.get("link_schedule_errors") or []]
+    if reasons:
+        out.append(f"incomplete run: {'; '.join(reasons)}")
+    return out
 
 
-def analyse_dir(run_dir):
-    """`analyse` for a run directory alone (a killed run included): the Experiment comes from
-    its config.yaml."""
-    d = pathlib.Path(run_dir)
-    from testbed.errors import ConfigError
-    for name in ("config.yaml", "workload.parquet"):
-        if not (d / name).exists():
-            raise ConfigError(f"no {name}: not a run directory, or the run was killed before it "
-                              "started sending", path=str(d))
-    return analyse(d, load_experiment(d))
+def analyse(run_dir) -> dict:
+    """A run directory's records -> requests.parquet, tokens.parquet, summary.json (returned).
 
-
-def analyse(run_dir, exp):
-    """requests.jsonl + workload.parquet + timeseries.csv -> requests.parquet, summary.json."""
-    d = pathlib.Path(run_dir)
-    workload = pd.read_parquet(d / "workload.parquet")
+    Reads only the directory (`testbed.rundir.load_run`): the run that just ended, `testbed
+    analyse` of a killed run, and a directory copied to another machine go the same way."""
+    run = rundir.load_run(run_dir)
+    rd, exp, scale = run.dir, run.experiment, run.scale
+    workload = rundir.workload(rd)
     if exp.workload.client != "builtin":     # what the front door received (testbed/loadgen.py)
         from testbed import loadgen
-        workload = loadgen.served_workload(d, exp.scale.time)
-    sent, done = read_records(d / "requests.jsonl")
-    df = build_requests(workload, sent, done, exp.scale.time)
+        workload = loadgen.served_workload(rd.path, scale.time)
+    sent, done = read_records(rd.records)
+    df = build_requests(workload, sent, done, scale)
     df["slo_ok"] = meets_slo(df, exp.slo.objectives_ms())
-    tokens_table(df, exp.scale.time).to_parquet(d / "tokens.parquet", index=False)
+    tokens_table(df, scale).to_parquet(rd.tokens, index=False)
     df.drop(columns=["token_times", "client_times"], errors="ignore").to_parquet(
-        d / "requests.parquet", index=False)
-    ts = read_timeseries(d / "timeseries.csv")
-    meta = json.loads((d / "metadata.json").read_text()) if (d / "metadata.json").exists() else {}
-    summary = summarize(df, exp, ts, meta.get("wan_counters"))
-    reasons = incomplete_reasons(d)
+        rd.requests, index=False)
+    summary = summarize(df, run, rundir.timeseries(rd), run.metadata.get("wan_counters"))
+    reasons = incomplete_reasons(rd)
     ids = set(int(i) for i in workload.id)
     summary["incomplete"] = bool(reasons)
     summary["incomplete_reason"] = "; ".join(reasons) or None
@@ -469,32 +424,27 @@ def analyse(run_dir, exp):
     summary["not_sent"] = len(ids - set(sent) - set(done))
     from testbed.workload import summarize as workload_stats
     summary["workload"] = workload_stats(workload)
-    summary["run_dir"] = str(d)
-    pools = {p.stem[len("cache_"):]: json.loads(p.read_text()) for p in sorted(d.glob("cache_*.json"))}
+    summary["run_dir"] = str(rd.path)
+    pools = {dc: json.loads(p.read_text()) for dc, p in rd.cache_pools().items()}
     if pools:
         summary["cache_pools"] = pools
-    fid = meta.get("link_fidelity") or {}
-    summary["link_warnings"] = fid.get("warnings", [])
-    summary["warnings"] = summary["link_warnings"] + (summary.get("emulation") or {}).get(
-        "warnings", []) + [f"scheduled link change at {e['at_s']:g}s (emulated) failed: "
-                           f"{e['error']}" for e in meta.get("link_schedule_errors") or []]
-    if reasons:
-        summary["warnings"].append(f"incomplete run: {summary['incomplete_reason']}")
+    summary["link_warnings"] = (run.metadata.get("link_fidelity") or {}).get("warnings", [])
+    summary["warnings"] = _warnings(summary, run.metadata, reasons)
     from testbed import faults     # accounting, recovery per injected fault
-    summary.update(faults.analyse(d, exp, df))
+    summary.update(faults.analyse(rd.path, exp, df))
     if exp.workload.client != "builtin":
         from testbed import loadgen
-        summary.update(loadgen.summarize(d, exp, df))
-    (d / "summary.json").write_text(json.dumps(summary, indent=1))
+        summary.update(loadgen.summarize(rd.path, exp, df))
+    rd.summary.write_text(json.dumps(summary, indent=1))
     return summary
 
 
-def write_sweep(top, summaries):
+def write_sweep(top, summaries: list[dict]) -> None:
     rows = [{k: v for k, v in s.items() if not isinstance(v, (dict, list))} for s in summaries]
-    pd.DataFrame(rows).to_csv(pathlib.Path(top) / "sweep.csv", index=False)
+    pd.DataFrame(rows).to_csv(pathlib.Path(top) / rundir.RunDir.SWEEP, index=False)
 
 
-def table(summaries):
+def table(summaries: list[dict]) -> str:
     """The comparison printed at the end of `testbed run` (real-world units)."""
     cols = [("label", "run", "{}"), ("completed", "done", "{:d}"), ("failed", "fail", "{:d}"),
             ("request_throughput", "req/s", "{:.3f}"), ("mean_ttft_ms", "TTFT mean", "{:.0f}"),

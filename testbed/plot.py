@@ -1,11 +1,14 @@
 """Plot: figures drawn from run directories only (Pantheon habit: analysis reads the run dir).
 
-`STYLE` is the one registry of label, colour and marker per policy, used by every figure.
+`STYLE` is the one registry of label, colour and marker per policy, used by every figure. Files
+are read through `testbed.rundir` (names, schema check) and real-world time comes from the run's
+`testbed.scale.Scale`.
 `run_figures(top)` draws `figures/ttft_cdf.png`, `figures/egress.png` and
 `figures/ttft_timeline.png` (and PDFs) for a run directory: one line per run found below it (a single run, or every variant of an experiment).
 """
 
-import json
+from __future__ import annotations
+
 import pathlib
 
 import matplotlib
@@ -15,6 +18,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
+from testbed import rundir  # noqa: E402
+from testbed.rundir import find_runs  # noqa: E402,F401  (plot.find_runs: callers' name)
+from testbed.scale import Scale  # noqa: E402
+
 STYLE = {
     "homogeneous": {"label": "Homogeneous PD", "color": "#4c72b0", "marker": "o"},
     "naive": {"label": "Naive heterogeneous", "color": "#dd8452", "marker": "s"},
@@ -22,7 +29,7 @@ STYLE = {
 }
 
 
-def _save(fig, out_dir, stem):
+def _save(fig, out_dir: pathlib.Path, stem: str) -> pathlib.Path:
     """Write `stem`.png and .pdf into out_dir; returns the PNG's path."""
     fig.tight_layout()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -32,23 +39,7 @@ def _save(fig, out_dir, stem):
     return out_dir / f"{stem}.png"
 
 
-def find_runs(top):
-    """Run directories at or below `top` (those holding a summary.json), in the order they ran."""
-    top = pathlib.Path(top)
-    if (top / "summary.json").exists():
-        return [top]
-    return sorted((p.parent for p in top.glob("*/summary.json")), key=_started)
-
-
-def _started(d):
-    """Runs in the order they ran (their metadata's start time), then by name."""
-    try:
-        return (json.loads((d / "metadata.json").read_text())["start_time"], d.name)
-    except (OSError, ValueError, KeyError):
-        return (float("inf"), d.name)
-
-
-def _label(summary):
+def _label(summary: dict) -> str:
     style = STYLE.get(summary.get("policy"), {})
     lab = summary.get("label") or summary.get("policy")
     if lab == summary.get("policy") and style:
@@ -56,19 +47,19 @@ def _label(summary):
     return lab
 
 
-def load_requests(top):
+def load_requests(top) -> pd.DataFrame:
     """All runs' requests.parquet below `top`, concatenated, with `run` and `policy` columns."""
     frames = []
     for d in find_runs(top):
-        s = json.loads((d / "summary.json").read_text())
-        df = pd.read_parquet(d / "requests.parquet")
+        s = rundir.summary(d)
+        df = rundir.requests(d)
         df["run"] = _label(s)
         df["policy"] = s.get("policy")
         frames.append(df)
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
-def ttft_cdf(top, out_dir):
+def ttft_cdf(top, out_dir: pathlib.Path) -> pathlib.Path | None:
     df = load_requests(top)
     ok = df[df.status == "ok"] if len(df) else df
     if not len(ok):
@@ -92,29 +83,25 @@ def _run_csvs(top, name, min_rows=1):
     """(run dir, its summary, its `name` CSV as a DataFrame) for each run below `top` that has
     the file with at least `min_rows` rows."""
     for d in find_runs(top):
-        path = d / name
-        if not path.exists():
-            continue
-        df = pd.read_csv(path)
-        if len(df) >= min_rows:
-            yield d, json.loads((d / "summary.json").read_text()), df
+        df = rundir.csv_table(d, name)
+        if df is not None and len(df) >= min_rows:
+            yield d, rundir.summary(d), df
 
 
-def _arrival_clock(d, ts, scale):
+def _arrival_clock(d, ts: pd.DataFrame, scale: Scale) -> pd.Series:
     """Real-world seconds since the first arrival for each timeseries row of run dir `d`."""
-    meta = json.loads((d / "metadata.json").read_text()) if (d / "metadata.json").exists() else {}
-    start = meta.get("client_start_at", ts.time.iloc[0])
-    return (ts.time - start) * scale
+    start = rundir.metadata(d).get("client_start_at", ts.time.iloc[0])
+    return scale.real_s(ts.time - start)
 
 
-def egress_timeline(top, out_dir):
+def egress_timeline(top, out_dir: pathlib.Path) -> pathlib.Path | None:
     """KV-direction WAN egress over time (kernel counters, real-world units), one line per run;
     the configured link rate in force as a dashed line."""
     frames, link = [], None
-    for d, s, ts in _run_csvs(top, "timeseries.csv", min_rows=3):
-        scale = s.get("scale_time") or 1.0
+    for d, s, ts in _run_csvs(top, rundir.RunDir.TIMESERIES, min_rows=3):
+        scale = rundir.scale(d)
         # Smooth over ~1 s of real-world time so the line shows load, not packet trains.
-        per_s = 1.0 / max(1e-9, ts.t_s.diff().median() * scale)
+        per_s = 1.0 / max(1e-9, scale.real_s(ts.t_s.diff().median()))
         window = max(1, int(round(per_s)))
         t = _arrival_clock(d, ts, scale)
         frames.append(pd.DataFrame({
@@ -139,7 +126,7 @@ def egress_timeline(top, out_dir):
     return _save(fig, out_dir, "egress")
 
 
-def _down_spans(ts):
+def _down_spans(ts: pd.DataFrame) -> list[tuple[float, float]]:
     """(start, end) real-world times where the KV direction of the link was down."""
     down = ts.kv_up.to_numpy() == 0
     t = ts.t_real_s.to_numpy()
@@ -155,22 +142,21 @@ def _down_spans(ts):
     return spans
 
 
-def ttft_timeline(top, out_dir):
+def ttft_timeline(top, out_dir: pathlib.Path) -> pathlib.Path | None:
     """TTFT of each request against its arrival time; link-down periods shaded."""
     runs = find_runs(top)
     frames, spans = [], []
     for d in runs:
-        s = json.loads((d / "summary.json").read_text())
-        df = pd.read_parquet(d / "requests.parquet")
+        s = rundir.summary(d)
+        df = rundir.requests(d)
         ok = df[df.status == "ok"]
         if not len(ok):
             continue
         frames.append(pd.DataFrame({"arrival (s, real-world)": ok.arrival_s,
                                     "TTFT (ms, real-world)": ok.ttft_ms, "run": _label(s)}))
-        ts_path = d / "timeseries.csv"
-        if ts_path.exists():
-            ts = pd.read_csv(ts_path)
-            ts["t_real_s"] = _arrival_clock(d, ts, s.get("scale_time") or 1.0)
+        ts = rundir.csv_table(d, rundir.RunDir.TIMESERIES)
+        if ts is not None and len(ts):
+            ts["t_real_s"] = _arrival_clock(d, ts, rundir.scale(d))
             spans += _down_spans(ts)
     if not frames:
         return None
@@ -186,11 +172,11 @@ def ttft_timeline(top, out_dir):
     return _save(fig, out_dir, "ttft_timeline")
 
 
-def threshold_timeline(top, out_dir):
+def threshold_timeline(top, out_dir: pathlib.Path) -> pathlib.Path | None:
     """The adaptive threshold over time (scheduler.csv), with the measured egress utilisation."""
     frames = []
-    for d, s, df in _run_csvs(top, "scheduler.csv"):
-        df["t"] = _arrival_clock(d, df, s.get("scale_time") or 1.0)
+    for d, s, df in _run_csvs(top, rundir.RunDir.SCHEDULER):
+        df["t"] = _arrival_clock(d, df, rundir.scale(d))
         df["run"] = _label(s)
         frames.append(df)
     if not frames:
@@ -211,7 +197,7 @@ FAULT_COLORS = {"pause": "#8172b3", "kill": "#c44e52", "restart": "#dd8452", "li
                 "slow": "#ccb974"}
 
 
-def _fault_spans(events, t0, scale, t_last):
+def _fault_spans(events, t0: float, scale: Scale, t_last: float) -> list:
     """[(kind, targets, start, end)] real-world seconds since the first arrival, per injection."""
     starts, spans = {}, []
     for t, kind, f in events:
@@ -220,12 +206,12 @@ def _fault_spans(events, t0, scale, t_last):
             starts[key] = (t, f.get("fault_kind"), f.get("target", ""))
         elif kind == "fault_end" and key in starts:
             t1, k, tg = starts.pop(key)
-            spans.append((k, tg, (t1 - t0) * scale, (t - t0) * scale))
-    spans += [(k, tg, (t1 - t0) * scale, t_last) for t1, k, tg in starts.values()]
+            spans.append((k, tg, scale.real_s(t1 - t0), scale.real_s(t - t0)))
+    spans += [(k, tg, scale.real_s(t1 - t0), t_last) for t1, k, tg in starts.values()]
     return spans
 
 
-def _health_spans(events, t0, scale, t_last):
+def _health_spans(events, t0: float, scale: Scale, t_last: float) -> dict:
     """{instance: [(start, end)]} real-world spans each instance was marked down."""
     down, out = {}, {}
     for t, kind, f in events:
@@ -233,30 +219,28 @@ def _health_spans(events, t0, scale, t_last):
             continue
         name = f.get("instance")
         if f.get("state") == "down":
-            down.setdefault(name, (t - t0) * scale)
+            down.setdefault(name, scale.real_s(t - t0))
         elif name in down:
-            out.setdefault(name, []).append((down.pop(name), (t - t0) * scale))
+            out.setdefault(name, []).append((down.pop(name), scale.real_s(t - t0)))
     for name, a in down.items():
         out.setdefault(name, []).append((a, t_last))
     return out
 
 
-def fault_timeline(top, out_dir):
+def fault_timeline(top, out_dir: pathlib.Path) -> list[pathlib.Path]:
     """Per run with faults: TTFT by arrival with every fault shaded and its detection marked;
     under it, each instance's health as the scheduler saw it and the WAN's state."""
     from testbed.faults import read_events
     paths = []
-    runs = [d for d in find_runs(top)
-            if json.loads((d / "summary.json").read_text()).get("faults")]
+    runs = [d for d in find_runs(top) if rundir.summary(d).get("faults")]
     for d in runs:
-        s = json.loads((d / "summary.json").read_text())
-        scale = s.get("scale_time") or 1.0
-        df = pd.read_parquet(d / "requests.parquet")
-        meta = json.loads((d / "metadata.json").read_text())
-        t0 = meta.get("client_start_at", df.send_time.min())
-        t_last = float(max(df.arrival_s.max(), ((df.end_time.max() - t0) * scale)
+        s = rundir.summary(d)
+        scale = rundir.scale(d)
+        df = rundir.requests(d)
+        t0 = rundir.metadata(d).get("client_start_at", df.send_time.min())
+        t_last = float(max(df.arrival_s.max(), scale.real_s(df.end_time.max() - t0)
                            if "end_time" in df else 0))
-        events = read_events(d / "events.csv")
+        events = read_events(rundir.RunDir(d).events)
         sns.set_theme(style="whitegrid", context="paper")
         fig, (ax, ax2) = plt.subplots(2, 1, figsize=(7, 5), sharex=True,
                                       gridspec_kw={"height_ratios": [3, 2]})
@@ -283,7 +267,7 @@ def fault_timeline(top, out_dir):
         ax.legend(fontsize=6, loc="upper left")
         ax.set_title(f"{_label(s)}: TTFT by arrival, faults shaded, detection dashed")
         # Roles and link state.
-        rt = json.loads((d / "runtime.json").read_text())
+        rt = rundir.runtime(d)
         names = [n for n, i in rt["instances"].items() if i["role"] in ("prefill", "decode")]
         health = _health_spans(events, t0, scale, t_last)
         rows = names + ["WAN"]
@@ -291,8 +275,8 @@ def fault_timeline(top, out_dir):
             faulted = [(a, b - a) for k, tg, a, b in spans
                        if (name == "WAN" and k == "link") or name in tg.split(",")]
             ax2.broken_barh(faulted, (y - 0.4, 0.8), color="0.75")
-            if name == "WAN" and (d / "timeseries.csv").exists():
-                ts = pd.read_csv(d / "timeseries.csv")
+            ts = rundir.csv_table(d, rundir.RunDir.TIMESERIES) if name == "WAN" else None
+            if ts is not None:
                 ts["t_real_s"] = _arrival_clock(d, ts, scale)
                 cut = [(a, b - a) for a, b in _down_spans(ts)]
                 ax2.broken_barh(cut, (y - 0.25, 0.5), color="#c44e52")
@@ -310,10 +294,10 @@ def fault_timeline(top, out_dir):
     return paths
 
 
-def failure_heatmap(top, out_dir):
+def failure_heatmap(top, out_dir: pathlib.Path) -> pathlib.Path | None:
     """failure_matrix.csv (written by a run of an experiment with faults and variants): p90 TTFT
     inflation over the fault-free run of the same policy and failover, and failed requests."""
-    path = pathlib.Path(top) / "failure_matrix.csv"
+    path = pathlib.Path(top) / rundir.RunDir.FAILURE_MATRIX
     if not path.exists():
         return None
     m = pd.read_csv(path)
@@ -336,10 +320,10 @@ def failure_heatmap(top, out_dir):
     return _save(fig, out_dir, "failure_matrix")
 
 
-def run_figures(top):
+def run_figures(top) -> list[pathlib.Path]:
     """Every figure of a run directory (or an experiment's top directory), as PNG and PDF."""
     top = pathlib.Path(top)
-    out = top / "figures"
+    out = top / rundir.RunDir.FIGURES
     from testbed import plot_cache, plot_control
     figures = (ttft_cdf(top, out), egress_timeline(top, out), ttft_timeline(top, out),
                threshold_timeline(top, out), failure_heatmap(top, out),

@@ -5,22 +5,21 @@ TTFT p50/p90, so placement policies (no cache / least_loaded / cache_aware) comp
 `cache_capacity`: hit share against the pool capacity when the runs differ in `cache.capacity`.
 """
 
-import json
-
 import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
-import yaml
+
+from testbed import rundir
 
 
 def _summaries(top, find_runs, label):
     rows = []
     for d in find_runs(top):
-        s = json.loads((d / "summary.json").read_text())
+        s = rundir.summary(d)
         if "cache_hit_share" not in s:
             continue
-        cfg = yaml.safe_load((d / "config.yaml").read_text()) if (d / "config.yaml").exists() \
-            else {}
+        path = rundir.RunDir(d).config
+        cfg = rundir.config_mapping(path) if path.exists() else {}
         cap = (cfg.get("cache") or {}).get("capacity")
         rows.append({"run": label(s), "hit": 100 * (s.get("cache_hit_share") or 0.0),
                      "p50": s.get("median_ttft_ms"), "p90": s.get("p90_ttft_ms"),

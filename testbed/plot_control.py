@@ -8,10 +8,10 @@ configured one), (3) the PrfaaS prefill backlog per instance the controller meas
 TTFT by arrival: roles and t against queues and latency.
 """
 
-import json
-
 import matplotlib.pyplot as plt
 import pandas as pd
+
+from testbed import rundir
 
 
 def _events(d, kind):
@@ -43,34 +43,30 @@ def _prefill_steps(d, rt):
 def control_timeline(top, out_dir, find_runs, label, save):
     runs = []
     for d in find_runs(top):
-        if not (d / "runtime.json").exists():
-            continue
-        s = json.loads((d / "summary.json").read_text())
-        rt = json.loads((d / "runtime.json").read_text())
-        runs.append((d, s, rt))
+        rt = rundir.runtime(d)
+        if rt is not None:
+            runs.append((d, rundir.summary(d), rt))
     if not any(rt["scheduler"].get("roles") or rt["scheduler"].get("adaptive")
                for _, _, rt in runs):
         return None         # static runs beside a controlled one, not on their own
     fig, axes = plt.subplots(4, 1, figsize=(6.5, 7.5), sharex=True)
     for d, s, rt in runs:
-        scale = s.get("scale_time") or 1.0
-        meta = json.loads((d / "metadata.json").read_text())
-        t0 = meta.get("client_start_at")
-        req = pd.read_parquet(d / "requests.parquet")
+        scale = rundir.scale(d)
+        t0 = rundir.metadata(d).get("client_start_at")
+        req = rundir.requests(d)
         end = float(req.arrival_s.max()) if len(req) else 0.0
-        clock = (lambda t: (t - t0) * scale) if t0 else (lambda t: t)
+        clock = (lambda t: scale.real_s(t - t0)) if t0 else (lambda t: t)
         steps = _prefill_steps(d, rt)
         xs = [0.0] + [clock(t) for t, _ in steps[1:]] + [end]
         ys = [n for _, n in steps] + [steps[-1][1]]
         line, = axes[0].step(xs, ys, where="post", label=label(s))
         color = line.get_color()
-        sched = d / "scheduler.csv"
-        if sched.exists() and sched.stat().st_size > 0:
-            sc = pd.read_csv(sched)
+        sc = rundir.csv_table(d, rundir.RunDir.SCHEDULER)
+        if sc is not None:
             sc = sc[clock(sc.time) >= 0]        # the timer's rows before the first arrival
             x = clock(sc.time)
             axes[1].step(x, sc.threshold, where="post", color=color)
-            axes[2].plot(x, sc.backlog_remote_s * scale, color=color, linewidth=0.8)
+            axes[2].plot(x, scale.real_s(sc.backlog_remote_s), color=color, linewidth=0.8)
         else:
             axes[1].step([0, end], [rt["scheduler"]["threshold"]] * 2, where="post", color=color)
         ok = req[req.status == "ok"]

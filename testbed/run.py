@@ -23,9 +23,10 @@ import time
 
 import yaml
 
-from testbed import __version__, config, kvwire, lifecycle, loadgen, metrics, ownership, plot
+from testbed import __version__, config, kvwire, lifecycle, loadgen, metrics, ownership, plot, rundir
 from testbed.errors import ConfigError, PrivilegeError, RunInterrupted, WorkerError
 from testbed.measure import CounterSampler, EventLog
+from testbed.scale import Scale
 from testbed.workload import generate
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -232,8 +233,7 @@ class Run:
                 self.meta["link_fidelity"] = {"skipped": "--no-probe"}
             if self.cli:
                 net.cli()
-            sampler = CounterSampler(net.wan, d / "timeseries.csv", exp.scale.time,
-                                     exp.scale.bytes).start()
+            sampler = CounterSampler(net.wan, d / "timeseries.csv", Scale.of(exp)).start()
             try:
                 self._drive(net, rt, workload, events)
             finally:
@@ -249,9 +249,9 @@ class Run:
             self.meta["end_time"] = time.time()
             self.meta["teardown_errors"] = errors
             self.meta["wan_counters"] = counters
-            (d / "metadata.json").write_text(json.dumps(self.meta, indent=1, default=str))
+            rundir.write_metadata(d, self.meta)
             events.close()
-        summary = metrics.analyse(d, exp)
+        summary = metrics.analyse(d)
         if interrupted:
             raise RunInterrupted(f"interrupted; what was measured is in {d}")
         if error is not None:

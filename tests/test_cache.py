@@ -176,13 +176,14 @@ def test_default_capacity_is_memory_left_after_weights(tmp_path, small_experimen
 
 def test_cache_summary_on_recorded_requests(tmp_path, small_experiment):
     from testbed.metrics import cache_summary
+    from testbed.rundir import RunInfo
     exp = _exp(tmp_path, small_experiment, "cache.enabled=true")[0]
     df = pd.DataFrame({"input_len": [1000, 2048, 4096], "cached_len": [0, 1024, 2048],
                        "prefill_end": [1.0, 1.0, 1.0], "route": ["local", "local", "remote"],
                        "kv_bytes_sent": [100, 100, 100], "prefix_transfer_bytes": [0, 0, 7],
                        "cache_fetch_bytes": [0, 5, 5], "decode_cache_bytes": [0, 1, 1],
                        "cache_source": ["", "local", "transfer"]})
-    s = cache_summary(df, exp)
+    s = cache_summary(df, RunInfo.of(exp))
     assert s["cache_hit_share"] == pytest.approx(3072 / 7144)
     assert s["prefill_tokens_computed"] == 7144 - 3072
     assert s["prefix_transfer_bytes"] == 7 and s["cache_fetch_bytes"] == 12

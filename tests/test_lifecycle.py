@@ -277,7 +277,7 @@ def _killed_run_dir(tmp_path, small_experiment):
 
 def test_a_killed_run_is_analysed_from_its_directory(tmp_path, small_experiment):
     d, n = _killed_run_dir(tmp_path, small_experiment)
-    s = metrics.analyse_dir(d)
+    s = metrics.analyse(d)
     assert s["incomplete"] is True
     assert "no metadata.json" in s["incomplete_reason"] and "finished" in s["incomplete_reason"]
     assert (s["completed"], s["failed"]) == (3, n - 3)

@@ -1,6 +1,6 @@
 """The WAN link as built: measured values against configured ones, on real namespaces (root).
 
-Each test builds its own tb<hex>{s,r,d} namespaces through `two_host_link` with a registry in
+Each test builds its own tb<hex>{s,r,d} namespaces through `testbed.net.pair.routed_pair` with a registry in
 tmp_path and removes them in `finally`. Tolerances are wider than the fidelity targets of
 benchmarks/link_fidelity.py because these two cores are shared with other jobs.
 """
@@ -13,7 +13,7 @@ import time
 import pytest
 
 from testbed import lifecycle
-from testbed.commands.linktest import two_host_link
+from testbed.net.pair import routed_pair
 from testbed.net import probe, shaping
 
 pytestmark = pytest.mark.root
@@ -26,12 +26,12 @@ def _params(**kw):
 
 @pytest.fixture
 def link_factory(tmp_path):
-    """build(**params) -> Link; everything built is removed at the end, also on failure."""
+    """build(**params) -> RoutedPair; everything built is removed at the end, also on failure."""
     stack = []
 
     def build(backend="userspace", **kw):
         reg = lifecycle.Registry(f"t{os.getpid()}-{len(stack)}", kind="test", state_dir=tmp_path)
-        cm = two_host_link(_params(**kw), backend=backend, registry=reg)
+        cm = routed_pair(_params(**kw), backend=backend, registry=reg)
         stack.append((cm, reg))
         return cm.__enter__()
 

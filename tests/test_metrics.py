@@ -7,6 +7,8 @@ import pandas as pd
 import pytest
 
 from testbed import config, metrics
+from testbed.rundir import RunInfo
+from testbed.scale import Scale
 
 QUICK = "experiments/quickstart.yaml"
 
@@ -32,7 +34,7 @@ def done(rid, send, first, last, n=5, route="remote", kv=1000, status="ok"):
 def test_ttft_tpot_e2el_follow_vllm_definitions(exp):
     sent = {0: {"id": 0, "send_time": 100.0, "lateness_s": 0.001}}
     d = {0: done(0, 100.0, 100.2, 100.6)}
-    df = metrics.build_requests(workload(1), sent, d, time_scale=10)
+    df = metrics.build_requests(workload(1), sent, d, scale=Scale(10, 1e-3))
     r = df.iloc[0]
     assert r.ttft_ms == pytest.approx(2000.0)                 # 0.2 s emulated x 10
     assert r.e2el_ms == pytest.approx(6000.0)
@@ -44,7 +46,7 @@ def test_ttft_tpot_e2el_follow_vllm_definitions(exp):
 def test_missing_requests_are_kept_as_failed(exp):
     sent = {0: {"id": 0, "send_time": 1.0}, 1: {"id": 1, "send_time": 2.0}}
     d = {0: done(0, 1.0, 1.1, 1.2)}
-    df = metrics.build_requests(workload(3), sent, d, time_scale=10)
+    df = metrics.build_requests(workload(3), sent, d, scale=Scale(10, 1e-3))
     assert list(df.status) == ["ok", "failed", "failed"]
     assert "no reply" in df.error[1] and "never sent" in df.error[2]
 
@@ -54,10 +56,10 @@ def test_summary(exp):
                  route="remote" if i % 2 else "local") for i in range(4)}
     d[3]["status"] = "failed"
     sent = {i: {"id": i, "send_time": 10.0 + i} for i in range(4)}
-    df = metrics.build_requests(workload(4), sent, d, time_scale=10)
+    df = metrics.build_requests(workload(4), sent, d, scale=Scale(10, 1e-3))
     ts = pd.DataFrame({"time": [9.0, 11.0, 13.0, 15.0], "kv_tx_bytes": [0, 1000, 3000, 4000],
                        "request_tx_bytes": [0, 10, 20, 30]})
-    s = metrics.summarize(df, exp, ts)
+    s = metrics.summarize(df, RunInfo.of(exp), ts)
     assert s["completed"] == 3 and s["failed"] == 1
     assert s["mean_ttft_ms"] == pytest.approx(np.mean([1000, 2000, 3000]))
     assert s["median_ttft_ms"] == pytest.approx(2000)
@@ -90,8 +92,8 @@ def test_table_prints_every_run(exp):
 def test_tokens_table_has_both_clocks(exp):
     d = done(0, 100.0, 100.2, 100.6)
     d["client_times"] = [100.2, 100.45, 100.45, 100.45, 100.6]
-    df = metrics.build_requests(workload(1), {}, {0: d}, time_scale=10)
-    t = metrics.tokens_table(df, 10)
+    df = metrics.build_requests(workload(1), {}, {0: d}, scale=Scale(10, 1e-3))
+    t = metrics.tokens_table(df, Scale(10, 1e-3))
     assert list(t["index"]) == [0, 1, 2, 3, 4]
     assert t.itl_decode_ms.iloc[1:].tolist() == pytest.approx([1000.0] * 4)
     assert t.itl_client_ms.iloc[1:].tolist() == pytest.approx([2500.0, 0.0, 0.0, 1500.0])
@@ -105,16 +107,16 @@ def test_goodput_follows_vllm_definition(exp):
     d = {i: done(i, 10.0 + i, 10.0 + i + 0.1 * (i + 1), 10.0 + i + 1.0) for i in range(4)}
     d[3]["status"] = "failed"
     sent = {i: {"id": i, "send_time": 10.0 + i} for i in range(4)}
-    df = metrics.build_requests(workload(4), sent, d, time_scale=10)
+    df = metrics.build_requests(workload(4), sent, d, scale=Scale(10, 1e-3))
     # TTFT 1000, 2000, 3000 ms; TPOT (10000 - TTFT) / 4 = 2250, 2000, 1750 ms; span 30 s.
     both = dataclasses.replace(exp, slo=config.SloSpec(ttft=2.5, tpot=2.1))
-    s = metrics.summarize(df, both)
+    s = metrics.summarize(df, RunInfo.of(both))
     assert s["slo"]["good"] == 1                               # only request 1 meets both
     assert s["request_goodput"] == pytest.approx(1 / 30.0)
     assert s["slo"]["attainment"] == pytest.approx({"ttft": 2 / 3, "tpot": 2 / 3, "all": 1 / 3})
     assert s["slo"]["attainment_of_sent"] == pytest.approx(1 / 4)
     assert list(metrics.meets_slo(df, both.slo.objectives_ms())) == [False, True, False, False]
-    assert metrics.summarize(df, exp)["request_goodput"] is None   # no objectives: no goodput
+    assert metrics.summarize(df, RunInfo.of(exp))["request_goodput"] is None   # no objectives: no goodput
     assert "goodput" in metrics.table([s]) and "0.033" in metrics.table([s])
 
 
@@ -142,8 +144,8 @@ def test_decode_steps_rebuilt_from_token_stamps(exp):
     d[2]["token_times"] = [5.0, 5.1]
     for r in d.values():
         r["decode_instance"] = "ld0"
-    df = metrics.build_requests(workload(3), {}, d, time_scale=10)
-    steps = metrics.decode_steps(df, model, time_scale=10)
+    df = metrics.build_requests(workload(3), {}, d, scale=Scale(10, 1e-3))
+    steps = metrics.decode_steps(df, model, scale=Scale(10, 1e-3))
     assert list(steps.batch) == [1, 2, 2, 1, 1, 1]
     # 1.0 and 5.0 start after idle: not measured. The others are 0.1 s emulated = 1000 ms.
     assert steps.measured_ms.isna().tolist() == [True, False, False, False, True, False]

@@ -14,6 +14,7 @@ import asyncio
 import time
 
 from testbed import profile as profiles
+from workers.engine import PacedDecodeEngine, PrefillEngine
 
 # Payload bytes are sent from one random buffer (memoryview slices): no per-request allocation.
 _BUF = None
@@ -27,7 +28,7 @@ def _payload(n):
     return _BUF[:n]
 
 
-class ProfilePrefillEngine:
+class ProfilePrefillEngine(PrefillEngine):
     def __init__(self, rt, inst):
         self.profile = profiles.load(rt["profile"])
         self.accelerator = inst["accelerator"]
@@ -67,7 +68,7 @@ class ProfilePrefillEngine:
         return {"kv_bytes": sent}
 
 
-class ProfileDecodeEngine:
+class ProfileDecodeEngine(PacedDecodeEngine):
     def __init__(self, rt, inst):
         self.profile = profiles.load(rt["profile"])
         self.time_scale = rt["scale"]["time"]

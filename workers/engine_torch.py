@@ -38,6 +38,7 @@ import time
 import torch
 
 from testbed.workload.spec import BLOCK_TOKENS
+from workers.engine import AssemblingDecodeEngine
 from workers.model.config import HybridConfig
 from workers.model.hybrid import HybridModel, RequestState
 from workers.model.prefix import (BlockState, PrefixError, PrefixState, blocks_of, join_suffix,
@@ -240,7 +241,7 @@ async def _call(fn, *args):
         await res
 
 
-class TorchDecodeEngine:
+class TorchDecodeEngine(AssemblingDecodeEngine):
     """Continuous-batching greedy decode over states assembled from the wire.
 
     `receive(rid, seq, flags, payload)` feeds a request's frames (the decode worker's KV

@@ -1,17 +1,17 @@
 """`testbed analyse RUN_DIR`: (re)build requests.parquet and summary.json from a run's records.
 
 Works on any run directory, in particular one whose `testbed run` was killed (SIGKILL, a closed
-terminal, a crash) and so never analysed itself: the Experiment is read back from the saved
-config.yaml, the requests from workload.parquet and the client's requests.jsonl, the link from
-timeseries.csv and events.csv. The summary says `incomplete: true` and why, and counts requests
-never finished (`not_finished`) and never sent (`not_sent`) as failed. Then the figures are
-redrawn. Under sudo, the run directory is handed to the invoking user (SUDO_UID): a killed run
-never got to do that itself.
+terminal, a crash) and so never analysed itself, and on one copied from another machine: the
+Experiment is read back from the saved config.yaml, the requests from workload.parquet and the
+client's requests.jsonl, the link from timeseries.csv and events.csv (`testbed.rundir`). The
+summary says `incomplete: true` and why, and counts requests never finished (`not_finished`)
+and never sent (`not_sent`) as failed. Then the figures are redrawn. Under sudo, the run
+directory is handed to the invoking user (SUDO_UID): a killed run never got to do that itself.
 """
 
 import pathlib
 
-from testbed import metrics, ownership, plot
+from testbed import metrics, ownership, plot, rundir
 from testbed.errors import ConfigError
 
 
@@ -22,25 +22,16 @@ def register(sub):
     p.set_defaults(func=main)
 
 
-def find_recorded_runs(top):
-    """Run directories at or below `top` holding records (config.yaml + workload.parquet)."""
-    top = pathlib.Path(top)
-    if (top / "config.yaml").exists():
-        return [top]
-    return sorted(p.parent for p in top.glob("*/config.yaml")
-                  if (p.parent / "workload.parquet").exists())
-
-
 def main(args):
     top = pathlib.Path(args.run_dir)
     if not top.is_dir():
         raise ConfigError("not a directory; expected a run directory", path=str(top))
-    runs = find_recorded_runs(top)
+    runs = rundir.find_recorded_runs(top)
     if not runs:
         raise ConfigError("no config.yaml here or one level below: not a run directory",
                           path=str(top))
     try:
-        summaries = [metrics.analyse_dir(d) for d in runs]
+        summaries = [metrics.analyse(d) for d in runs]
         if len(runs) > 1 or top not in runs:
             metrics.write_sweep(top, summaries)
         plot.run_figures(top)

@@ -12,6 +12,8 @@ import os
 import shutil
 import subprocess
 
+from testbed.net.ns import ns_popen
+
 QDISCS = ("htb", "tbf", "bfifo", "pfifo", "netem", "fq", "fq_codel", "red", "hfsc")
 
 
@@ -46,10 +48,9 @@ def _nfqueue_available(ns_path, registry):
         binary = delayline_binary()
     except Exception as e:
         return False, str(e)
-    p = subprocess.Popen(["nsenter", f"--net={ns_path}", str(binary), "7", "16", "0", "0",
-                          "normal", "0", "0", "1", "0", "1", "1"], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         preexec_fn=lifecycle.die_with_parent())
+    p = ns_popen(ns_path, [binary, "7", "16", "0", "0", "normal", "0", "0", "1", "0", "1", "1"],
+                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                 preexec_fn=lifecycle.die_with_parent())
     registry.add_process(p.pid, "tb-delayline (doctor's NFQUEUE check)")
     try:
         out, err = p.communicate("", timeout=5)   # empty stdin: binds, says ready, exits

@@ -1,120 +1,22 @@
 """`testbed linktest`: build one shaped WAN link alone and print configured vs measured.
 
-The link is the run's WAN in miniature, built by the same `testbed.net.shaping.Wan`:
+The link is the run's WAN in miniature, built by the same `testbed.net.shaping.Wan`
+(`testbed.net.pair.routed_pair`, which the root tests and `benchmarks/link_fidelity.py` use too):
 
     tb<id>s (PrfaaS side) --veth-- tb<id>r (router, shaping both egresses) --veth-- tb<id>d (local)
 
 `src -> dst` is the `kv` direction (egress toward the local side), `dst -> src` the `request`
-direction. `two_host_link` is the builder; the root tests and `benchmarks/link_fidelity.py` use it
-too. Everything is recorded in a `Registry` and removed in `finally`, also on Ctrl-C.
+direction. Everything is recorded in a `Registry` and removed in `finally`, also on Ctrl-C.
 """
 
-import contextlib
-import dataclasses
 import json
 import os
-import secrets
 
-from testbed import kvwire, lifecycle, units
-from testbed.errors import ConfigError, NetworkError, PrivilegeError
+from testbed import kvwire, units
+from testbed.errors import ConfigError, PrivilegeError
 from testbed.net import shaping
+from testbed.net.pair import routed_pair
 from testbed.net.probe import measure_link
-
-SUBNETS = ("10.201.1", "10.201.2")   # src side, dst side; private to the namespaces made here
-
-
-@dataclasses.dataclass
-class Link:
-    """A built two-host link: namespace paths, the destination's address, the Wan on it."""
-
-    src: str
-    dst: str
-    router: str
-    dst_ip: str
-    src_ip: str
-    wan: shaping.Wan
-    names: tuple
-
-
-def _add_veth(ipr, a, b):
-    shaping._netlink_call(f"adding veth {a}/{b}", ipr.link, "add", ifname=a, kind="veth", peer=b)
-
-
-def _move(ipr, ifname, ns_name):
-    idx = ipr.link_lookup(ifname=ifname)[0]
-    shaping._netlink_call(f"moving {ifname} to {ns_name}", ipr.link, "set", index=idx,
-                          net_ns_fd=ns_name)
-
-
-def _address(ns_path, ifname, ip, gateway=None):
-    from pyroute2 import NetNS
-    with NetNS(ns_path) as ns:
-        for name in ("lo", ifname):
-            idx = ns.link_lookup(ifname=name)[0]
-            ns.link("set", index=idx, state="up")
-        idx = ns.link_lookup(ifname=ifname)[0]
-        shaping._netlink_call(f"address {ip} on {ifname}", ns.addr, "add", index=idx,
-                              address=ip, prefixlen=24)
-        if gateway:
-            shaping._netlink_call(f"default route via {gateway}", ns.route, "add",
-                                  dst="0.0.0.0/0", gateway=gateway)
-
-
-@contextlib.contextmanager
-def two_host_link(params, backend="userspace", registry=None, seed=0):
-    """Build src - router - dst namespaces with `Wan(params)` on the router; yield a `Link`.
-
-    params: {"kv": {...}, "request": {...}} emulated-direction dicts. Removes everything on exit.
-    """
-    from pyroute2 import IPRoute, netns
-    tag = secrets.token_hex(2)
-    own = registry is None
-    reg = registry or lifecycle.Registry(f"linktest-{tag}", kind="linktest")
-    names = tuple(f"tb{tag}{x}" for x in "srd")
-    src, router, dst = names
-    try:
-        for n in names:
-            netns.create(n)
-            reg.add_netns(n)
-        with IPRoute() as ipr:
-            # veth ends: <ns>0 in src/dst, <router>a (toward src), <router>b (toward dst)
-            _add_veth(ipr, f"{src}0", f"{router}a")
-            _add_veth(ipr, f"{dst}0", f"{router}b")
-            for ifname, ns_name in ((f"{src}0", src), (f"{router}a", router),
-                                    (f"{dst}0", dst), (f"{router}b", router)):
-                _move(ipr, ifname, ns_name)
-        path = {n: f"/var/run/netns/{n}" for n in names}
-        s_net, d_net = SUBNETS
-        _address(path[src], f"{src}0", f"{s_net}.2", f"{s_net}.1")
-        _address(path[dst], f"{dst}0", f"{d_net}.2", f"{d_net}.1")
-        _address(path[router], f"{router}a", f"{s_net}.1")
-        _address(path[router], f"{router}b", f"{d_net}.1")
-        _sysctl(path[router], "net.ipv4.ip_forward=1")
-        for end in (src, dst):
-            # TCP buffers beyond the default 6 MB: 1 Gbit/s x 40 ms is 5 MB in flight, and the
-            # default caps the window below that (measured 0.80-0.86 of the rate at 1G, 20 ms)
-            _sysctl(path[end], "net.ipv4.tcp_rmem=4096 131072 67108864",
-                    "net.ipv4.tcp_wmem=4096 16384 67108864")
-        if shaping.needs_per_frame_packets(params):
-            for end in (src, dst):
-                shaping.disable_offloads(path[end], f"{end}0")
-        wan = shaping.Wan(path[router], {"kv": f"{router}b", "request": f"{router}a"}, params,
-                          backend=backend, seed=seed, registry=reg)
-        wan.start()
-        yield Link(src=path[src], dst=path[dst], router=path[router], dst_ip=f"{d_net}.2",
-                   src_ip=f"{s_net}.2", wan=wan, names=names)
-    finally:
-        if own:
-            reg.close()
-
-
-def _sysctl(ns_path, *settings):
-    """Set per-namespace sysctls (ip_forward, tcp_rmem/wmem) inside `ns_path` only."""
-    import subprocess
-    r = subprocess.run(["nsenter", f"--net={ns_path}", "sysctl", "-qw", *settings],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        raise NetworkError(f"sysctl {' '.join(settings)} in {ns_path}: {r.stderr.strip()}")
 
 
 def direction_params(rate, delay, jitter, loss, queue, jitter_dist="normal", loss_burst=None):
@@ -154,7 +56,7 @@ def main(args):
                          loss_burst=args.loss_burst)
     if args.cc:
         os.environ[kvwire.CC_ENV] = args.cc     # the probe's TCP sender uses it
-    with two_host_link({"kv": d, "request": d}, backend=args.backend) as link:
+    with routed_pair({"kv": d, "request": d}, backend=args.backend) as link:
         result = measure_link(link.src, link.dst, link.dst_ip, d, duration_s=args.duration)
         backend, reason = link.wan.backend, link.wan.backend_reason
     cc = args.cc or open("/proc/sys/net/ipv4/tcp_congestion_control").read().strip()

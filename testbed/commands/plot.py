@@ -2,7 +2,7 @@
 
 import pathlib
 
-from testbed import ownership, plot
+from testbed import ownership, plot, rundir
 from testbed.errors import ConfigError
 
 
@@ -14,13 +14,13 @@ def register(sub):
 
 def main(args):
     d = pathlib.Path(args.run_dir)
-    if not plot.find_runs(d):
+    if not rundir.find_runs(d):
         raise ConfigError("no summary.json here or one level below: not a run directory (a "
                           "killed run: `testbed analyse` it first)", path=str(d))
     try:
         paths = plot.run_figures(d)
     finally:    # under sudo, the figures (only ever made by the testbed) go to the invoking user
-        ownership.hand_back(d / "figures")
+        ownership.hand_back(rundir.RunDir(d).figures)
     for path in paths:
         print(path)
     return 0

@@ -5,10 +5,9 @@ the configuration that matters (scale, WAN, backend, congestion control), failur
 reasons, and the figures. Written to RUN_DIR/report.md; its path is printed.
 """
 
-import json
 import pathlib
 
-from testbed import metrics, ownership, plot
+from testbed import metrics, ownership, plot, rundir
 from testbed.errors import ConfigError
 
 
@@ -25,11 +24,12 @@ def _fmt(v, spec="{:.3g}"):
 
 
 def _run_section(d, s):
-    meta = json.loads((d / "metadata.json").read_text()) if (d / "metadata.json").exists() else {}
+    meta = rundir.metadata(d)
+    scale = rundir.scale(d)
     cfg = meta.get("shaping", {}).get("emulated", {}).get("kv", {})
     lines = [f"### {s['label']}", "",
              f"- run `{d}` (git {meta.get('git_revision', '?')}, kernel {meta.get('kernel', '?')})",
-             f"- scale: time x{_fmt(s.get('scale_time'))}, bytes x{_fmt(s.get('scale_bytes'))}; "
+             f"- scale: time x{_fmt(scale.time)}, bytes x{_fmt(scale.bytes)}; "
              f"emulated WAN (KV direction): {_fmt(cfg.get('rate'))} bit/s, delay "
              f"{_fmt(cfg.get('delay'))} s, loss {_fmt(cfg.get('loss'))}",
              f"- shaping backend: {meta.get('shaping', {}).get('backend', '?')} "
@@ -62,13 +62,12 @@ def _run_section(d, s):
 
 def main(args):
     top = pathlib.Path(args.run_dir)
-    runs = plot.find_runs(top)
+    runs = rundir.find_runs(top)
     if not runs:
         raise ConfigError("no summary.json here or one level below: not a run directory (a "
                           "killed run: `testbed analyse` it first)", path=str(top))
-    summaries = [json.loads((d / "summary.json").read_text()) for d in runs]
-    name = json.loads((runs[0] / "metadata.json").read_text()).get("name", top.name) \
-        if (runs[0] / "metadata.json").exists() else top.name
+    summaries = [rundir.summary(d) for d in runs]
+    name = rundir.metadata(runs[0]).get("name", top.name)
     out = [f"# {name}", "", "Real-world units. `steady` = completions per second between the 10th "
            "and 90th percentile completion; predictions are the planner's Lambda_max for each "
            "configuration (paper form, and with expected prefill latency).", "", "```",
@@ -76,16 +75,17 @@ def main(args):
     out += ["## Runs", ""]
     for d, s in zip(runs, summaries):
         out += _run_section(d, s)
-    path = top / "report.md"
+    path = rundir.RunDir(top).report
+    figures_dir = rundir.RunDir(top).figures
     try:
-        figures = sorted((top / "figures").glob("*.png")) if (top / "figures").is_dir() else []
+        figures = sorted(figures_dir.glob("*.png")) if figures_dir.is_dir() else []
         if not figures:
             figures = plot.run_figures(top)
         if figures:
             out += ["## Figures", ""] + [f"![{p.stem}](figures/{p.name})" for p in figures] + [""]
         path.write_text("\n".join(out))
     finally:    # under sudo, what this wrote goes to the invoking user
-        ownership.hand_back(top / "figures")
+        ownership.hand_back(figures_dir)
         ownership.hand_back(path, recursive=False)
     print(path)
     return 0

@@ -5,8 +5,9 @@ MLA latent cache) over a real TCP connection, decode `--new-tokens` greedy token
 process, and compare every logit with a single-process `forward_full` of the same tokens. The
 check passes when the largest absolute difference is within `--tol` (1e-4, fp32).
 
-As root the two processes run in two fresh network namespaces joined by a veth pair (names
-`tb<id>-pre` / `tb<id>-dec`, recorded in a `testbed.lifecycle.Registry` and always removed);
+As root the two processes run in two fresh network namespaces joined by a veth pair
+(`testbed.net.pair.veth_pair`: names `tb<id>-pre` / `tb<id>-dec`, recorded in a
+`testbed.lifecycle.Registry` and always removed);
 the kernel's own byte counter of the receiving veth is reported next to the state size. Without
 root they run on loopback, and the output says so.
 """
@@ -20,11 +21,11 @@ import sys
 import tempfile
 import time
 
-from testbed.errors import ConfigError, NetworkError, TestbedError, WorkerError
+from testbed.errors import ConfigError, TestbedError, WorkerError
 from testbed.lifecycle import Registry
+from testbed.net import ns, pair as nspair
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-ADDR_PRE, ADDR_DEC, PREFIXLEN = "10.254.77.1", "10.254.77.2", 24
 READY_TIMEOUT_S = 60.0      # the decode peer imports torch and builds its model
 RUN_TIMEOUT_S = 300.0       # prefill + transfer + decode of a few hundred tokens
 
@@ -66,60 +67,12 @@ def _check_args(a):
                           key="--prefix-len")
 
 
-# ---- the network: two namespaces and a veth, through pyroute2 ----
-
-def _netlink(what, fn, *args, **kw):
-    from pyroute2 import NetlinkError
-
-    try:
-        return fn(*args, **kw)
-    except NetlinkError as e:
-        raise NetworkError(f"selfcheck: {what} failed: {e}", errno=e.code) from None
-
-
-def build_pair(reg):
-    """Namespaces <prefix>-pre / <prefix>-dec joined by a veth; returns their names."""
-    from pyroute2 import IPRoute, NetNS, netns
-
-    ns_pre, ns_dec = f"{reg.prefix}-pre", f"{reg.prefix}-dec"
-    if_pre, if_dec = f"{reg.prefix}p", f"{reg.prefix}d"
-    for ns in (ns_pre, ns_dec):
-        reg.add_netns(ns)
-        _netlink(f"creating netns {ns}", netns.create, ns)
-    with IPRoute() as ipr:
-        reg.add_link(if_pre)
-        _netlink(f"creating veth {if_pre}/{if_dec}", ipr.link, "add", ifname=if_pre,
-                 kind="veth", peer=if_dec)
-        for ifname, ns in ((if_pre, ns_pre), (if_dec, ns_dec)):
-            idx = ipr.link_lookup(ifname=ifname)[0]
-            _netlink(f"moving {ifname} into {ns}", ipr.link, "set", index=idx, net_ns_fd=ns)
-    for ns, ifname, addr in ((ns_pre, if_pre, ADDR_PRE), (ns_dec, if_dec, ADDR_DEC)):
-        with NetNS(ns) as n:
-            for name in ("lo", ifname):
-                idx = n.link_lookup(ifname=name)[0]
-                _netlink(f"bringing {name} up in {ns}", n.link, "set", index=idx, state="up")
-            idx = n.link_lookup(ifname=ifname)[0]
-            _netlink(f"addressing {ifname} in {ns}", n.addr, "add", index=idx, address=addr,
-                     prefixlen=PREFIXLEN)
-    return ns_pre, ns_dec, if_dec
-
-
-def rx_bytes(ns, ifname):
-    """The kernel's count of bytes received on `ifname` inside `ns`."""
-    from pyroute2 import NetNS
-
-    with NetNS(ns) as n:
-        link = n.get_links(n.link_lookup(ifname=ifname)[0])[0]
-        return link.get_attr("IFLA_STATS64")["rx_bytes"]
-
-
 # ---- the two peers ----
 
-def _spawn(reg, ns, argv, log):
-    prefix = ["ip", "netns", "exec", ns] if ns else []
+def _spawn(reg, netns, argv, log):
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen(prefix + [sys.executable, "-m", "workers.model.selfcheck_peer"] + argv,
-                            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = ns.ns_popen(netns, [sys.executable, "-m", "workers.model.selfcheck_peer", *argv],
+                          cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     reg.add_process(proc.pid, f"selfcheck {argv[0]} peer")
     return proc
 
@@ -150,29 +103,36 @@ def run_peers(a, d, use_netns):
     reg = Registry(f"{secrets.token_hex(4)}", kind="selfcheck",
                    state_dir=None if use_netns else d / "state")
     try:
-        path = {"mode": "loopback", "kernel_rx_bytes": None}
-        ns_pre = ns_dec = None
-        host = "127.0.0.1"
-        if use_netns:
-            ns_pre, ns_dec, if_dec = build_pair(reg)
-            host = ADDR_DEC
-            path.update(mode="netns+veth", netns=[ns_pre, ns_dec], addresses=[ADDR_PRE, ADDR_DEC])
-            rx0 = rx_bytes(ns_dec, if_dec)
-        with open(d / "decode.log", "w") as dlog, open(d / "prefill.log", "w") as plog:
-            dec = _spawn(reg, ns_dec, ["decode", "--dir", str(d), "--listen", host], dlog)
-            port = int(_wait_file(d / "ready", dec, READY_TIMEOUT_S, "decode peer"))
-            pre = _spawn(reg, ns_pre, ["prefill", "--dir", str(d), "--connect", f"{host}:{port}"],
-                         plog)
-            deadline = time.monotonic() + RUN_TIMEOUT_S
-            _wait_exit(pre, deadline, "prefill peer", d / "prefill.log")
-            _wait_exit(dec, deadline, "decode peer", d / "decode.log")
-        if use_netns:
-            path["kernel_rx_bytes"] = rx_bytes(ns_dec, if_dec) - rx0
-        return path
+        if not use_netns:
+            return _run_peers_over(reg, d, None)
+        with nspair.veth_pair(reg, names=("pre", "dec")) as link:
+            return _run_peers_over(reg, d, link)
     finally:
         errors = reg.close()
         if errors:
             print("selfcheck: teardown: " + "; ".join(errors), file=sys.stderr)
+
+
+def _run_peers_over(reg, d, link):
+    """The two peers over `link` (a `VethPair`), or on loopback when it is None."""
+    path = {"mode": "loopback", "kernel_rx_bytes": None}
+    ns_pre = ns_dec = None
+    host = "127.0.0.1"
+    if link is not None:
+        ns_pre, ns_dec, host = link.a, link.b, link.ip_b
+        path.update(mode="netns+veth", netns=[ns_pre, ns_dec], addresses=[link.ip_a, link.ip_b])
+        rx0 = nspair.rx_bytes(ns_dec, link.if_b)
+    with open(d / "decode.log", "w") as dlog, open(d / "prefill.log", "w") as plog:
+        dec = _spawn(reg, ns_dec, ["decode", "--dir", str(d), "--listen", host], dlog)
+        port = int(_wait_file(d / "ready", dec, READY_TIMEOUT_S, "decode peer"))
+        pre = _spawn(reg, ns_pre, ["prefill", "--dir", str(d), "--connect", f"{host}:{port}"],
+                     plog)
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        _wait_exit(pre, deadline, "prefill peer", d / "prefill.log")
+        _wait_exit(dec, deadline, "decode peer", d / "decode.log")
+    if link is not None:
+        path["kernel_rx_bytes"] = nspair.rx_bytes(ns_dec, link.if_b) - rx0
+    return path
 
 
 # ---- the comparison ----

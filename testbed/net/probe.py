@@ -21,7 +21,7 @@ link built alone. It measures, it never reads back what the shaper was told:
   first few are kept with how late they came (`reorder_examples`), to tell a delay-line reorder
   (milliseconds) from one of the kernel's per-CPU receive queues (microseconds).
 
-Each side runs as `nsenter --net=PATH python -m testbed.net.probe ROLE ...`, a child of this
+Each side runs as `nsenter --net=PATH python -m testbed.net.probe ROLE ...` (`testbed.net.ns`), a child of this
 process that prints one JSON line; every wait on it is bounded.
 """
 
@@ -38,6 +38,7 @@ import sys
 import time
 
 from testbed.errors import NetworkError
+from testbed.net.ns import ns_argv
 
 TCP_PORT, UDP_PORT = 47001, 47002
 WARMUP_S = 0.5                  # slow start at 40 ms RTT reaches 1 Gbit/s well within this
@@ -255,7 +256,7 @@ def _slope(points):
 # ---------------------------------------------------------------- orchestration
 
 def _spawn(ns_path, *args):
-    argv = ["nsenter", f"--net={ns_path}", sys.executable, "-m", "testbed.net.probe", *map(str, args)]
+    argv = ns_argv(ns_path, [sys.executable, "-m", "testbed.net.probe", *args])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))]
         + os.environ.get("PYTHONPATH", "").split(os.pathsep)))

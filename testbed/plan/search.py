@@ -1,63 +1,23 @@
-"""Predict: the paper's analytical throughput model, as a planner beside the emulator.
+"""Model inputs of one experiment, evaluation on threshold and split grids, and the search for
+each policy's best configuration (the paper's exhaustive grid search).
 
-PRFAAS.md ("Analytical model") is the specification; the symbols here are the paper's:
-
-    Phi_kv(l)     = S_kv(l) / T_prefill(l)                       KV throughput of one instance
-    B_out         = the egress bandwidth PrfaaS may use          (bytes/s here, Gbps in reports)
-    p             = P(L > t);  l_long = E[L | L > t];  l_short = E[L | L <= t]
-    Theta_prfaas  = min(N_prfaas / T_prefill_remote(l_long), B_out / S_kv(l_long))
-    Theta_pdp     = N_p / T_prefill_local(l_short)
-    Theta_pdd     = N_d * BS_max / (T_decode * L_out)
-    Lambda_max    = min(Theta_prfaas / p, Theta_pdp / (1 - p), Theta_pdd)
-
-A stage that receives no traffic (p = 0 for PrfaaS, p = 1 for PD prefill) does not bound
-Lambda_max. Homogeneous PD is the model with p = 0 and local instances only; naive heterogeneous
-is p = 1 with every local instance decoding.
-
-Latency mode (`latency=`, `testbed plan --latency`): what a stage throughput divides by.
-- `paper` (default, the formulas above): the latency AT the conditional mean length,
-  T_prefill(l_long) and T_prefill(l_short); reproduces the paper's headline numbers.
-- `expected`: the conditional mean latency, E[T_prefill(L) | L > t] and E[T_prefill(L) | L <= t]
-  (and E[S_kv(L) | L > t] for the egress terms). An instance serving a stream of requests spends
-  E[T] per request, so N / E[T] is its capacity; T is convex (quadratic), so by Jensen
-  T(E[L]) <= E[T(L)] and the paper form overestimates every prefill stage. S_kv is linear, so
-  its two forms agree; Theta_pdd is the same in both (decode time is linear in L_out).
-The expectations come from the same probability mass as p and l_long: prefix sums of
-pmf * T(l) over the length grid make every threshold O(1) (`LengthDistribution.expect`).
-
-Where this module sits: it reads only validated `Experiment` objects (`testbed.config`) and
-profiles (`testbed.profile`, the same fits the workers use), so a prediction and an emulated run of
-one file use the same numbers. Everything is real-world: `scale:` does not enter the model.
-
-- `LengthDistribution` holds the uncached input length L as a probability mass function; p,
-  l_long and l_short come from its cumulative sums for a whole vector of thresholds at once.
-  Analytic specs are discretised on every integer token count exactly as the workload generator
-  rounds them, so the moments are those of the lengths the emulator sends (and within 0.1% of the
-  continuous truncated distribution); an empirical distribution is built from an array of lengths.
-- `predict(exp)` evaluates ONE experiment as configured (its policy, threshold and split).
-- `plan_file(path)` builds the three policies of PRFAAS.md from one experiment file and finds each
-  one's best threshold and N_p/N_d split by exhaustive grid search, as the paper does.
-
-B_out rule: the paper fixes B_out; here it is the WAN rate of the `kv` direction
-(`network.wan.kv.rate`, else `network.wan.rate`), because the WAN is the only path PrfaaS egress
-takes, so the link rate is the most the cluster can send. A planner argument (`b_out_bps`,
-`testbed plan --b-out`) may set another value (a provisioned share of the link, or a what-if
-above it); a warning says when the predicted egress exceeds the WAN rate, and when PrfaaS would
-need more than B_out to stay compute-bound (`b_out_min = N_prfaas * Phi_kv(l_long)`, the
-paper's minimum egress).
+Part of `testbed.plan`: `predict(exp)` evaluates one experiment as configured; `plan_file(path)`
+builds the three policies of PRFAAS.md from one experiment file and finds each one's best
+threshold and N_p/N_d split.
 """
 
 import dataclasses
 import functools
 import math
 import pathlib
-import types
 
 import numpy as np
-from scipy import stats
 
 from testbed import profile as profiles
 from testbed.errors import ConfigError, TestbedError
+from testbed.plan.equations import (B_out_min, Phi_kv, Theta_pdd, Theta_pdp, Theta_prfaas,
+                                    share_bound)
+from testbed.plan.lengths import LengthDistribution, input_distribution, mean_output_length
 
 POLICIES = ("prfaas", "homogeneous", "naive")
 LATENCY_MODES = ("paper", "expected")
@@ -74,247 +34,6 @@ ROW_KEYS = ("policy", "threshold", "n_prfaas", "n_p", "n_d", "lambda_max", "thet
 # What each latency mode reports of one configuration (the nested `paper` / `expected` dicts).
 MODE_KEYS = ("lambda_max", "theta_prfaas", "theta_pdp", "theta_pdd", "bound_prfaas",
              "bound_pdp", "bound_pdd", "binding", "egress_gbps")
-
-
-# ---------------------------------------------------------------- the equations (array-valued)
-
-def Phi_kv(s_kv_bytes, t_prefill_s):
-    """KV throughput of one instance, bytes/s."""
-    return np.asarray(s_kv_bytes, dtype=float) / np.asarray(t_prefill_s, dtype=float)
-
-
-def B_out_min(n_instances, phi_kv_Bps):
-    """Minimum egress of a prefill cluster (bytes/s): (N/P) * Phi_kv(L_avg), N/P = instances."""
-    return n_instances * np.asarray(phi_kv_Bps, dtype=float)
-
-
-def Theta_prfaas(n_prfaas, t_prefill_remote_s, s_kv_bytes, b_out_Bps):
-    """PrfaaS stage throughput (requests/s): compute limit or egress limit, whichever is lower."""
-    compute = np.asarray(n_prfaas, dtype=float) / np.asarray(t_prefill_remote_s, dtype=float)
-    bandwidth = b_out_Bps / np.asarray(s_kv_bytes, dtype=float)
-    return np.minimum(compute, bandwidth)
-
-
-def Theta_pdp(n_p, t_prefill_local_s):
-    """Local PD prefill stage throughput (requests/s)."""
-    return np.asarray(n_p, dtype=float) / np.asarray(t_prefill_local_s, dtype=float)
-
-
-def Theta_pdd(n_d, bs_max, t_decode_s, l_out):
-    """Local PD decode stage throughput (requests/s)."""
-    return np.asarray(n_d, dtype=float) * bs_max / (t_decode_s * l_out)
-
-
-def share_bound(theta, share):
-    """Theta / share: the arrival rate a stage sustains when it gets `share` of the requests.
-
-    A stage with no share is no bound (inf), whatever its Theta (0, or undefined)."""
-    theta = np.asarray(theta, dtype=float)
-    share = np.asarray(share, dtype=float)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(share > 0, theta / np.where(share > 0, share, 1.0), np.inf)
-
-
-def Lambda_max(theta_prfaas, theta_pdp, theta_pdd, p):
-    """System throughput at saturation: min(Theta_prfaas/p, Theta_pdp/(1-p), Theta_pdd)."""
-    p = np.asarray(p, dtype=float)
-    return np.minimum(np.minimum(share_bound(theta_prfaas, p), share_bound(theta_pdp, 1.0 - p)),
-                      np.asarray(theta_pdd, dtype=float))
-
-
-# ---------------------------------------------------------------- the length distribution
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class LengthDistribution:
-    """A length distribution as a probability mass function over sorted `values` (tokens)."""
-
-    values: np.ndarray
-    probs: np.ndarray
-    label: str
-
-    def __post_init__(self):
-        cum = np.concatenate(([0.0], np.cumsum(self.probs)))
-        first = np.concatenate(([0.0], np.cumsum(self.probs * self.values)))
-        # Tails as reverse sums, so p and E[L | L > t] stay accurate when p is tiny.
-        tail = np.concatenate((np.cumsum(self.probs[::-1])[::-1], [0.0]))
-        tail_first = np.concatenate((np.cumsum((self.probs * self.values)[::-1])[::-1], [0.0]))
-        cum[-1] = tail[0] = 1.0         # exactly: the empty threshold sides must read 0 and 1
-        object.__setattr__(self, "_cum", cum)
-        object.__setattr__(self, "_first", first)
-        object.__setattr__(self, "_tail", tail)
-        object.__setattr__(self, "_tail_first", tail_first)
-
-    @classmethod
-    def from_pmf(cls, values, probs, label):
-        values = np.asarray(values, dtype=float)
-        probs = np.asarray(probs, dtype=float)
-        order = np.argsort(values, kind="stable")
-        values, probs = values[order], probs[order]
-        keep = probs > 0
-        values, probs = values[keep], probs[keep]
-        if values.size == 0 or not np.all(np.isfinite(values)):
-            raise ValueError("a length distribution needs at least one finite length")
-        return cls(values, probs / probs.sum(), label)
-
-    @classmethod
-    def from_lengths(cls, lengths, label="empirical"):
-        """The empirical distribution of an array of (uncached) lengths, e.g. a trace's."""
-        lengths = np.asarray(lengths, dtype=float).ravel()
-        if lengths.size == 0 or np.any(lengths < 0) or not np.all(np.isfinite(lengths)):
-            raise ValueError("expected a non-empty array of non-negative lengths")
-        values, counts = np.unique(lengths, return_counts=True)
-        return cls.from_pmf(values, counts, f"{label} ({lengths.size} lengths)")
-
-    @property
-    def mean(self):
-        return float(self._first[-1])
-
-    @property
-    def min(self):
-        return float(self.values[0])
-
-    @property
-    def max(self):
-        return float(self.values[-1])
-
-    def split(self, t):
-        """(p, l_long, l_short) for threshold(s) t: p = P(L > t); nan where a side is empty."""
-        t = np.asarray(t, dtype=float)
-        i = np.searchsorted(self.values, t, side="right")   # how many values are <= t
-        p = self._tail[i]
-        below = self._cum[i]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            l_long = np.where(p > 0, self._tail_first[i] / p, np.nan)
-            l_short = np.where(below > 0, self._first[i] / below, np.nan)
-        return p, l_long, l_short
-
-    def expect(self, f, t):
-        """(E[f(L) | L > t], E[f(L) | L <= t]) for threshold(s) t; nan where a side is empty.
-
-        f is evaluated once on every length; prefix sums of pmf * f(l) then give every
-        threshold in O(1), the same way `split` gives l_long and l_short."""
-        w = self.probs * np.asarray(f(self.values), dtype=float)
-        head = np.concatenate(([0.0], np.cumsum(w)))
-        tail = np.concatenate((np.cumsum(w[::-1])[::-1], [0.0]))
-        i = np.searchsorted(self.values, np.asarray(t, dtype=float), side="right")
-        p, below = self._tail[i], self._cum[i]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            above = np.where(p > 0, tail[i] / p, np.nan)
-            under = np.where(below > 0, head[i] / below, np.nan)
-        return above, under
-
-
-def _truncated_lognormal(mu, sigma, lo, hi):
-    """Mass of every integer in [lo, hi] under the generator's rounding (testbed.workload):
-    it draws x from the log-normal truncated to [lo, hi] and sends rint(x)."""
-    if lo == hi:
-        return np.array([float(lo)]), np.array([1.0])
-    k = np.arange(lo, hi + 1, dtype=float)
-    z = lambda x: (np.log(x) - mu) / sigma                      # noqa: E731
-    cdf = stats.norm.cdf
-    mass = cdf(z(np.minimum(k + 0.5, hi))) - cdf(z(np.maximum(k - 0.5, lo)))
-    if not mass.sum() > 0:
-        raise ValueError(f"log-normal mu={mu} sigma={sigma} has no mass in [{lo}, {hi}]")
-    return k, mass
-
-
-@functools.lru_cache(maxsize=32)
-def _from_spec_cached(spec):
-    if spec.dist == "fixed":
-        return LengthDistribution.from_pmf([spec.tokens], [1.0], f"fixed {spec.tokens}")
-    if spec.dist == "uniform":
-        k = np.arange(spec.min, spec.max + 1, dtype=float)
-        return LengthDistribution.from_pmf(k, np.ones_like(k),
-                                           f"uniform [{spec.min}, {spec.max}]")
-    if spec.dist == "lognormal":
-        k, mass = _truncated_lognormal(spec.mu, spec.sigma, spec.min, spec.max)
-        return LengthDistribution.from_pmf(
-            k, mass, f"lognormal mu={spec.mu:g} sigma={spec.sigma:g} in [{spec.min}, {spec.max}]")
-    return None
-
-
-def distribution_from_spec(spec):
-    """LengthDistribution of an analytic LengthSpec; None for a kind this module cannot read."""
-    try:
-        return _from_spec_cached(spec)
-    except TypeError:                   # an unhashable spec from a future workload kind
-        return None
-
-
-def _generate(exp, base_dir):
-    from testbed.workload.generate import generate
-    return generate(exp.workload, exp.seed, requests=exp.requests, duration_s=exp.duration,
-                    base_dir=base_dir)
-
-
-@functools.lru_cache(maxsize=8)
-def _request_list_cached(workload, seed, requests, duration, base_dir):
-    exp = types.SimpleNamespace(workload=workload, seed=seed, requests=requests,
-                                duration=duration)
-    return _generate(exp, base_dir)
-
-
-def _request_list(exp, base_dir):
-    try:
-        return _request_list_cached(exp.workload, exp.seed, exp.requests, exp.duration, base_dir)
-    except TypeError:               # an unhashable spec: generate without the cache
-        return _generate(exp, base_dir)
-
-
-def uses_request_list(exp):
-    """True when L cannot come from the input spec alone: a trace, shared prefixes, or phases
-    (then the planner sees the whole run's mix)."""
-    w = exp.workload
-    if getattr(w, "phases", ()):
-        return True
-    prefix = getattr(w, "prefix", None)
-    has_prefixes = bool(prefix is not None and prefix.documents > 0) or \
-        bool(getattr(w, "trace_prefixes", lambda: False)())
-    return has_prefixes or distribution_from_spec(w.input) is None
-
-
-def _from_request_list(exp, column, base_dir=None):
-    """Empirical distribution of the experiment's own request list (traces, shared prefixes).
-
-    The workload module is the one place that knows how a workload turns into requests;
-    planning from its output keeps prediction and emulation on the same requests. For the
-    input, L is the *uncached* length: the input minus what an unbounded prefix cache would
-    hold in arrival order (`testbed.workload.prefix.hit_tokens`), the paper's L, when the
-    experiment has a prefix cache (`cache.enabled`); without one every token is prefilled."""
-    try:
-        df = _request_list(exp, base_dir)
-        lengths = df[column].to_numpy()
-        label = f"{column} of the request list"
-        cache = getattr(exp, "cache", None)
-        if column == "input_len" and "prefix_blocks" in df and (cache is None or cache.enabled):
-            from testbed.workload.prefix import hit_tokens
-            lengths = lengths - hit_tokens(list(df["prefix_blocks"]), lengths)
-            label = "uncached input_len of the request list (unbounded prefix cache)"
-    except Exception as e:          # a workload the generator cannot expand here
-        raise ConfigError(f"the planner cannot read the {column} distribution of this workload "
-                          f"({e}); pass the lengths explicitly", key="workload") from None
-    if len(lengths) == 0:
-        raise ConfigError("the request list is empty", key="workload")
-    return LengthDistribution.from_lengths(lengths, label=label)
-
-
-def input_distribution(exp, lengths=None, base_dir=None):
-    """Distribution of the uncached input length L: explicit lengths, else the workload."""
-    if lengths is not None:
-        return lengths if isinstance(lengths, LengthDistribution) else \
-            LengthDistribution.from_lengths(lengths)
-    if uses_request_list(exp):
-        return _from_request_list(exp, "input_len", base_dir)
-    return distribution_from_spec(exp.workload.input)
-
-
-def mean_output_length(exp, base_dir=None):
-    """L_out: the mean output length."""
-    dist = None if getattr(exp.workload, "phases", ()) else \
-        distribution_from_spec(exp.workload.output)
-    if dist is None:
-        dist = _from_request_list(exp, "output_len", base_dir)
-    return dist.mean
 
 
 # ---------------------------------------------------------------- inputs of one evaluation
@@ -353,14 +72,16 @@ def wan_kv_rate_bps(exp):
     return float(exp.network.wan.direction("kv")["rate"])
 
 
-def inputs_for(exp, lengths=None, b_out_bps=None, base_dir=None):
+def inputs_for(exp, lengths=None, b_out_bps=None, base_dir=None, output_lengths=None):
     """Model inputs of one experiment; B_out defaults to the WAN kv rate (module docstring).
 
-    `base_dir` (the experiment file's folder) resolves a relative trace path."""
+    `lengths` / `output_lengths` (arrays) replace the workload's input / output lengths (a
+    run's measured ones: then no request list is generated); `base_dir` (the experiment file's
+    folder) resolves a relative trace path."""
     prof = _profile(exp.model.profile)
     wan = wan_kv_rate_bps(exp)
     dist = input_distribution(exp, lengths, base_dir)
-    l_out = mean_output_length(exp, base_dir)
+    l_out = mean_output_length(exp, base_dir, output_lengths)
     decode = exp.decode_model()
     return Inputs(
         profile=prof,
@@ -585,7 +306,8 @@ def _configured(exp, inp, latency=DEFAULT_LATENCY):
     return evaluate_config(inp, pol, t, n_prfaas, c.local.prefill, c.local.decode, latency)
 
 
-def predict(exp, lengths=None, b_out_bps=None, base_dir=None, latency=DEFAULT_LATENCY):
+def predict(exp, lengths=None, b_out_bps=None, base_dir=None, latency=DEFAULT_LATENCY,
+            output_lengths=None):
     """The model's prediction for ONE experiment as configured (no optimisation).
 
     Returns the same keys as each policy of `plan_file` (ROW_KEYS) in the `latency` mode (the
@@ -596,7 +318,7 @@ def predict(exp, lengths=None, b_out_bps=None, base_dir=None, latency=DEFAULT_LA
     as None with the reason in `warnings`."""
     check_latency(latency)
     try:
-        inp = inputs_for(exp, lengths, b_out_bps, base_dir)
+        inp = inputs_for(exp, lengths, b_out_bps, base_dir, output_lengths)
         row = with_both_modes(_configured(exp, inp, latency), inp, latency)
     except (TestbedError, ValueError) as e:
         row = {k: None for k in ROW_KEYS}

@@ -1,0 +1,44 @@
+"""Running a command inside a network namespace: the one way the testbed does it.
+
+A namespace is named by its file: a name under /var/run/netns (what `ip netns add` and pyroute2's
+`netns.create` make) or a path such as /proc/PID/ns/net (a Mininet host's). Commands enter it
+with `nsenter --net=PATH`, which changes the network namespace only (unlike `ip netns exec`, it
+does not remount /sys), so a process keeps its view of the files and the PIDs it knows.
+Light on purpose: `python -m testbed.net.probe` imports it inside the namespace it measures.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+from testbed.errors import NetworkError
+
+NETNS_DIR = "/var/run/netns"
+
+
+def ns_path(ns: str) -> str:
+    """The namespace file of `ns`: a path as is, a name under /var/run/netns."""
+    return ns if "/" in ns else f"{NETNS_DIR}/{ns}"
+
+
+def ns_argv(ns: str | None, argv) -> list[str]:
+    """`argv` run inside network namespace `ns` (None: in this one)."""
+    argv = [str(a) for a in argv]
+    return argv if ns is None else ["nsenter", f"--net={ns_path(ns)}", *argv]
+
+
+def ns_run(ns: str | None, argv, **kw) -> subprocess.CompletedProcess:
+    """subprocess.run of `argv` inside `ns`."""
+    return subprocess.run(ns_argv(ns, argv), **kw)
+
+
+def ns_popen(ns: str | None, argv, **kw) -> subprocess.Popen:
+    """subprocess.Popen of `argv` inside `ns`."""
+    return subprocess.Popen(ns_argv(ns, argv), **kw)
+
+
+def sysctl(ns: str, *settings: str) -> None:
+    """Set sysctls (`net.ipv4.ip_forward=1`, ...) inside `ns` only."""
+    r = ns_run(ns, ["sysctl", "-qw", *settings], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise NetworkError(f"sysctl {' '.join(settings)} in {ns}: {r.stderr.strip()}")

@@ -1,0 +1,44 @@
+"""workers/engine.py: the engines implement the Protocols the workers rely on (no root)."""
+
+import inspect
+
+import pytest
+
+from workers import engine
+from workers.engine_profile import ProfileDecodeEngine, ProfilePrefillEngine
+
+
+def _methods(proto):
+    return {n for n, v in vars(proto).items() if callable(v) and not n.startswith("_")}
+
+
+def _implements(cls, proto):
+    """Every method of `proto` and its Protocol bases is defined by `cls` itself (or a real
+    base), not inherited as the Protocol's empty body, with as many positional parameters."""
+    for p in proto.__mro__:
+        if p is object or not getattr(p, "_is_protocol", False):
+            continue
+        for name in _methods(p):
+            impl = next((c.__dict__[name] for c in cls.__mro__
+                         if name in c.__dict__ and not getattr(c, "_is_protocol", False)), None)
+            assert impl is not None, f"{cls.__name__} lacks {name}"
+            want = len(inspect.signature(getattr(p, name)).parameters)
+            got = inspect.signature(impl).parameters.values()
+            required = sum(1 for q in got if q.default is q.empty and q.kind in (
+                q.POSITIONAL_ONLY, q.POSITIONAL_OR_KEYWORD))
+            assert required <= want <= len(got), (cls.__name__, name)
+            assert inspect.iscoroutinefunction(impl) == inspect.iscoroutinefunction(
+                getattr(p, name)), (cls.__name__, name)
+
+
+def test_profile_engines_implement_their_protocols():
+    _implements(ProfilePrefillEngine, engine.PrefillEngine)
+    _implements(ProfileDecodeEngine, engine.PacedDecodeEngine)
+    assert engine.AssemblingDecodeEngine not in ProfileDecodeEngine.__mro__
+
+
+def test_torch_decode_engine_implements_its_protocol():
+    pytest.importorskip("torch")
+    from workers.engine_torch import TorchDecodeEngine
+    _implements(TorchDecodeEngine, engine.AssemblingDecodeEngine)
+    assert engine.PacedDecodeEngine not in TorchDecodeEngine.__mro__

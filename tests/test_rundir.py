@@ -1,0 +1,155 @@
+"""The run-directory contract (testbed/rundir.py): loaders, the schema version, and analysis,
+plots and report from a run directory alone (no root).
+
+tests/data/quickstart_run is a recorded run, vendored without logs or analysis outputs except
+the summary the run wrote itself:
+    sudo testbed run experiments/quickstart.yaml --set requests=20 \
+        --set workload.output.tokens=32 --out /tmp/fixture
+keeping config.yaml, events.csv, metadata.json, requests.jsonl, runtime.json, timeseries.csv,
+workload.parquet and summary.json of each variant.
+"""
+
+import json
+import pathlib
+import re
+import shutil
+import sys
+
+import pytest
+
+from testbed import cli, config, metrics, rundir
+from testbed.errors import RunDirError
+from testbed.scale import Scale
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+FIXTURE = ROOT / "tests" / "data" / "quickstart_run"
+RUNS = ("homogeneous", "naive", "prfaas")
+
+
+@pytest.fixture
+def copied(tmp_path):
+    """The recorded run, copied where no experiment file or trace is."""
+    d = tmp_path / "elsewhere" / "quickstart"
+    shutil.copytree(FIXTURE, d)
+    return d
+
+
+@pytest.fixture
+def nothing_outside(monkeypatch, tmp_path):
+    """Fail the test if analysis validates an experiment file or regenerates a workload."""
+    def refuse(*a, **k):
+        raise AssertionError("analysis read something outside the run directory")
+    monkeypatch.setattr(config, "load_experiment", refuse)
+    monkeypatch.setattr(config, "validate", refuse)
+    monkeypatch.setattr(sys.modules["testbed.workload.generate"], "generate", refuse)
+    monkeypatch.setattr(sys.modules["testbed.workload.traces"], "load", refuse)
+    monkeypatch.chdir(tmp_path)
+
+
+def test_analyse_plot_report_from_a_copied_run_directory(copied, nothing_outside, capsys):
+    recorded = {r: json.loads((copied / r / "summary.json").read_text()) for r in RUNS}
+    assert cli.main(["analyse", str(copied)]) == 0
+    for r in RUNS:
+        again = json.loads((copied / r / "summary.json").read_text())
+        old = recorded[r]
+        assert (again["completed"], again["failed"]) == (old["completed"], old["failed"])
+        for key in ("mean_ttft_ms", "p90_ttft_ms", "mean_tpot_ms", "egress_mean_gbps",
+                    "offload_fraction", "steady_throughput", "wan_bytes_measured"):
+            assert again[key] == pytest.approx(old[key]), (r, key)
+        assert again["prediction"]["lambda_max"] == pytest.approx(
+            old["prediction"]["lambda_max"])
+        assert again["incomplete"] is False
+        assert (copied / r / rundir.RunDir.REQUESTS).exists()
+    assert cli.main(["plot", str(copied)]) == 0
+    figures = copied / rundir.RunDir.FIGURES
+    assert {"ttft_cdf.png", "egress.png", "ttft_timeline.png"} <= {p.name for p in
+                                                                   figures.iterdir()}
+    capsys.readouterr()
+    assert cli.main(["report", str(copied)]) == 0
+    text = (copied / rundir.RunDir.REPORT).read_text()
+    assert all(f"### {r}" in text for r in RUNS)
+    assert f"time x{rundir.scale(copied / 'prfaas').time:.3g}" in text
+
+
+def test_load_run_is_typed_and_from_the_directory(copied):
+    info = rundir.load_run(copied / "prfaas")
+    assert info.label == "prfaas" and info.policy == "prfaas"
+    runtime = json.loads((copied / "prfaas" / "runtime.json").read_text())
+    assert info.scale == Scale.from_dict(runtime["scale"])
+    assert info.experiment.scale.time == info.scale.time        # config.yaml agrees
+    assert info.client_start_at == info.metadata["client_start_at"]
+    ts = rundir.timeseries(copied / "prfaas")
+    assert len(ts) > 10 and ts.time.is_monotonic_increasing
+    sent, done = rundir.read_records(rundir.RunDir(copied / "prfaas").records)
+    assert set(done) <= set(sent) and len(done) == len(rundir.workload(copied / "prfaas"))
+
+
+def test_runs_are_found_in_the_order_they_ran(copied):
+    started = {r: json.loads((copied / r / "metadata.json").read_text())["start_time"]
+               for r in RUNS}
+    assert [d.name for d in rundir.find_runs(copied)] == sorted(RUNS, key=started.get)
+    assert rundir.find_recorded_runs(copied) == [copied / r for r in sorted(RUNS)]
+
+
+@pytest.mark.parametrize("verb", ["analyse", "plot", "report"])
+def test_a_newer_schema_is_refused_in_one_line(copied, verb, capsys):
+    d = copied / "naive"
+    meta = json.loads((d / "metadata.json").read_text())
+    meta["schema"] = rundir.SCHEMA + 1
+    (d / "metadata.json").write_text(json.dumps(meta))
+    assert cli.main([verb, str(d)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert f"schema {rundir.SCHEMA + 1} is newer" in err and "metadata.json" in err
+
+
+def test_schema_minor_versions_and_unversioned_directories_are_read(copied):
+    d = copied / "naive"
+    meta = json.loads((d / "metadata.json").read_text())
+    meta["schema"] = f"{rundir.SCHEMA}.7"
+    (d / "metadata.json").write_text(json.dumps(meta))
+    assert rundir.load_run(d).metadata["schema"] == f"{rundir.SCHEMA}.7"
+    del meta["schema"]                          # written before the layout had a version
+    (d / "metadata.json").write_text(json.dumps(meta))
+    assert metrics.analyse(d)["completed"] > 0
+
+
+def test_write_metadata_stamps_the_schema(tmp_path):
+    path = rundir.write_metadata(tmp_path, {"name": "x", "start_time": 1.0})
+    meta = json.loads(path.read_text())
+    assert meta["schema"] == rundir.SCHEMA and meta["name"] == "x"
+    assert rundir.metadata(tmp_path) == meta
+
+
+def test_scale_falls_back_through_the_files_a_directory_has(tmp_path):
+    assert rundir.scale(tmp_path) == Scale()
+    (tmp_path / "summary.json").write_text(json.dumps({"scale_time": 40, "scale_bytes": 1e-4}))
+    assert rundir.scale(tmp_path) == Scale(40, 1e-4)          # a pre-versioning summary
+    (tmp_path / "config.yaml").write_text("scale: {time: 20, bytes: 0.01}\n")
+    assert rundir.scale(tmp_path) == Scale(20, 0.01)
+    (tmp_path / "runtime.json").write_text(json.dumps({"scale": {"time": 5, "bytes": 1}}))
+    assert rundir.scale(tmp_path) == Scale(5, 1)
+
+
+def test_not_a_run_directory_is_bad_input(tmp_path):
+    with pytest.raises(RunDirError, match="no config.yaml") as e:
+        rundir.load_run(tmp_path)
+    assert e.value.exit_code == 2
+    (tmp_path / "config.yaml").write_text("- a list\n")
+    (tmp_path / "workload.parquet").write_bytes(b"")
+    with pytest.raises(RunDirError, match="resolved configuration"):
+        rundir.load_run(tmp_path)
+
+
+# Files of the analysis stages that convert units only through testbed.scale.Scale.
+SCALE_USERS = ("testbed/metrics.py", "testbed/measure.py", "testbed/plot.py",
+               "testbed/plot_cache.py", "testbed/plot_control.py", "testbed/rundir.py",
+               "testbed/commands/report.py")
+HAND_CONVERSION = re.compile(r"scale_time|scale_bytes|time_scale|bytes_scale|scale\.time\s*\*"
+                             r"|\*\s*scale\.time|1e3\s*\*\s*T\b")
+
+
+def test_analysis_stages_convert_units_only_through_scale():
+    for name in SCALE_USERS:
+        text = (ROOT / name).read_text()
+        assert not HAND_CONVERSION.search(text), (name, HAND_CONVERSION.search(text).group())
