@@ -430,7 +430,7 @@ def _runtime(exp, prof, scale, instances):
         scheduler=_scheduler(exp, scale), cache=cache,
         # timeseries.csv's kv_link_gbps is real-world Gbit/s; workers compare it with emulated
         # byte counters: this is the one factor between them
-        wan=WanRuntime(link_gbps_to_bps=scale.emulated_rate(1e9)),
+        wan=WanRuntime(link_real_gbps_to_bps=scale.emulated_rate(1e9)),
         frontdoor=loadgen.runtime(exp),
         kv_deadline_s=scale.emulated_s(exp.run.kv_deadline),
         token_flush_s=scale.emulated_s(exp.run.token_flush),

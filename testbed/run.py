@@ -24,7 +24,8 @@ import time
 
 import yaml
 
-from testbed import __version__, config, deploy, kvwire, lifecycle, loadgen, metrics, ownership, plot
+from testbed import (__version__, config, deploy, kvwire, lifecycle, loadgen, metrics, ownership,
+                     plot)
 from testbed.backend import open_backend
 from testbed.errors import ConfigError, PrivilegeError, RunInterrupted, WorkerError
 from testbed.measure import CounterSampler, EventLog

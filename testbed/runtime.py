@@ -130,7 +130,7 @@ class WanRuntime:
     """What workers need of the WAN: converting the kernel counters' link rate in force
     (timeseries.csv `kv_link_gbps`, real-world Gbit/s) to emulated bit/s, the one factor."""
 
-    link_gbps_to_bps: float = 1e9
+    link_real_gbps_to_bps: float = 1e9
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

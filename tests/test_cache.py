@@ -273,7 +273,7 @@ def _placer(tmp_path, view, fetch_s_per_byte=None):
                        cache=CacheRuntime(enabled=True, block=512,
                                           s_kv_real=tuple(prof.kv_size.coeffs),
                                           transfer="always", headroom=0.5),
-                       wan=WanRuntime(link_gbps_to_bps=1e7))
+                       wan=WanRuntime(link_real_gbps_to_bps=1e7))
     pl = placement.CachePlacer(rt, router, lambda i, l, c: prof.t_prefill_cached(
         i.accelerator, l, c) / 10, logging.getLogger("t"))
     pl.fetch_s_per_byte = fetch_s_per_byte

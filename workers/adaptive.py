@@ -142,7 +142,7 @@ class ThresholdController:
 
     def __init__(self, router, cfg, wan, run_dir, log):
         self.router, self.cfg, self.log = router, cfg, log
-        self.link_gbps_to_bps = wan.link_gbps_to_bps    # testbed.runtime.WanRuntime
+        self.link_real_gbps_to_bps = wan.link_real_gbps_to_bps    # testbed.runtime.WanRuntime
         self.timeseries = pathlib.Path(run_dir) / "timeseries.csv"
         self.law = Control(router.threshold, cfg)
         self.last_eval = 0.0
@@ -155,7 +155,7 @@ class ThresholdController:
         row = read_last_row(self.timeseries)
         try:
             return (int(row["kv_tx_bytes"]),
-                    float(row["kv_link_gbps"]) * self.link_gbps_to_bps)
+                    float(row["kv_link_gbps"]) * self.link_real_gbps_to_bps)
         except (TypeError, KeyError, ValueError):
             return None, None
 
