@@ -27,9 +27,11 @@ import json
 import math
 import pathlib
 
+from testbed import profile as profiles
 from testbed import units
 from testbed.errors import ConfigError
 from testbed.net import spec as netspec
+from testbed.net.shaping import needs_per_frame_packets
 from testbed.runtime import (AdaptiveRuntime, CacheRuntime, DecodeRuntime,
                              InstanceRuntime, RolesRuntime, SchedulerRuntime, WanRuntime,
                              WorkerRuntime)
@@ -104,6 +106,8 @@ class FaultAction:
 
 @dataclasses.dataclass(frozen=True)
 class Deployment:
+    """What runs where, in which units: everything a backend needs, emulated."""
+
     name: str
     label: str
     seed: int
@@ -148,19 +152,13 @@ class Deployment:
                 "per_frame": self.per_frame, "schedule": [plain(s) for s in self.schedule]}
 
     def dump(self, path):
-        pathlib.Path(path).write_text(json.dumps(self.to_dict(), indent=1, default=_inf))
-
-
-def _inf(x):
-    return None if isinstance(x, float) and math.isinf(x) else str(x)
+        pathlib.Path(path).write_text(json.dumps(self.to_dict(), indent=1))
 
 
 def compile(exp):     # noqa: A001 (the verb of this module)
     """The `Deployment` of one expanded run; raises ConfigError for an emulated link this
     machine cannot shape (rate, queue), naming the key."""
-    from testbed import profile as profiles
-
-    from testbed.config import cache_capacity
+    from testbed.config import cache_capacity      # config validates by compiling: no cycle
 
     scale = Scale.of(exp)
     prof = profiles.load(exp.model.profile)
@@ -173,7 +171,6 @@ def compile(exp):     # noqa: A001 (the verb of this module)
     schedule = tuple(sorted(link_changes + _link_fault_changes(exp, scale, links, faults,
                                                                link_changes)
                             + _fault_actions(scale, faults), key=lambda s: s.at_s))
-    from testbed.net.shaping import needs_per_frame_packets
     per_frame = needs_per_frame_packets({d: lk.params() for d, lk in links.items()}) or any(
         c.loss for c in exp.network.wan.changes)
     return Deployment(
