@@ -170,3 +170,13 @@ def test_workers_load_their_runtime_without_mininet_or_torch(tmp_path):
                          cwd=ROOT, env={"PYTHONPATH": str(ROOT)}, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["10.2.2.1:50052", "False"]
+
+
+def test_nothing_above_the_backend_seam_imports_mininet():
+    code = ("import sys, testbed.run, testbed.config, testbed.deploy, testbed.metrics, "
+            "testbed.plot, testbed.backend; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'mininet', 'topologies'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, env={"PYTHONPATH": str(ROOT)}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
