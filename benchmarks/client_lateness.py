@@ -99,7 +99,8 @@ def measure(df, port, hold_s, tmp):
     df.to_parquet(wl, index=False)
     out.unlink(missing_ok=True)
     rt.write_text(json.dumps({
-        "instances": {"scheduler": {"ip": "127.0.0.1", "grpc_port": port}},
+        "instances": {"scheduler": {"role": "scheduler", "dc": "local", "ip": "127.0.0.1",
+                                    "grpc_port": port}},
         "scale": {"time": 1.0}, "request_timeout_s": 60.0, "drain_timeout_s": 10 * hold_s + 30}))
     subprocess.run([sys.executable, "-m", "workers.client", "--runtime", str(rt), "--workload",
                     str(wl), "--out", str(out)], cwd=ROOT, check=True,

@@ -8,12 +8,13 @@
    dotted key -> list of values; every combination is one run, crossed with the variants),
 4. validates each expanded mapping against the schema and returns one `Experiment` per run.
 
-Everything downstream (builder, runner, planner, analysis) reads only these objects.
+Everything downstream reads only these objects; the runner compiles each into a
+`testbed.deploy.Deployment` first.
 
 Scaling (`scale:`): the emulation runs `time` times faster than the real world and moves `bytes`
-times the real KV bytes. Compute times are divided by `time`, arrival rates multiplied by it, KV
-payloads multiplied by `bytes`, the WAN rate becomes `rate * bytes * time` and delays are divided by
-`time`, so every ratio of transfer time to compute time is preserved. Reports convert back.
+times the real KV bytes. Every value here is real-world; `testbed.deploy` (through
+`testbed.scale.Scale`) is the one place they become emulated, and where the emulated link is
+checked against what this machine can shape (`validate` compiles each run once to check it).
 """
 
 import copy
@@ -34,11 +35,6 @@ from testbed.schema import (at_most, boolean, build, choice, integer, list_of, o
                             positive, section, spec, string, to_dict)
 from testbed.workload import spec as wlspec
 from testbed.workload.spec import WorkloadSpec
-
-# The emulated WAN must stay within what one 2-core machine can shape and carry.
-MAX_EMULATED_RATE_BPS = 2e9
-MIN_EMULATED_RATE_BPS = 8e3
-MIN_EMULATED_DELAY_S = 0.0
 
 # Resource caps (hard limits unless a key raises them; experiments/README.md lists them).
 DAY_S = 86400.0
@@ -392,50 +388,9 @@ class Experiment:
             self.model.decode_step, self.model.bs_max, self.model.decode_kv_capacity)
         return m.constant() if self.model.decode_model == "constant" else m
 
-    # ---- derived, emulated quantities (real-world value -> what the emulator runs) ----
     @property
     def run_label(self):
         return self.label or self.scheduler.policy
-
-    def emulated_direction(self, name):
-        """The WAN link parameters of one direction, scaled to emulation units.
-
-        A queue given in bytes is scaled by `scale.bytes`, which keeps its drain time (queue /
-        rate) in step with everything else; a queue in packets is taken as emulated packets.
-        """
-        d = self.network.wan.direction(name)
-        s = self.scale
-        d["rate"] = d["rate"] * s.bytes * s.time
-        d["delay"] = d["delay"] / s.time
-        d["jitter"] = d["jitter"] / s.time
-        if d["queue"] and "bytes" in d["queue"]:
-            d["queue"] = {"bytes": int(d["queue"]["bytes"] * s.bytes)}
-        return d
-
-    def emulated_changes(self, trace_rows=()):
-        """Scheduled link changes in emulation units, sorted: [(t_s, direction|None, changes)].
-
-        `trace_rows` are the rate trace's (t_s, rate_bps) rows, real-world.
-        """
-        s = self.scale
-        out = []
-        for c in self.network.wan.changes:
-            ch = {k: getattr(c, k) for k in ("rate", "delay", "jitter", "loss", "up")
-                  if getattr(c, k) is not None}
-            if "rate" in ch:
-                ch["rate"] *= s.bytes * s.time
-            for k in ("delay", "jitter"):
-                if k in ch:
-                    ch[k] /= s.time
-            out.append((c.at / s.time, None if c.direction == "both" else c.direction, ch))
-        trace = self.network.wan.rate_trace
-        for t, rate in trace_rows:
-            d = None if trace is None or trace.direction == "both" else trace.direction
-            out.append((t / s.time, d, {"rate": rate * s.bytes * s.time}))
-        return sorted(out, key=lambda x: x[0])
-
-
-MIN_EMULATED_QUEUE_BYTES = 64 * 1024     # one TSO burst: a smaller drop-tail queue drops most
 
 
 MAX_RATE_TRACE_BYTES = 1 << 20      # 1 MiB of time,rate rows
@@ -487,9 +442,6 @@ def _resolve_rate_trace(exp, base):
     for cand in ([p] if p.is_absolute() else [base / p, pathlib.Path.cwd() / p]):
         if cand.exists():
             rows = read_rate_trace(cand)
-            k = exp.scale.bytes * exp.scale.time
-            for _, r in rows:
-                _check_emulated_rate(r, k, "network.wan.rate_trace", f"a row of {cand}")
             wan = dataclasses.replace(exp.network.wan, rate_trace=dataclasses.replace(
                 trace, path=str(cand.resolve())))
             exp = dataclasses.replace(exp, network=dataclasses.replace(exp.network, wan=wan))
@@ -497,31 +449,17 @@ def _resolve_rate_trace(exp, base):
     raise ConfigError(f"no such rate trace file {trace.path!r}", key="network.wan.rate_trace.path")
 
 
-def _check_emulated_rate(rate_real, k, key, what="rate"):
-    rate = rate_real * k
-    if rate > MAX_EMULATED_RATE_BPS:
-        raise ConfigError(f"{what} {units.fmt_rate(rate_real)} scales to "
-                          f"{units.fmt_rate(rate)} emulated, above what this machine can shape "
-                          f"({units.fmt_rate(MAX_EMULATED_RATE_BPS)}); lower scale.bytes or "
-                          f"scale.time", key=key)
-    if rate < MIN_EMULATED_RATE_BPS:
-        raise ConfigError(f"{what} {units.fmt_rate(rate_real)} scales to "
-                          f"{units.fmt_rate(rate)} emulated, below 8 kbit/s; raise scale.bytes "
-                          f"(a link that is down is `up: false`)", key=key)
-
-
 def _check_link(exp, rate_rows):
-    """Everything about the WAN that can be checked on paper: rates and delays of every change,
-    loss feasibility, queue limits the kernel can encode, the backend, looped traces."""
-    wan, s = exp.network.wan, exp.scale
-    k = s.bytes * s.time
+    """Everything about the WAN that can be checked on paper in real-world units: delays of
+    every change, loss feasibility, the backend, looped traces. The emulated link (rates and
+    queues this machine can shape) is checked where it is computed, `testbed.deploy.compile`."""
+    wan = exp.network.wan
     for i, c in enumerate(wan.changes):
         key = f"network.wan.changes[{i}]"
         if c.rate is not None:
             if c.rate <= 0:
                 raise ConfigError("rate 0 does not cut the link: write `up: false` to take it "
                                   "down (and `up: true` later to restore it)", key=f"{key}.rate")
-            _check_emulated_rate(c.rate, k, f"{key}.rate")
         if c.at > MAX_DURATION_S:
             raise ConfigError("expected at most 7 days (a hard limit)", key=f"{key}.at")
         for d in ("kv", "request") if c.direction == "both" else (c.direction,):
@@ -535,11 +473,6 @@ def _check_link(exp, rate_rows):
         base = wan.direction(d)
         netspec.check_delay(base["delay"], base["jitter"], f"network.wan.{d}")
         netspec.check_loss(base["loss"], base["loss_burst"], f"network.wan.{d}")
-        em = exp.emulated_direction(d)
-        rtt = sum(exp.emulated_direction(x)["delay"] for x in ("kv", "request"))
-        rates = [em["rate"]] + [c.rate * k for c in wan.changes
-                                if c.rate and c.direction in (d, "both")]
-        netspec.check_queue(em["queue"], max(rates), rtt, f"network.wan.{d}.queue")
     netspec.check_backend(wan)
     trace = wan.rate_trace
     if trace is not None and rate_rows:
@@ -557,31 +490,6 @@ def _check_link(exp, rate_rows):
                               f"rows x loops + changes), more than {MAX_LINK_CHANGES:,} (a hard "
                               f"limit); use a longer period or fewer rows",
                               key="network.wan.rate_trace")
-
-
-def _check_scale(exp, path):
-    emulated = {d: exp.emulated_direction(d) for d in ("kv", "request")}
-    for direction in ("kv", "request"):
-        q = emulated[direction]["queue"]
-        if q and "bytes" in q and q["bytes"] < MIN_EMULATED_QUEUE_BYTES:
-            real = exp.network.wan.direction(direction)["queue"]["bytes"]
-            raise ConfigError(
-                f"queue {real} bytes x scale.bytes {exp.scale.bytes:g} = {q['bytes']} emulated "
-                f"bytes, less than one 64 KiB TSO burst; raise scale.bytes or give the queue in "
-                f"packets (emulated packets, not scaled)", path=path, key="network.wan.queue")
-    for direction in ("kv", "request"):
-        rate = emulated[direction]["rate"]
-        if rate > MAX_EMULATED_RATE_BPS:
-            real = exp.network.wan.direction(direction)["rate"]
-            raise ConfigError(
-                f"network.wan.rate {units.fmt_rate(real)} x scale.bytes {exp.scale.bytes:g} x "
-                f"scale.time {exp.scale.time:g} = {units.fmt_rate(rate)} emulated, above what this "
-                f"machine can shape ({units.fmt_rate(MAX_EMULATED_RATE_BPS)}); lower scale.bytes "
-                f"or scale.time", path=path, key="scale")
-        if rate < MIN_EMULATED_RATE_BPS:
-            raise ConfigError(
-                f"emulated WAN rate {units.fmt_rate(rate)} is below 8 kbit/s; raise scale.bytes",
-                path=path, key="scale")
 
 
 def _check_workload(exp, base, traces_read):
@@ -683,12 +591,12 @@ def _check_cache(exp, prof, path):
         raise ConfigError(f"block {c.block} tokens: the workload names its prefixes in "
                           f"{gran}-token blocks; only block: {gran} can be matched",
                           path=path, key="cache.block")
-    one = prof.s_kv(c.block) * exp.scale.bytes
+    one = prof.s_kv(c.block)        # scale.bytes scales both sides alike
     for cluster in ("prfaas", "local"):
         if getattr(exp.clusters, cluster).instances < 1:
             continue
         cap = cache_capacity(exp, prof, cluster)
-        if cap * exp.scale.bytes < one:
+        if cap < one:
             raise ConfigError(f"capacity {cap:.4g} bytes holds less than one block with its "
                               f"snapshot ({prof.s_kv(c.block):.4g} bytes real-world)",
                               path=path, key="cache.capacity")
@@ -804,7 +712,6 @@ def validate(raw, path=None, sweep_point=None, traces_read=None):
             if acc not in prof.prefill:
                 raise ConfigError(f"profile {prof.name!r} has no accelerator {acc!r}; it has "
                                   f"{', '.join(prof.prefill)}", key=where)
-        _check_scale(exp, None)
         _check_link(exp, rate_rows)
         _check_workload(exp, base, traces_read)
         _check_cache(exp, prof, None)
@@ -817,9 +724,15 @@ def validate(raw, path=None, sweep_point=None, traces_read=None):
         if e.path:
             raise
         raise ConfigError(str(e), path=path) from None
-    from testbed import faults, loadgen
+    from testbed import deploy, faults, loadgen
     faults.check(exp, path)
     loadgen.check(exp, path)
+    try:
+        deploy.compile(exp)         # the emulated link, checked once where it is computed
+    except ConfigError as e:
+        if e.path:
+            raise
+        raise ConfigError(str(e), path=path) from None
     return dataclasses.replace(exp, label=label)
 
 
@@ -855,4 +768,4 @@ def resolved(exp):
 
 
 __all__ = ["Experiment", "load_experiment", "resolved", "expand", "validate", "set_dotted",
-           "parse_override", "MAX_EMULATED_RATE_BPS"]
+           "parse_override"]

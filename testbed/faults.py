@@ -1,7 +1,8 @@
 """Failure injection: the experiment's `faults:` list, checked before anything is built, and the
 injector that carries it out during the run.
 
-Kinds (all times real-world, after the first arrival, divided by `scale.time` like the rest):
+Kinds (all times real-world, after the first arrival; `testbed.deploy` puts them on the
+emulated clock with the rest of the schedule):
 
 - `pause`: SIGSTOP the target's worker process, SIGCONT after `duration` (a gray failure: the
   process keeps its sockets open and answers nothing).
@@ -36,6 +37,7 @@ import time
 
 from testbed import units
 from testbed.errors import ConfigError
+from testbed.scale import Scale
 from testbed.schema import choice, integer, optional, positive, spec, string
 
 KINDS = ("pause", "kill", "restart", "link", "slow")
@@ -132,10 +134,9 @@ class Occurrence:
 
 
 def instance_names(exp):
-    c = exp.clusters
-    return ([f"rp{i}" for i in range(c.prfaas.instances)] +
-            [f"lp{i}" for i in range(c.local.prefill)] +
-            [f"ld{i}" for i in range(c.local.decode)])
+    """The instances a fault may target (prefill and decode), as the deployment names them."""
+    from testbed import deploy
+    return deploy.instance_names(exp)
 
 
 def _group(name, names):
@@ -253,14 +254,6 @@ def check(exp, path=None):
             if o.spec.kind == "slow" and exp.model.engine != "profile":
                 raise _Bad(f"faults[{o.index}].kind", "slow needs model.engine profile (the "
                            "profile engine's clock is what it slows)")
-            if o.spec.kind == "link" and o.spec.rate is not None:
-                from testbed.config import MAX_EMULATED_RATE_BPS
-                r = o.spec.rate * exp.scale.bytes * exp.scale.time
-                if r > MAX_EMULATED_RATE_BPS or r < 8e3:
-                    raise _Bad(f"faults[{o.index}].rate",
-                               f"rate {units.fmt_rate(o.spec.rate)} scales to "
-                               f"{units.fmt_rate(r)} emulated; expected 8 kbit/s to "
-                               f"{units.fmt_rate(MAX_EMULATED_RATE_BPS)}")
         _check_overlaps(occ, exp)
     except _Bad as e:
         raise ConfigError(str(e), path=path, key=e.key) from None
@@ -268,42 +261,6 @@ def check(exp, path=None):
 
 
 # ---- during the run ----
-
-def link_items(exp, occurrences, base_items):
-    """LinkSchedule items (emulated t_s, direction|None, changes, note) of the link faults: the
-    change at injection and, after `duration`, the values in force before it (the configured
-    link, then every entry of `base_items` -- `network.wan.changes` and the rate trace -- up to
-    that moment)."""
-    T, B = exp.scale.time, exp.scale.bytes
-    out = []
-    for o in occurrences:
-        f = o.spec
-        if f.kind != "link":
-            continue
-        ch = {k: getattr(f, k) for k in LINK_KEYS if getattr(f, k) is not None}
-        if "rate" in ch:
-            ch["rate"] *= B * T
-        if "delay" in ch:
-            ch["delay"] /= T
-        d = None if f.direction == "both" else f.direction
-        note = {"fault": o.index, "occurrence": o.n, "fault_kind": "link", "target": o.target}
-        out.append((o.at_s / T, d, ch, {**note, "phase": "inject"}))
-        if not math.isinf(o.end_s):
-            for dd in (("kv", "request") if d is None else (d,)):
-                before = in_force(exp, base_items, dd, o.at_s / T)
-                out.append((o.end_s / T, dd, {k: before[k] for k in ch},
-                            {**note, "phase": "end"}))
-    return out
-
-
-def in_force(exp, items, direction, t):
-    """Emulated link parameters of one direction in force at emulated time t."""
-    p = dict(exp.emulated_direction(direction))
-    for ti, d, ch, *_ in sorted(items, key=lambda x: x[0]):
-        if ti <= t and d in (None, direction):
-            p.update(ch)
-    return p
-
 
 class Injector:
     """Carries out the instance faults (pause, kill, restart, slow) at their times, in a thread.
@@ -313,19 +270,10 @@ class Injector:
     `stop()` resumes anything still paused and restores clocks, so teardown finds live processes.
     """
 
-    def __init__(self, occurrences, time_scale, run_dir, procs, respawn, events):
-        self.time_scale = time_scale
+    def __init__(self, actions, run_dir, procs, respawn, events):
         self.dir = pathlib.Path(run_dir)
         self.procs, self.respawn, self.events = procs, respawn, events
-        self.actions = []
-        for o in occurrences:
-            k = o.spec.kind
-            if k == "link":
-                continue
-            self.actions.append((o.at_s, 0, o, "inject"))
-            if k in ("pause", "slow", "restart"):
-                self.actions.append((o.end_s, 1, o, "end"))
-        self.actions.sort(key=lambda a: (a[0], a[1]))
+        self.actions = list(actions)        # deploy.FaultAction, emulated seconds, in order
         self.paused = set()
         self._stop = threading.Event()
         self._thread = None
@@ -339,26 +287,26 @@ class Injector:
         return self
 
     def _run(self, t0):
-        for at, _, o, phase in self.actions:
-            if self._stop.wait(max(0.0, t0 + at / self.time_scale - time.time())):
+        for a in self.actions:
+            if self._stop.wait(max(0.0, t0 + a.at_s - time.time())):
                 return
             try:
                 # Logged as it starts: what it causes (a health transition) comes after.
-                self.events(f"fault_{phase}", fault=o.index, occurrence=o.n,
-                            fault_kind=o.spec.kind, target=o.target)
-                for name in o.targets:
-                    self._do(o.spec, name, phase)
+                self.events(f"fault_{a.phase}", fault=a.fault, occurrence=a.occurrence,
+                            fault_kind=a.kind, target=a.target)
+                for name in a.targets:
+                    self._do(a, name)
             except Exception as e:  # keep measuring; say what failed
                 self.error = e
-                self.events("fault_error", fault=o.index, error=f"{type(e).__name__}: {e}")
+                self.events("fault_error", fault=a.fault, error=f"{type(e).__name__}: {e}")
 
     def _signal(self, name, sig):
         p = self.procs().get(name)
         if p is not None and p.poll() is None:
             os.kill(p.pid, sig)
 
-    def _do(self, f, name, phase):
-        k = f.kind
+    def _do(self, a, name):
+        k, phase = a.kind, a.phase
         if k == "pause":
             if phase == "inject":
                 self._signal(name, signal.SIGSTOP)
@@ -374,7 +322,7 @@ class Injector:
         elif k == "restart":
             self.respawn(name)
         elif k == "slow":
-            self.set_clock(name, f.factor if phase == "inject" else 1.0)
+            self.set_clock(name, a.factor if phase == "inject" else 1.0)
 
     def set_clock(self, name, factor):
         """The worker's engine clock factor, through control/<name>.json and SIGUSR1."""
@@ -433,16 +381,16 @@ def accounting(df):
             "failed": int((~ok & ~lost).sum()), "lost": int(lost.sum())}
 
 
-def _rolling_recovery(df, at_emul, pre_level, window_s, time_scale, t0):
+def _rolling_recovery(df, at_emul, pre_level, window_s, scale, t0):
     """Real-world seconds from injection until the TTFT p90 of the arrivals in a window of
     `window_s` (real-world) starting at or after the injection is back within 10% of
     `pre_level` (failed requests count as infinite TTFT); None if it never is."""
     import numpy as np
     if pre_level is None or not np.isfinite(pre_level):
         return None
-    arr = ((df.send_time - t0) * time_scale).to_numpy()
+    arr = scale.real_s(df.send_time - t0).to_numpy()
     ttft = np.where(df.status == "ok", df.ttft_ms, np.inf)
-    at = (at_emul - t0) * time_scale
+    at = scale.real_s(at_emul - t0)
     last = np.nanmax(arr) if len(arr) else at
     start = at
     while start + window_s <= last + 1e-9:
@@ -470,7 +418,7 @@ def analyse(run_dir, exp, df):
     out["redispatched_requests"] = len({rid for _, rid, _ in redispatches})
     if not exp.faults:
         return out
-    T = exp.scale.time
+    scale = Scale.of(exp)
     meta = json.loads((d / "metadata.json").read_text()) if (d / "metadata.json").exists() else {}
     t0 = meta.get("client_start_at", df.send_time.min())
     fo = exp.scheduler.failover
@@ -496,19 +444,19 @@ def analyse(run_dir, exp, df):
             entry["error"] = "not injected (see events.csv)"
             rows.append(entry)
             continue
-        entry["at_s"] = (t_inj - t0) * T
+        entry["at_s"] = scale.real_s(t_inj - t0)
         t_end = ended.get(key, math.inf)
         if o.spec.kind == "link":
             targets = {f"rp{i}" for i in range(exp.clusters.prfaas.instances)}
         else:
             targets = set(o.targets)
         det = [t for t, inst in downs if inst in targets and t >= t_inj and
-               (math.isinf(t_end) or t <= t_end + 10.0 / T)]
+               (math.isinf(t_end) or t <= t_end + scale.emulated_s(10.0))]
         if det:
-            entry["detect_s"] = (det[0] - t_inj) * T
+            entry["detect_s"] = scale.real_s(det[0] - t_inj)
         moved = [(t, rid, r) for t, rid, r in redispatches
                  if r["from"] in targets and t >= t_inj and
-                 (math.isinf(t_end) or t <= t_end + (window or 0) / T + 1.0)]
+                 (math.isinf(t_end) or t <= t_end + scale.emulated_s(window or 0) + 1.0)]
         moved_ids = {rid for _, rid, _ in moved}
         on_target = df.prefill_instance.isin(targets) | df.decode_instance.isin(targets) | \
             df.id.isin(moved_ids)
@@ -520,7 +468,7 @@ def analyse(run_dir, exp, df):
         entry["redispatched"] = len(moved)
         entry["failed"] = int((aff.status != "ok").sum())
         if moved:
-            entry["redispatch_max_s"] = max(t - t_inj for t, _, _ in moved) * T
+            entry["redispatch_max_s"] = scale.real_s(max(t - t_inj for t, _, _ in moved))
         wasted = 0.0
         aff_ids = set(aff.id)
         for f in discarded:
@@ -536,10 +484,10 @@ def analyse(run_dir, exp, df):
                     wasted += full * min(1.0, int(f["bytes"]) / kvb)
         entry["wasted_prefill_tokens"] = int(round(wasted))
         pre = df[(df.send_time < t_inj) & (df.status == "ok")]
-        pre = pre[pre.send_time >= t_inj - 60.0 / T]            # the minute before it
+        pre = pre[pre.send_time >= t_inj - scale.emulated_s(60.0)]            # the minute before it
         level = float(np.percentile(pre.ttft_ms, 90)) if len(pre) >= 3 else None
         entry["pre_p90_ttft_ms"] = level
-        entry["recover_s"] = _rolling_recovery(df, t_inj, level, 10.0, T, t0)
+        entry["recover_s"] = _rolling_recovery(df, t_inj, level, 10.0, scale, t0)
         if entry["recover_s"] is not None:
             entry["recover_s"] = round(entry["recover_s"], 3)
         rows.append(entry)

@@ -30,6 +30,8 @@ import numpy as np
 import pandas as pd
 
 from testbed.errors import ConfigError
+from testbed.runtime import FrontdoorRuntime
+from testbed.scale import Scale
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 TOKENIZER = pathlib.Path(__file__).resolve().parent / "tokenizer"
@@ -66,20 +68,20 @@ def check(exp, path=None):
 def runtime(exp):
     """The front door's entry in runtime.json."""
     f = exp.workload.frontdoor
-    return {"port": f.port, "max_context": f.max_context, "model": exp.model.profile}
+    return FrontdoorRuntime(port=f.port, max_context=f.max_context, model=exp.model.profile)
 
 
 def url(rt):
-    return f"http://{rt['instances']['client']['ip']}:{rt['frontdoor']['port']}"
+    return f"http://{rt.instance('client').ip}:{rt.frontdoor.port}"
 
 
-def write_trace(run_dir, workload, time_scale):
+def write_trace(run_dir, workload, scale):
     """workload.parquet as a mooncake trace (JSONL) on the emulated timeline: timestamp (ms),
     input_length, output_length, hash_ids (only when the workload has prefix blocks)."""
     path = pathlib.Path(run_dir) / "trace.jsonl"
     with open(path, "w") as f:
         for row in workload.itertuples(index=False):
-            obj = {"timestamp": int(round(row.arrival_s / time_scale * 1e3)),
+            obj = {"timestamp": int(round(scale.emulated_s(row.arrival_s) * 1e3)),
                    "input_length": int(row.input_len), "output_length": int(row.output_len)}
             blocks = getattr(row, "prefix_blocks", None)
             if blocks is not None and len(blocks):
@@ -91,15 +93,15 @@ def write_trace(run_dir, workload, time_scale):
 def client_argv(exp, rt, run_dir, trace):
     """The tool's argv for `workload.client`."""
     w = exp.workload
-    subst = {"{url}": url(rt), "{model}": rt["frontdoor"]["model"], "{trace}": str(trace),
+    subst = {"{url}": url(rt), "{model}": rt.frontdoor.model, "{trace}": str(trace),
              "{run_dir}": str(run_dir)}
     if w.client == "command":
         argv = shlex.split(w.command)
         for k, v in subst.items():
             argv = [a.replace(k, v) for a in argv]
         return argv
-    timeout = rt["request_timeout_s"]
-    return [find_aiperf(), "profile", "--model", rt["frontdoor"]["model"], "--url", url(rt),
+    timeout = rt.request_timeout_s
+    return [find_aiperf(), "profile", "--model", rt.frontdoor.model, "--url", url(rt),
             "--endpoint-type", w.aiperf.endpoint, "--streaming",
             "--input-file", str(trace), "--custom-dataset-type", "mooncake_trace",
             "--fixed-schedule", "--tokenizer", str(TOKENIZER),
@@ -109,14 +111,14 @@ def client_argv(exp, rt, run_dir, trace):
             *shlex.split(w.aiperf.args or "")]
 
 
-def start_client(run, net, rt, workload):
-    """Start the external tool in the client host; returns its process (the runner waits on
-    it as on the built-in client)."""
-    trace = write_trace(run.dir, workload, run.exp.scale.time)
-    argv = client_argv(run.exp, rt, run.dir, trace)
+def start_client(run, workload):
+    """Start the external tool on the client instance (through the run's backend); returns its
+    process (the runner waits on it as on the built-in client)."""
+    trace = write_trace(run.dir, workload, run.deployment.scale)
+    argv = client_argv(run.exp, run.rt, run.dir, trace)
     (run.dir / "client_argv.json").write_text(json.dumps(argv))
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = net.popen("client", argv, run.dir / "logs" / "client.log", env=env)
+    proc = run.backend.spawn("client", argv, run.dir / "logs" / "client.log", env=env)
     run.procs["client"] = proc
     return proc
 
@@ -145,11 +147,12 @@ def served_workload(run_dir, time_scale):
     id, arrival_s (real-world seconds after the first arrival), input_len, output_len."""
     from testbed.metrics import read_records
     sent, _ = read_records(pathlib.Path(run_dir) / "requests.jsonl")
+    scale = Scale(time=time_scale)
     rows = sorted(sent.values(), key=lambda s: s["id"])
     t0 = min((s["scheduled"] for s in rows), default=0.0)
     return pd.DataFrame({
         "id": np.asarray([s["id"] for s in rows], dtype=np.int64),
-        "arrival_s": np.asarray([(s["scheduled"] - t0) * time_scale for s in rows], dtype=float),
+        "arrival_s": np.asarray([scale.real_s(s["scheduled"] - t0) for s in rows], dtype=float),
         "input_len": np.asarray([s.get("input_len", 0) for s in rows], dtype=np.int64),
         "output_len": np.asarray([s.get("output_len", 0) for s in rows], dtype=np.int64)})
 
@@ -190,25 +193,26 @@ def compare(tool, ours, time_scale):
     `tool`: DataFrame with `start` (Unix s), `ttft_s` (emulated s, NaN if none) and `ok`;
     `ours`: requests.parquet rows. Times in the result are real-world ms (x scale.time), with
     the emulated per-request difference beside them."""
+    scale = Scale(time=time_scale)
     t = tool.sort_values("start").reset_index(drop=True)
     o = ours.sort_values("send_time").reset_index(drop=True)
     if "our_id" in t and t.our_id.notna().all() and t.our_id.isin(ours.id).all():
         o = ours.set_index("id").loc[t.our_id.astype(int)].reset_index()   # paired by id
     n = min(len(t), len(o))
     both = (t.ok[:n].to_numpy() & (o.status[:n] == "ok").to_numpy())
-    diff = (t.ttft_s[:n].to_numpy() * 1e3 * time_scale - o.ttft_ms[:n].to_numpy())[both]
+    diff = (scale.real_ms(t.ttft_s[:n].to_numpy()) - o.ttft_ms[:n].to_numpy())[both]
     start_gap = (t.start[:n].to_numpy() - o.send_time[:n].to_numpy())[both]
     ok_t = t[t.ok]
-    ms = 1e3 * time_scale
 
     def pct(x, q):
         return float(np.percentile(x, q)) if len(x) else None
     return {"requests": int(len(t)), "completed": int(t.ok.sum()),
             "completed_testbed": int((ours.status == "ok").sum()), "paired": int(both.sum()),
-            "p50_ttft_ms": pct(ok_t.ttft_s * ms, 50), "p90_ttft_ms": pct(ok_t.ttft_s * ms, 90),
-            "mean_ttft_ms": float((ok_t.ttft_s * ms).mean()) if len(ok_t) else None,
+            "p50_ttft_ms": pct(scale.real_ms(ok_t.ttft_s), 50),
+            "p90_ttft_ms": pct(scale.real_ms(ok_t.ttft_s), 90),
+            "mean_ttft_ms": float(scale.real_ms(ok_t.ttft_s).mean()) if len(ok_t) else None,
             "ttft_diff_ms_median": pct(diff, 50), "ttft_diff_ms_p90": pct(diff, 90),
-            "ttft_diff_emulated_ms_median": pct(diff / time_scale, 50),
+            "ttft_diff_emulated_ms_median": pct(scale.emulated_s(diff), 50),
             "send_before_submit_ms_median": pct(-start_gap * 1e3, 50)}
 
 
@@ -238,28 +242,28 @@ def aiperf_summary(run_dir, exp, df):
     if not agg_path.exists():
         return {"error": f"no {agg_path.name} (see logs/client.log)"}
     agg = json.loads(agg_path.read_text())
-    T = exp.scale.time
-    ttft = agg.get("time_to_first_token") or {}
+    scale = Scale.of(exp)
+    ttft = agg.get("time_to_first_token") or {}       # emulated ms
     out = {"request_count": (agg.get("request_count") or {}).get("avg"),
            "errors": (agg.get("error_summary") or []),
-           "reported_ttft_ms": {k: ttft[k] * T for k in ("avg", "p50", "p90", "p99")
+           "reported_ttft_ms": {k: scale.real_s(ttft[k]) for k in ("avg", "p50", "p90", "p99")
                                 if ttft.get(k) is not None}}
     tool = read_aiperf(run_dir)
     ids = {h.get("client_request_id"): h["id"] for h in read_http(run_dir)}
     tool["our_id"] = tool.rid.map(ids)       # aiperf's X-Request-Id as the front door saw it
-    out["compare"] = compare(tool, df, T)
+    out["compare"] = compare(tool, df, scale.time)
     slo = exp.slo.objectives_ms()
     if slo and len(tool):
         good = tool.ok.copy()
         if "ttft" in slo:
-            good &= tool.ttft_s * 1e3 * T <= slo["ttft"]
+            good &= scale.real_ms(tool.ttft_s) <= slo["ttft"]
         if "e2el" in slo:
-            good &= tool.e2el_s * 1e3 * T <= slo["e2el"]
+            good &= scale.real_ms(tool.e2el_s) <= slo["e2el"]
         if "tpot" in slo:
             n = tool.n_out.astype(float)
             tpot = ((tool.e2el_s - tool.ttft_s) / (n - 1)).where(n > 1, 0.0)
-            good &= tpot * 1e3 * T <= slo["tpot"]
+            good &= scale.real_ms(tpot) <= slo["tpot"]
         ok = tool[tool.ok]
-        span = ((ok.start + ok.e2el_s).max() - tool.start.min()) * T if len(ok) else 0.0
+        span = scale.real_s((ok.start + ok.e2el_s).max() - tool.start.min()) if len(ok) else 0.0
         out["request_goodput"] = int(good.sum()) / span if span > 0 else 0.0
     return out

@@ -1,10 +1,11 @@
 """The short-timescale threshold controller's law on synthetic inputs, and its telemetry reading
 (no root)."""
 
+from testbed.runtime import AdaptiveRuntime
 from workers.adaptive import Control, read_last_row
 
-CFG = {"step": 0.1, "egress_high": 0.8, "egress_low": 0.3, "queue_ratio": 1.5,
-       "min": 1000, "max": 100_000, "window_s": 1.0, "dwell_s": 0.5, "interval_s": 1.0}
+CFG = AdaptiveRuntime(step=0.1, egress_high=0.8, egress_low=0.3, queue_ratio=1.5, min=1000,
+                      max=100_000, window_s=1.0, dwell_s=0.5, interval_s=1.0)
 LINK = 1e9        # bit/s
 
 
@@ -36,9 +37,9 @@ def test_saturated_link_and_growing_queue_raises_t_after_dwell():
     rows = drive(law, 3.0, 0.95, lambda t: 0.5 + t, 1.0)
     changes = [(now, t, r) for (now, t, r), (_, prev, _) in zip(rows[1:], rows) if t != prev]
     assert changes[0][2] == "raise:link" and changes[0][1] == 11_000
-    assert changes[0][0] >= CFG["dwell_s"]             # not before the signal held for dwell
+    assert changes[0][0] >= CFG.dwell_s             # not before the signal held for dwell
     gaps = [b[0] - a[0] for a, b in zip(changes, changes[1:])]
-    assert all(g >= CFG["interval_s"] - 1e-9 for g in gaps)   # at most one change per interval
+    assert all(g >= CFG.interval_s - 1e-9 for g in gaps)   # at most one change per interval
     assert any(r.startswith("dwell:raise") for _, _, r in rows)
 
 

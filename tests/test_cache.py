@@ -13,6 +13,9 @@ import pytest
 from testbed import profile as profiles
 from testbed.config import load_experiment
 from testbed.errors import ConfigError
+from testbed.runtime import (CacheRuntime, InstanceRuntime, SchedulerRuntime, WanRuntime,
+                             WorkerRuntime)
+from testbed.scale import Scale
 from workers.cache_core import KIND_KV, KIND_STATE, BlockSizes, BlockStore, snapshot_blocks
 from workers.placement import CacheView, choose_cluster, estimated_ttft, link_state
 from workers.policy import Instance, Router
@@ -72,7 +75,7 @@ def test_snapshot_policy():
 def test_block_sizes_follow_the_profile_fit():
     prof = profiles.load("kimi-linear-1t")
     a, b = prof.kv_size.coeffs[:2]
-    z = BlockSizes(prof.kv_size.coeffs, 512, 1e-3)
+    z = BlockSizes(prof.kv_size.coeffs, 512, Scale(bytes=1e-3))
     assert z.kv == round(b * 512 * 1e-3) and z.state == round(a * 1e-3)
     # Nothing cached at decode: the whole S_kv(L); 8K cached: less exactly b * 8K.
     assert z.shipped(20000, 0) == pytest.approx(prof.s_kv(20000) * 1e-3, abs=1)
@@ -210,14 +213,15 @@ def test_pool_serves_real_bytes_over_tcp(tmp_path):
     from testbed import kvwire
 
     async def main():
-        insts = {n: {"role": "cachepool", "dc": dc, "ip": "127.0.0.1", "grpc_port": _free_port(),
-                     "cache_port": _free_port(), "cache_capacity": 10_000}
+        insts = {n: InstanceRuntime(name=n, role="cachepool", dc=dc, ip="127.0.0.1",
+                                    grpc_port=_free_port(), cache_port=_free_port(),
+                                    cache_capacity_bytes=10_000)
                  for n, dc in (("pa", "local"), ("pb", "prfaas"))}
-        rt = {"_dir": str(tmp_path), "kv_deadline_s": 5.0, "instances": insts}
+        rt = WorkerRuntime(run_dir=str(tmp_path), kv_deadline_s=5.0, instances=insts)
         servers, pools = [], {}
         for n, inst in insts.items():
             svc = pools[n] = CachePoolService(rt, n, inst, logging.getLogger(n))
-            servers.append(await svc.receiver.serve("127.0.0.1", inst["cache_port"]))
+            servers.append(await svc.receiver.serve("127.0.0.1", inst.cache_port))
             servers.append(await common.start_grpc(inst, pbg.add_CachePoolServicer_to_server,
                                                    svc))
         sender = kvwire.SenderPool()
@@ -227,7 +231,7 @@ def test_pool_serves_real_bytes_over_tcp(tmp_path):
         assert n == 700
         await pools["pa"].receiver.wait(1, 5.0)
         client = cache_wire.PoolClient()
-        addr = {k: f"127.0.0.1:{v['grpc_port']}" for k, v in insts.items()}
+        addr = {k: v.addr for k, v in insts.items()}
         r = await client.stub(addr["pa"]).Lookup(pb.BlockList(blocks=[11, 12, 13]))
         assert (r.kv_blocks, r.state_blocks) == (2, 2)
         got = []
@@ -265,10 +269,12 @@ def _placer(tmp_path, view, fetch_s_per_byte=None):
              Instance("lp0", "prefill", "local", "h20", "b"),
              Instance("ld0", "decode", "local", "h20", "c", "c:1")]
     router = Router("prfaas", 19866, insts, lambda i, l: 0.0)
-    rt = {"_dir": str(tmp_path), "kv_deadline_s": 5.0, "instances": {},
-          "cache": {"block": 512, "s_kv": list(prof.kv_size.coeffs), "bytes_scale": 1e-3,
-                    "placement": "cache_aware", "transfer": "always", "headroom": 0.5,
-                    "link_to_emulated_bps": 1e7}}
+    rt = WorkerRuntime(run_dir=str(tmp_path), kv_deadline_s=5.0, scale=Scale(bytes=1e-3),
+                       scheduler=SchedulerRuntime(placement="cache_aware"),
+                       cache=CacheRuntime(enabled=True, block=512,
+                                          s_kv_real=tuple(prof.kv_size.coeffs),
+                                          transfer="always", headroom=0.5),
+                       wan=WanRuntime(link_real_gbps_to_bps=1e7))
     pl = placement.CachePlacer(rt, router, lambda i, l, c: prof.t_prefill_cached(
         i.accelerator, l, c) / 10, logging.getLogger("t"))
     pl.fetch_s_per_byte = fetch_s_per_byte

@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from conftest import SMALL_EXPERIMENT
-from testbed import config
+from testbed import config, deploy
 from testbed.errors import ConfigError
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -32,17 +32,18 @@ def test_quickstart_expands_to_three_policies():
 
 def test_scale_conversion(tmp_path):
     exp = config.load_experiment(write(tmp_path, BASE))[0]
-    d = exp.emulated_direction("kv")
-    assert d["rate"] == pytest.approx(100e9 * 1e-3 * 10)     # rate * bytes * time
-    assert d["delay"] == pytest.approx(5e-3 / 10)             # delay / time
+    d = deploy.compile(exp).links["kv"]
+    assert d.rate_bps == pytest.approx(100e9 * 1e-3 * 10)     # rate * bytes * time
+    assert d.delay_s == pytest.approx(5e-3 / 10)              # delay / time
 
 
 def test_per_direction_override(tmp_path):
     text = BASE.replace("wan: {rate: 100Gbit, delay: 5ms}",
                         "wan: {rate: 100Gbit, delay: 5ms, request: {rate: 10Gbit}}")
     exp = config.load_experiment(write(tmp_path, text))[0]
-    assert exp.emulated_direction("request")["rate"] == pytest.approx(10e9 * 1e-2)
-    assert exp.emulated_direction("kv")["rate"] == pytest.approx(100e9 * 1e-2)
+    links = deploy.compile(exp).links
+    assert links["request"].rate_bps == pytest.approx(10e9 * 1e-2)
+    assert links["kv"].rate_bps == pytest.approx(100e9 * 1e-2)
 
 
 @pytest.mark.parametrize("change,key,expected", [
@@ -113,7 +114,7 @@ def test_link_changes_and_rate_trace_are_scaled(tmp_path):
             rate_trace: {path: bw.csv, direction: kv}
             changes: [{at: 30s, up: false}, {at: 40s, up: true, delay: 20ms}]"""))
     exp = config.load_experiment(write(tmp_path, text))[0]
-    items = exp.emulated_changes(config.read_rate_trace(exp.network.wan.rate_trace.path))
+    items = [c.item() for c in deploy.compile(exp).link_changes]
     assert [round(t, 6) for t, _, _ in items] == [0.0, 3.0, 4.0, 6.0]     # real / scale.time
     assert items[1] == (3.0, None, {"up": False})
     assert items[2][2] == {"up": True, "delay": pytest.approx(2e-3)}
@@ -123,7 +124,7 @@ def test_link_changes_and_rate_trace_are_scaled(tmp_path):
 def test_queue_bytes_scale_and_too_small_a_queue_is_rejected(tmp_path):
     exp = config.load_experiment(write(tmp_path, BASE.replace(
         "delay: 5ms}", "delay: 5ms, queue: 64MiB}")))[0]
-    assert exp.emulated_direction("kv")["queue"] == {"bytes": int(64 * 2**20 * 1e-3)}
+    assert deploy.compile(exp).links["kv"].queue == {"bytes": int(64 * 2**20 * 1e-3)}
     with pytest.raises(ConfigError, match="TSO burst"):
         config.load_experiment(write(tmp_path, BASE.replace("delay: 5ms}",
                                                             "delay: 5ms, queue: 1MiB}")))

@@ -6,7 +6,7 @@ import math
 import pandas as pd
 import pytest
 
-from testbed import faults
+from testbed import deploy, faults
 from testbed.config import load_experiment
 from testbed.errors import ConfigError
 
@@ -73,8 +73,7 @@ def test_link_fault_restores_what_was_in_force(tmp_path, small_experiment):
     text = small_experiment.replace("network:\n  wan: {rate: 100Gbit, delay: 5ms}\n", "")
     exp = load(tmp_path, text, "[{at: 3s, kind: link, direction: kv, rate: 10Gbit, loss: 1%, "
                "duration: 5s}]", extra)
-    base = exp.emulated_changes()
-    items = faults.link_items(exp, faults.resolve(exp), base)
+    items = [c.item() for c in deploy.compile(exp).link_changes if c.source == "fault"]
     (t1, d1, ch1, n1), (t2, d2, ch2, n2) = items
     s = exp.scale
     assert (t1, d1, n1["phase"]) == (3 / s.time, "kv", "inject")

@@ -18,6 +18,8 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from testbed import config, loadgen
 from testbed.errors import ConfigError
+from testbed.runtime import InstanceRuntime, WorkerRuntime
+from testbed.scale import Scale
 from testbed.proto import testbed_pb2 as pb
 from workers import frontdoor
 from workers.frontdoor import FrontDoor, HttpError, parse
@@ -280,11 +282,12 @@ def test_aiperf_missing_is_one_line_exit_2(tmp_path):
 def test_command_argv_substitution_and_trace(tmp_path):
     exp = config.load_experiment(TINY, ["workload.client=command",
                                         "workload.command=curl -s {url}/v1/models --x={model}"])[0]
-    rt = {"instances": {"client": {"ip": "10.2.0.3"}}, "frontdoor": loadgen.runtime(exp),
-          "request_timeout_s": 30}
+    rt = WorkerRuntime(instances={"client": InstanceRuntime(name="client", role="client",
+                                                            dc="local", ip="10.2.0.3")},
+                       frontdoor=loadgen.runtime(exp), request_timeout_s=30)
     from testbed.workload import generate
     wl = generate(exp.workload, exp.seed, requests=exp.requests, duration_s=exp.duration)
-    trace = loadgen.write_trace(tmp_path, wl, exp.scale.time)
+    trace = loadgen.write_trace(tmp_path, wl, Scale.of(exp))
     argv = loadgen.client_argv(exp, rt, tmp_path, trace)
     assert argv == ["curl", "-s", "http://10.2.0.3:8000/v1/models", "--x=kimi-linear-1t"]
     rows = [json.loads(line) for line in trace.read_text().splitlines()]

@@ -8,6 +8,7 @@ import types
 import grpc
 import pytest
 
+from testbed.runtime import SchedulerRuntime, WorkerRuntime
 from workers.policy import Instance
 from workers.recovery import Health
 
@@ -33,8 +34,8 @@ def _service(tmp_path):
     d = Instance(name="ld0", role="decode", dc="local", accelerator="h20", addr="x:1")
     (tmp_path / "ready").mkdir()
     (tmp_path / "ready" / "ld0").touch()
-    rt = {"_dir": str(tmp_path),
-          "scheduler": {"health_interval_s": 0.02, "health_timeout_s": 0.05}}
+    rt = WorkerRuntime(run_dir=str(tmp_path),
+                       scheduler=SchedulerRuntime(health_interval_s=0.02, health_timeout_s=0.05))
     svc = types.SimpleNamespace(rt=rt, router=types.SimpleNamespace(remote=[], local=[], decode=[d]),
                                 prefill_stub={}, decode_stub={"ld0": _Stub()},
                                 stats=types.SimpleNamespace(failovers=0))

@@ -7,17 +7,21 @@ import pytest
 
 from testbed import profile as profiles
 from testbed.errors import ConfigError
+from testbed.runtime import RolesRuntime, WorkerRuntime
 from workers.roles import planner_inputs, replan
 
 
 def runtime(wan_bps=100e9):
     prof = profiles.load("kimi-linear-1t")
-    return {"profile": "kimi-linear-1t",
-            "decode": {"model": dataclasses.asdict(prof.decode)},
-            "scheduler": {"roles": {"wan_rate_bps": wan_bps}},
-            "instances": {"rp0": {"role": "prefill", "dc": "prfaas", "accelerator": "h200"},
-                          "lp0": {"role": "prefill", "dc": "local", "accelerator": "h20"},
-                          "ld0": {"role": "decode", "dc": "local", "accelerator": "h20"}}}
+    roles = RolesRuntime(interval_s=1.0, window_s=1.0, min_requests=2, cost_s=0.0, gain=0.05,
+                         retune=True, wan_rate_real_bps=wan_bps)
+    return WorkerRuntime.from_dict({
+        "profile": "kimi-linear-1t",
+        "decode": {"model_real": dataclasses.asdict(prof.decode)},
+        "scheduler": {"roles": dataclasses.asdict(roles)},
+        "instances": {"rp0": {"role": "prefill", "dc": "prfaas", "accelerator": "h200"},
+                      "lp0": {"role": "prefill", "dc": "local", "accelerator": "h20"},
+                      "ld0": {"role": "decode", "dc": "local", "accelerator": "h20"}}})
 
 
 def mix(mu, out, n=200, seed=0):

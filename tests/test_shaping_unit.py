@@ -109,15 +109,16 @@ def test_burst_loss_goes_to_the_delay_line_not_iptables():
 
 
 def test_loss_burst_passes_through_the_experiment_config(tmp_path, small_experiment):
-    """YAML -> Experiment.emulated_direction -> check_params: bursts are packets, not scaled."""
-    from testbed import config
+    """YAML -> Deployment links -> check_params: bursts are packets, not scaled."""
+    from testbed import config, deploy
     base = small_experiment.replace(
         "wan: {rate: 100Gbit, delay: 5ms}",
         "wan: {rate: 100Gbit, delay: 5ms, loss: 1%, loss_burst: 4, request: {loss_burst: 2}}")
     f = tmp_path / "exp.yaml"
     f.write_text(base)
     exp = config.load_experiment(f)[0]
-    kv, req = exp.emulated_direction("kv"), exp.emulated_direction("request")
+    links = deploy.compile(exp).links
+    kv, req = links["kv"].params(), links["request"].params()
     assert kv["loss_burst"] == 4 and req["loss_burst"] == 2
     assert shaping.check_params(kv, "kv")["loss_burst"] == 4
     assert shaping.DelayLine._args(shaping.check_params(req, "request"))[5] == "0.5"

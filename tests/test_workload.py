@@ -452,7 +452,8 @@ def test_shipped_mooncake_experiment(traces_dir):
     path = ROOT / "experiments" / "mooncake_conversation.yaml"
     (exp,) = load_experiment(path)
     assert exp.workload.arrival.process == "trace" and exp.workload.input.dist == "trace"
-    rate = exp.emulated_direction("kv")["rate"]
+    from testbed import deploy
+    rate = deploy.compile(exp).links["kv"].rate_bps
     assert rate <= 2e9
     df = generate(exp.workload, exp.seed, requests=exp.requests, duration_s=exp.duration,
                   base_dir=path.parent)

@@ -64,8 +64,8 @@ def read_last_row(path):
 class Control:
     """The control law with its memory (windows, dwell, last change); no I/O.
 
-    cfg: step, egress_high, egress_low, queue_ratio, min, max, and window_s, dwell_s,
-    interval_s in the caller's clock (emulated seconds in a run).
+    cfg: a `testbed.runtime.AdaptiveRuntime` (step, egress_high, egress_low, queue_ratio, min,
+    max, and window_s, dwell_s, interval_s in the caller's clock: emulated seconds in a run).
     """
 
     def __init__(self, t, cfg):
@@ -86,7 +86,7 @@ class Control:
             return None
         if not self.tx or now > self.tx[-1][0]:
             self.tx.append((now, tx_bytes))
-        self._trim(self.tx, now, self.cfg["window_s"])
+        self._trim(self.tx, now, self.cfg.window_s)
         t0, b0 = self.tx[0]
         if now - t0 <= 0:
             return None
@@ -95,7 +95,7 @@ class Control:
     def trend(self, now, remote_s):
         """Growth of the PrfaaS backlog over the window (seconds of work; > 0: growing)."""
         self.queue.append((now, remote_s))
-        self._trim(self.queue, now, self.cfg["window_s"])
+        self._trim(self.queue, now, self.cfg.window_s)
         return remote_s - self.queue[0][1]
 
     def signal(self, util, remote_s, local_s, trend):
@@ -103,12 +103,12 @@ class Control:
         c = self.cfg
         pressure = remote_s / local_s if local_s > 0 else (float("inf") if remote_s > 0 else 1.0)
         growing = trend > 0 and remote_s > 0
-        if growing and util is not None and util > c["egress_high"]:
+        if growing and util is not None and util > c.egress_high:
             return "raise:link"
-        if growing and pressure > c["queue_ratio"]:
+        if growing and pressure > c.queue_ratio:
             return "raise:compute"
-        if (util is None or util < c["egress_low"]) and trend <= 0 and local_s > 0 \
-                and pressure < 1.0 / c["queue_ratio"]:
+        if (util is None or util < c.egress_low) and trend <= 0 and local_s > 0 \
+                and pressure < 1.0 / c.queue_ratio:
             return "lower:idle"
         return None
 
@@ -124,13 +124,13 @@ class Control:
         direction = sig.split(":")[0]
         if self.pending is None or self.pending[0] != direction:
             self.pending = (direction, now)
-        if now - self.pending[1] < c["dwell_s"]:
+        if now - self.pending[1] < c.dwell_s:
             return self.t, util, trend, f"dwell:{direction}"
-        if self.changed is not None and now - self.changed < c["interval_s"]:
+        if self.changed is not None and now - self.changed < c.interval_s:
             return self.t, util, trend, f"wait:{direction}"
-        grow = 1.0 + c["step"]
+        grow = 1.0 + c.step
         t = self.t * grow if direction == "raise" else self.t / grow
-        t = int(min(max(t, c["min"]), c["max"]))
+        t = int(min(max(t, c.min), c.max))
         if t == self.t:
             return self.t, util, trend, f"bound:{direction}"
         self.t, self.changed = t, now
@@ -140,8 +140,9 @@ class Control:
 class ThresholdController:
     """Drives a `Control` from the run's measurements and sets `router.threshold`."""
 
-    def __init__(self, router, cfg, run_dir, log):
+    def __init__(self, router, cfg, wan, run_dir, log):
         self.router, self.cfg, self.log = router, cfg, log
+        self.link_real_gbps_to_bps = wan.link_real_gbps_to_bps    # testbed.runtime.WanRuntime
         self.timeseries = pathlib.Path(run_dir) / "timeseries.csv"
         self.law = Control(router.threshold, cfg)
         self.last_eval = 0.0
@@ -154,7 +155,7 @@ class ThresholdController:
         row = read_last_row(self.timeseries)
         try:
             return (int(row["kv_tx_bytes"]),
-                    float(row["kv_link_gbps"]) * self.cfg["link_to_emulated_bps"])
+                    float(row["kv_link_gbps"]) * self.link_real_gbps_to_bps)
         except (TypeError, KeyError, ValueError):
             return None, None
 
@@ -186,8 +187,8 @@ class ThresholdController:
     async def run(self):
         try:
             while True:
-                await asyncio.sleep(self.cfg["interval_s"])
-                if time.time() - self.last_eval >= self.cfg["interval_s"]:
+                await asyncio.sleep(self.cfg.interval_s)
+                if time.time() - self.last_eval >= self.cfg.interval_s:
                     self.step()
         finally:
             self.out.close()

@@ -167,14 +167,15 @@ class BlockSizes:
     """Bytes of one block's MLA KV and of one KDA snapshot, from the profile's S_kv fit.
 
     S_kv(l) = a + b*l (PRFAAS.md): the intercept `a` is the fixed-size recurrent (KDA) state,
-    the slope `b` the full-attention KV per token. Both scaled by `scale.bytes`."""
+    the slope `b` the full-attention KV per token (real-world bytes). Both emulated through
+    the run's `Scale`."""
 
-    def __init__(self, s_kv_coeffs, block, bytes_scale):
+    def __init__(self, s_kv_coeffs, block, scale):
         a, b = s_kv_coeffs[0], s_kv_coeffs[1]
         self.block = int(block)
-        self.state = max(1, int(round(a * bytes_scale)))
-        self.per_token = b * bytes_scale
-        self.kv = max(1, int(round(b * block * bytes_scale)))
+        self.state = max(1, int(round(scale.emulated_bytes(a))))
+        self.per_token = scale.emulated_bytes(b)
+        self.kv = max(1, int(round(scale.emulated_bytes(b * block))))
 
     def shipped(self, input_len, decode_cached):
         """Bytes a decode instance still needs when it holds `decode_cached` tokens of the

@@ -108,12 +108,10 @@ class PoolClient:
 
 
 def block_addr(inst):
-    return f"{inst['ip']}:{inst.get('cache_port', CACHE_PORT)}"
+    return f"{inst.ip}:{inst.cache_port}"
 
 
 def pool_addr(rt, dc):
     """host:port (gRPC) of datacenter `dc`'s pool, or None when the cache is off."""
-    for name, inst in rt["instances"].items():
-        if inst["role"] == "cachepool" and inst["dc"] == dc:
-            return f"{inst['ip']}:{inst['grpc_port']}"
-    return None
+    pool = rt.pool(dc)
+    return pool.addr if pool is not None else None

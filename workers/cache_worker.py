@@ -21,26 +21,24 @@ from workers.engine_profile import _payload
 
 
 def _pool_block_addr(rt, dc):
-    for inst in rt["instances"].values():
-        if inst["role"] == "cachepool" and inst["dc"] == dc:
-            return cache_wire.block_addr(inst)
-    return None
+    pool = rt.pool(dc)
+    return cache_wire.block_addr(pool) if pool is not None else None
 
 
 class _Cache:
     def __init__(self, rt, inst, log):
-        c = rt["cache"]
+        c = rt.cache
         self.log = log
-        self.block = c["block"]
-        self.every = c["snapshot_every"]
-        self.sizes = BlockSizes(c["s_kv"], self.block, c["bytes_scale"])
-        self.pool = cache_wire.pool_addr(rt, inst["dc"])
-        self.pool_blocks = _pool_block_addr(rt, inst["dc"])
+        self.block = c.block
+        self.every = c.snapshot_every
+        self.sizes = BlockSizes(c.s_kv_real, self.block, rt.scale)
+        self.pool = cache_wire.pool_addr(rt, inst.dc)
+        self.pool_blocks = _pool_block_addr(rt, inst.dc)
         self.local_pool = cache_wire.pool_addr(rt, "local")
         self.local_pool_blocks = _pool_block_addr(rt, "local")
         self.me = cache_wire.block_addr(inst)
         self.inst = inst
-        self.timeout = rt["kv_deadline_s"]
+        self.timeout = rt.kv_deadline_s
         self.receiver = cache_wire.BlockReceiver(lambda bid, kind, data: None)
         self.sender = kvwire.SenderPool()
         self.pools = cache_wire.PoolClient()
@@ -48,9 +46,7 @@ class _Cache:
         self.tasks = set()
 
     async def start(self):
-        self.server = await self.receiver.serve(self.inst["ip"],
-                                                self.inst.get("cache_port",
-                                                              cache_wire.CACHE_PORT))
+        self.server = await self.receiver.serve(self.inst.ip, self.inst.cache_port)
         return self
 
     def close(self):

@@ -18,7 +18,6 @@ At exit it writes `cache_<name>.json` (store statistics and byte counters) in th
 import asyncio
 import collections
 import json
-import pathlib
 
 from testbed.proto import testbed_pb2 as pb
 from testbed.proto import testbed_pb2_grpc as pbg
@@ -30,12 +29,12 @@ from workers.cache_core import BlockStore
 class CachePoolService(pbg.CachePoolServicer):
     def __init__(self, rt, name, inst, log):
         self.rt, self.name, self.inst, self.log = rt, name, inst, log
-        self.store = BlockStore(inst["cache_capacity"])
+        self.store = BlockStore(inst.cache_capacity_bytes)
         self.sender = kvwire.SenderPool()
         self.receiver = cache_wire.BlockReceiver(self._on_part)
         self.pools = cache_wire.PoolClient()
         self.counters = collections.Counter()
-        self.timeout = rt["kv_deadline_s"]
+        self.timeout = rt.kv_deadline_s
 
     def _on_part(self, block_id, kind, data):
         self.counters["bytes_in"] += len(data)
@@ -73,14 +72,14 @@ class CachePoolService(pbg.CachePoolServicer):
         return pb.Empty()
 
     def stats(self):
-        return {"name": self.name, "dc": self.inst["dc"], **self.store.stats(),
+        return {"name": self.name, "dc": self.inst.dc, **self.store.stats(),
                 **dict(self.counters)}
 
     async def Stats(self, request, context):
         return pb.PoolStats(json=json.dumps(self.stats()))
 
     def write_stats(self):
-        path = pathlib.Path(self.rt["_dir"]) / f"cache_{self.name}.json"
+        path = self.rt.dir / f"cache_{self.name}.json"
         path.write_text(json.dumps(self.stats(), indent=1))
 
 
@@ -88,12 +87,10 @@ async def main():
     args, rt, inst, log = common.startup("PrfaaS testbed prefix cache pool")
     service = CachePoolService(rt, args.name, inst, log)
     kvwire.keep_receive_memory()
-    blocks = await service.receiver.serve(inst["ip"], inst.get("cache_port",
-                                                               cache_wire.CACHE_PORT))
+    blocks = await service.receiver.serve(inst.ip, inst.cache_port)
     server = await common.start_grpc(inst, pbg.add_CachePoolServicer_to_server, service)
     common.mark_ready(rt, args.name)
-    log.info("cache pool up on %s:%s (%s, %.0f bytes)", inst["ip"], inst["grpc_port"], inst["dc"],
-             inst["cache_capacity"])
+    log.info("cache pool up on %s (%s, %.0f bytes)", inst.addr, inst.dc, inst.cache_capacity_bytes)
 
     def cleanup():
         blocks.close()

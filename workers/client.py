@@ -137,11 +137,10 @@ async def _read_start(path, timeout_s=60.0):
 
 async def run(args):
     rt = common.load_runtime(args.runtime)
-    sched = rt["instances"]["scheduler"]
-    scale = rt["scale"]["time"]
+    sched = rt.instance("scheduler")
     df = pd.read_parquet(args.workload)
     rec = Recorder(args.out)
-    channel = grpc.aio.insecure_channel(f"{sched['ip']}:{sched['grpc_port']}",
+    channel = grpc.aio.insecure_channel(sched.addr,
                                         options=common.grpc_options())
     await asyncio.wait_for(channel.channel_ready(), 10.0)
     stub = pbg.SchedulerStub(channel)
@@ -154,15 +153,15 @@ async def run(args):
     start = max(start_at, time.time())
     tasks = []
     for row in df.itertuples(index=False):
-        at = start + row.arrival_s / scale
+        at = start + rt.scale.emulated_s(row.arrival_s)
         delay = at - time.time()
         if delay > 0:
             await asyncio.sleep(delay)
         tasks.append(asyncio.create_task(
-            one_request(stub, row, at, rec, rt["request_timeout_s"])))
+            one_request(stub, row, at, rec, rt.request_timeout_s)))
     rec.write({"ev": "all_sent", "time": time.time()})
     if tasks:
-        done, pending = await asyncio.wait(tasks, timeout=rt["drain_timeout_s"])
+        done, pending = await asyncio.wait(tasks, timeout=rt.drain_timeout_s)
         for t in pending:
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)

@@ -1,7 +1,8 @@
 """What every worker process shares: the runtime description, readiness, logging, shutdown.
 
-The runner writes `runtime.json` in the run directory: the instances (name, role, datacenter,
-accelerator, IP, ports), the scheduler's policy and the scaled timing parameters. A worker starts
+The runner writes `runtime.json` in the run directory (`testbed.runtime.WorkerRuntime`, typed,
+every time emulated): the instances (name, role, datacenter, accelerator, IP, ports), the
+scheduler's policy and the timing parameters. A worker loads it with `load_runtime`, starts
 its servers, then writes `ready/<name>`; the runner waits for those files (bounded) instead of
 sleeping. SIGTERM stops a worker cleanly (the runner sends it at the end of a run).
 
@@ -13,15 +14,14 @@ thread, for the cases the kernel signal does not cover.
 
 import argparse
 import asyncio
-import json
 import logging
 import os
-import pathlib
 import signal
 import threading
 import time
 
 from testbed import lifecycle
+from testbed.runtime import WorkerRuntime
 
 WATCH_INTERVAL_S = 0.2
 
@@ -34,9 +34,7 @@ def parse_args(description):
 
 
 def load_runtime(path):
-    rt = json.loads(pathlib.Path(path).read_text())
-    rt["_dir"] = str(pathlib.Path(path).parent)
-    return rt
+    return WorkerRuntime.load(path)
 
 
 def setup_logging(name):
@@ -49,7 +47,7 @@ WARM_TIMEOUT_S = 15.0     # connections opened before a worker says it is ready 
 
 
 def mark_ready(rt, name):
-    d = pathlib.Path(rt["_dir"]) / "ready"
+    d = rt.dir / "ready"
     d.mkdir(exist_ok=True)
     (d / name).write_text(str(time.time()))
 
@@ -81,7 +79,7 @@ def startup(description):
     die_with_orchestrator()
     args = parse_args(description)
     rt = load_runtime(args.runtime)
-    return args, rt, instance(rt, args.name), setup_logging(args.name)
+    return args, rt, rt.instance(args.name), setup_logging(args.name)
 
 
 async def start_grpc(inst, add_servicer, service):
@@ -90,7 +88,7 @@ async def start_grpc(inst, add_servicer, service):
 
     server = grpc.aio.server(options=grpc_options())
     add_servicer(service, server)
-    server.add_insecure_port(f"{inst['ip']}:{inst['grpc_port']}")
+    server.add_insecure_port(inst.addr)
     await server.start()
     return server
 
@@ -132,9 +130,3 @@ async def serve_until_signalled(server, cleanup=None):
         if asyncio.iscoroutine(res):
             await res
 
-
-def instance(rt, name):
-    try:
-        return rt["instances"][name]
-    except KeyError:
-        raise SystemExit(f"{name}: not in runtime.json") from None

@@ -8,7 +8,6 @@ outside the workers' network namespaces, and a paused worker picks the change up
 
 import asyncio
 import json
-import pathlib
 import signal
 
 # KV frames of prefill attempt a of request r travel as kvwire id r | a << ATTEMPT_SHIFT.
@@ -27,7 +26,7 @@ def split_id(wire):
 
 def install(rt, name, engine, log):
     """Apply control/<name>.json to `engine` on every SIGUSR1."""
-    path = pathlib.Path(rt["_dir"]) / "control" / f"{name}.json"
+    path = rt.dir / "control" / f"{name}.json"
 
     def apply():
         try:
@@ -44,4 +43,4 @@ def install(rt, name, engine, log):
 def event_log(rt):
     """The run's events.csv, opened for appending from this worker process."""
     from testbed.measure import EventLog
-    return EventLog(pathlib.Path(rt["_dir"]) / "events.csv", fresh=False)
+    return EventLog(rt.dir / "events.csv", fresh=False)

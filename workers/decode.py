@@ -56,8 +56,8 @@ class DecodeService(pbg.DecodeServicer):
         self.busy_s = 0.0
         # Tokens after the first go out in chunks every `token_flush_s` (emulated): each token
         # keeps its own time stamp; fewer messages keep the control plane off the CPU's limit.
-        self.flush_s = rt.get("token_flush_s", 0.05)
-        self.orphan_s = rt["kv_deadline_s"]
+        self.flush_s = rt.token_flush_s
+        self.orphan_s = rt.kv_deadline_s
         self.has_work = asyncio.Event()
         self.receive = getattr(engine, "receive", None)   # the torch engine assembles state
         self.engine_error = getattr(engine, "error", lambda rid: None)
@@ -161,8 +161,7 @@ class DecodeService(pbg.DecodeServicer):
             except asyncio.TimeoutError:
                 got = f"{slot.kv_bytes} bytes" if slot.kv_bytes else "nothing"
                 yield self._final(slot, "failed", f"{self.name}: KV not complete after "
-                                  f"{dreq.kv_deadline_s * self.rt['scale']['time']:.3g}s (emulated, "
-                                  f"{dreq.kv_deadline_s:.3g}s real); received {got}")
+                                  f"{dreq.kv_deadline_s:.3g}s (emulated); received {got}")
                 return
             error = slot.kv_error or (self.engine_error(req.id) or "")
             if not error:
@@ -290,9 +289,9 @@ class DecodeService(pbg.DecodeServicer):
 
 
 def make_engine(rt, inst):
-    if rt.get("engine") == "torch":
+    if rt.engine == "torch":
         from workers.engine_torch import TorchDecodeEngine
-        return TorchDecodeEngine(rt["torch"], rt["device"], bs_max=rt["decode"]["bs_max"],
+        return TorchDecodeEngine(rt.torch, rt.device, bs_max=rt.decode.bs_max,
                                  threads=1)
     from workers.engine_profile import ProfileDecodeEngine
     return ProfileDecodeEngine(rt, inst)
@@ -302,21 +301,20 @@ async def main():
     args, rt, inst, log = common.startup("PrfaaS testbed decode worker")
     service = DecodeService(rt, args.name, make_engine(rt, inst), log)
     service.events = control.event_log(rt)
-    if rt.get("cache", {}).get("enabled"):
+    if rt.cache.enabled:
         from workers.cache_worker import DecodeCache
         service.cache = await DecodeCache(rt, inst, log).start()
     kvwire.keep_receive_memory()   # receive buffers reuse freed heap, not fresh pages
     frame_buffer = getattr(service.engine, "frame_buffer", None)
     kv_server = await kvwire.serve(
-        inst["ip"], inst["kv_port"], service.on_frame, service.on_kv_error,
+        inst.ip, inst.kv_port, service.on_frame, service.on_kv_error,
         payload_buffer=frame_buffer and (lambda wire, *a: frame_buffer(wire & control.RID_MASK, *a)))
     server = await common.start_grpc(inst, pbg.add_DecodeServicer_to_server, service)
     loop_task = asyncio.create_task(service.step_loop())
     discard_task = asyncio.create_task(service.discard_loop())
     control.install(rt, args.name, service.engine, log)
     common.mark_ready(rt, args.name)
-    log.info("decode worker up on %s:%s, KV on :%s", inst["ip"], inst["grpc_port"],
-             inst["kv_port"])
+    log.info("decode worker up on %s, KV on :%s", inst.addr, inst.kv_port)
 
     def cleanup():
         loop_task.cancel()

@@ -64,14 +64,14 @@ async def main():
     pre = prefill.PrefillService(rt, args.name, prefill.make_engine(rt, inst), log)
     dec = decode.DecodeService(rt, args.name, decode.make_engine(rt, inst), log)
     dec.events = control.event_log(rt)
-    role = RoleService(args.name, inst["role"], pre, dec, log)
+    role = RoleService(args.name, inst.role, pre, dec, log)
     kvwire.keep_receive_memory()
-    kv_server = await kvwire.serve(inst["ip"], inst["kv_port"], dec.on_frame, dec.on_kv_error)
+    kv_server = await kvwire.serve(inst.ip, inst.kv_port, dec.on_frame, dec.on_kv_error)
     server = grpc.aio.server(options=common.grpc_options())
     pbg.add_PrefillServicer_to_server(pre, server)
     pbg.add_DecodeServicer_to_server(dec, server)
     pbg.add_RoleServicer_to_server(role, server)
-    server.add_insecure_port(f"{inst['ip']}:{inst['grpc_port']}")
+    server.add_insecure_port(inst.addr)
     await server.start()
     tasks = [asyncio.create_task(dec.step_loop()), asyncio.create_task(dec.discard_loop())]
 
@@ -81,14 +81,14 @@ async def main():
             setattr(dec.engine, key, value)
 
     control.install(rt, args.name, Both(), log)
-    kv_peers = [(i["ip"], i["kv_port"]) for n, i in rt["instances"].items()
-                if n != args.name and (i["role"] == "decode" or i.get("worker") == "dualrole")]
+    kv_peers = [(i.ip, i.kv_port) for i in rt.instances.values()
+                if i.name != args.name and i.may_decode]
     for host, port in await pre.pool.warm(kv_peers, common.WARM_TIMEOUT_S):
         log.warning("no KV connection to %s:%s after %.0fs; its first request connects",
                     host, port, common.WARM_TIMEOUT_S)
     common.mark_ready(rt, args.name)
-    log.info("dual-role worker up on %s:%s as %s (%s), KV on :%s", inst["ip"], inst["grpc_port"],
-             inst["role"], inst["accelerator"], inst["kv_port"])
+    log.info("dual-role worker up on %s as %s (%s), KV on :%s", inst.addr, inst.role,
+             inst.accelerator, inst.kv_port)
 
     def cleanup():
         for t in tasks:

@@ -30,24 +30,23 @@ def _payload(n):
 
 class ProfilePrefillEngine(PrefillEngine):
     def __init__(self, rt, inst):
-        self.profile = profiles.load(rt["profile"])
-        self.accelerator = inst["accelerator"]
-        self.time_scale = rt["scale"]["time"]
-        self.bytes_scale = rt["scale"]["bytes"]
+        self.profile = profiles.load(rt.profile)
+        self.accelerator = inst.accelerator
+        self.scale = rt.scale
         self.chunks = max(1, int(self.profile.stream_chunks))
         self.clock_factor = 1.0    # > 1: a slowed instance (the `slow` fault, workers/control.py)
 
     def compute_s(self, input_len, cached=0):
         """T_prefill(L | P cached) / scale.time (`Profile.t_prefill_cached`, docs/cache.md)."""
-        return self.profile.t_prefill_cached(self.accelerator, max(input_len, 1),
-                                             cached) / self.time_scale
+        return self.scale.emulated_s(self.profile.t_prefill_cached(
+            self.accelerator, max(input_len, 1), cached))
 
     def kv_bytes(self, input_len, decode_cached=0):
         """What the decode instance still needs: S_kv(L) less the MLA KV of the `decode_cached`
         prefix tokens it takes from its own cluster's pool (the recurrent state always ships)."""
         a, b = self.profile.kv_size.coeffs[:2]
         full = a + b * max(input_len, 1) - b * min(decode_cached, input_len)
-        return max(1, int(round(full * self.bytes_scale)))
+        return max(1, int(round(self.scale.emulated_bytes(full))))
 
     async def prefill(self, request, emit):
         """Emulate one prefill; `emit(seq, payload, last)` is called as each piece is ready."""
@@ -70,16 +69,16 @@ class ProfilePrefillEngine(PrefillEngine):
 
 class ProfileDecodeEngine(PacedDecodeEngine):
     def __init__(self, rt, inst):
-        self.profile = profiles.load(rt["profile"])
-        self.time_scale = rt["scale"]["time"]
-        self.step_s = rt["decode"]["step_s"] / self.time_scale
-        self.bs_max = rt["decode"]["bs_max"]
-        self.model = profiles.DecodeModel(**rt["decode"]["model"])
+        self.profile = profiles.load(rt.profile)
+        self.scale = rt.scale
+        self.step_s = rt.decode.step_s
+        self.bs_max = rt.decode.bs_max
+        self.model = rt.decode.model()
         self.reserved = 0.0          # real-world KV bytes of the requests in the batch
 
     def step_seconds(self, batch, context_tokens):
         """Emulated duration of one step of `batch` requests holding `context_tokens`."""
-        return self.model.step_time(batch, context_tokens) / self.time_scale
+        return self.scale.emulated_s(self.model.step_time(batch, context_tokens))
 
     def kv_need(self, input_len, output_len):
         """Real-world bytes a request holds in decode memory (its KV at full length)."""

@@ -367,17 +367,16 @@ async def serve(door, host, port):
 async def main_async(args):
     rt = common.load_runtime(args.runtime)
     log = common.setup_logging(args.name)
-    fd = rt["frontdoor"]
-    sched = rt["instances"]["scheduler"]
-    channel = grpc.aio.insecure_channel(f"{sched['ip']}:{sched['grpc_port']}",
+    fd = rt.frontdoor
+    channel = grpc.aio.insecure_channel(rt.instance("scheduler").addr,
                                         options=common.grpc_options())
     await asyncio.wait_for(channel.channel_ready(), 10.0)
-    door = FrontDoor(pbg.SchedulerStub(channel), fd["model"], fd["max_context"], args.out,
-                     args.http_log, rt["request_timeout_s"])
-    host = rt["instances"][args.host]["ip"]
-    runner = await serve(door, host, fd["port"])
+    door = FrontDoor(pbg.SchedulerStub(channel), fd.model, fd.max_context, args.out,
+                     args.http_log, rt.request_timeout_s)
+    host = rt.instance(args.host).ip
+    runner = await serve(door, host, fd.port)
     common.mark_ready(rt, args.name)
-    log.info("front door on http://%s:%s/v1 (model %s)", host, fd["port"], fd["model"])
+    log.info("front door on http://%s:%s/v1 (model %s)", host, fd.port, fd.model)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

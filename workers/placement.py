@@ -86,13 +86,13 @@ def estimated_ttft(queue_s, prefill_s, transfer_s=0.0):
     return queue_s + prefill_s + transfer_s
 
 
-def link_state(timeseries, last, to_emulated_bps):
+def link_state(timeseries, last, link_real_gbps_to_bps):
     """(utilisation or None, emulated link bit/s or None, new `last`) from the kernel counters'
     last row and the previous reading `last` = (time, kv_tx_bytes)."""
     row = read_last_row(timeseries)
     try:
         now = (float(row["time"]), int(row["kv_tx_bytes"]))
-        link_bps = float(row["kv_link_gbps"]) * to_emulated_bps
+        link_bps = float(row["kv_link_gbps"]) * link_real_gbps_to_bps
     except (TypeError, KeyError, ValueError):
         return None, None, last
     if last is None or now[0] <= last[0] or link_bps <= 0:
@@ -106,18 +106,20 @@ class CachePlacer:
     MIN_WINDOW_S = 0.1      # the link's utilisation is measured over at least this (emulated)
 
     def __init__(self, rt, router, prefill_s, log):
-        c = rt["cache"]
+        c = rt.cache
         self.cfg, self.router, self.prefill_s, self.log = c, router, prefill_s, log
-        self.block = c["block"]
+        self.placement = rt.scheduler.placement
+        self.link_real_gbps_to_bps = rt.wan.link_real_gbps_to_bps
+        self.block = c.block
         self.pools = cache_wire.PoolClient()
         self.addr = {dc: cache_wire.pool_addr(rt, dc) for dc in ("local", "prfaas")}
-        self.timeout = rt["kv_deadline_s"]
-        self.timeseries = f"{rt['_dir']}/timeseries.csv"
+        self.timeout = rt.kv_deadline_s
+        self.timeseries = rt.dir / "timeseries.csv"
         self.link = (None, None)            # (utilisation, emulated link bit/s)
         self._last = None
         self._checked = 0.0
         from workers.cache_core import BlockSizes
-        self.sizes = BlockSizes(c["s_kv"], self.block, c["bytes_scale"])
+        self.sizes = BlockSizes(c.s_kv_real, self.block, rt.scale)
         self.fetch_s_per_byte = None        # learned from the prefill workers' reports
 
     def _link(self):
@@ -125,17 +127,17 @@ class CachePlacer:
         if now - self._checked >= self.MIN_WINDOW_S:
             self._checked = now
             util, bps, self._last = link_state(self.timeseries, self._last,
-                                               self.cfg["link_to_emulated_bps"])
+                                               self.link_real_gbps_to_bps)
             if bps is not None:
                 self.link = (util, bps)
         return self.link
 
     def abundant(self):
-        mode = self.cfg["transfer"]
+        mode = self.cfg.transfer
         if mode != "auto":
             return mode == "always"
         util, _ = self._link()
-        return util is None or util < self.cfg["headroom"]
+        return util is None or util < self.cfg.headroom
 
     async def lookup(self, blocks):
         async def one(dc):
@@ -218,9 +220,9 @@ class CachePlacer:
         view = CacheView(view.local_kv, min(view.local_state, cap), view.prfaas_kv,
                          min(view.prfaas_state, cap))
         r = self.router
-        choice = choose_cluster(self.cfg["placement"], r.policy, r.threshold, L, view,
+        choice = choose_cluster(self.placement, r.policy, r.threshold, L, view,
                                 self.abundant())
-        if self.cfg["placement"] != "cache_aware":
+        if self.placement != "cache_aware":
             kind, p, d = r.route_to(choice.remote, L)
             return self._finish(req, kind, p, d, view, whole, p.dc, view.state(p.dc), 0)
         # Plans: (estimated TTFT, instance, tokens continued from, prefix move from, its time).

@@ -118,8 +118,8 @@ class TorchPrefill:
 
     def __init__(self, rt):
         from workers.engine_torch import TorchPrefillEngine
-        self.engine = TorchPrefillEngine(rt["torch"], rt["device"], seed=rt["seed"],
-                                         tokens_scale=rt["scale"]["tokens"], threads=1)
+        self.engine = TorchPrefillEngine(rt.torch, rt.device, seed=rt.seed,
+                                         tokens_scale=rt.scale.tokens, threads=1)
 
     async def prefill(self, request, emit):
         from workers.engine_torch import emit_sender
@@ -127,7 +127,7 @@ class TorchPrefill:
 
 
 def make_engine(rt, inst):
-    if rt.get("engine") == "torch":
+    if rt.engine == "torch":
         return TorchPrefill(rt)
     from workers.engine_profile import ProfilePrefillEngine
     return ProfilePrefillEngine(rt, inst)
@@ -136,7 +136,7 @@ def make_engine(rt, inst):
 async def main():
     args, rt, inst, log = common.startup("PrfaaS testbed prefill worker")
     service = PrefillService(rt, args.name, make_engine(rt, inst), log)
-    if rt.get("cache", {}).get("enabled"):
+    if rt.cache.enabled:
         from workers.cache_worker import PrefillCache
         service.cache = await PrefillCache(rt, inst, log).start()
     server = await common.start_grpc(inst, pbg.add_PrefillServicer_to_server, service)
@@ -144,13 +144,12 @@ async def main():
     # KV connections to every decode worker are opened now, not by the first request: a serving
     # system keeps its transfer connections up, and a request's TTFT should not include the TCP
     # handshake (or an ARP miss) across the WAN.
-    decode = [(i["ip"], i["kv_port"]) for i in rt["instances"].values()
-              if i["role"] == "decode" or i.get("worker") == "dualrole"]    # may become decode
+    decode = [(i.ip, i.kv_port) for i in rt.instances.values() if i.may_decode]
     for host, port in await service.pool.warm(decode, common.WARM_TIMEOUT_S):
         log.warning("no KV connection to %s:%s after %.0fs; its first request connects",
                     host, port, common.WARM_TIMEOUT_S)
     common.mark_ready(rt, args.name)
-    log.info("prefill worker up on %s:%s (%s)", inst["ip"], inst["grpc_port"], inst["accelerator"])
+    log.info("prefill worker up on %s (%s)", inst.addr, inst.accelerator)
     def cleanup():
         service.pool.close()
         if service.cache is not None:

@@ -29,7 +29,6 @@ Every move is a `redispatch` row in events.csv and a `Redispatch` in the request
 """
 
 import asyncio
-import pathlib
 import time
 
 import grpc
@@ -83,8 +82,8 @@ class Health:
     async def loop(self, misses_down=2):
         """Ask every instance for its health; down after `misses_down` missed checks in a row
         (one slow reply on a busy machine is not an outage), up again at its first answer."""
-        sched = self.svc.rt["scheduler"]
-        interval, timeout = sched["health_interval_s"], sched["health_timeout_s"]
+        sched = self.svc.rt.scheduler
+        interval, timeout = sched.health_interval_s, sched.health_timeout_s
         router = self.svc.router
         insts = router.remote + router.local + router.decode
         stubs = {**self.svc.prefill_stub, **self.svc.decode_stub}
@@ -112,7 +111,7 @@ class Health:
 
         # Start once every worker has said it is ready (the runner waits for the same files):
         # a worker still importing is not an outage.
-        ready = pathlib.Path(self.svc.rt["_dir"]) / "ready"
+        ready = self.svc.rt.dir / "ready"
         for _ in range(600):
             if all((ready / i.name).exists() for i in insts):
                 break
@@ -127,7 +126,7 @@ class Flight:
 
     def __init__(self, svc, req):
         self.svc, self.req = svc, req
-        self.failover = svc.rt["scheduler"]["failover"]
+        self.failover = svc.rt.scheduler.failover
         self.inbox = asyncio.Queue()
         self.p = self.d = None
         self.kind = ""
@@ -159,7 +158,7 @@ class Flight:
         self.d = d
         d.inflight += 1
         self.decode_call = self.svc.decode_stub[d.name].Decode(pb.DecodeRequest(
-            request=self.req, prefill="", kv_deadline_s=self.svc.rt["kv_deadline_s"],
+            request=self.req, prefill="", kv_deadline_s=self.svc.rt.kv_deadline_s,
             **self.svc.decode_fields(self.kind)))
         self.stream = self.decode_call.__aiter__()
         self.next_chunk = asyncio.ensure_future(self.stream.__anext__())
@@ -200,7 +199,7 @@ class Flight:
 
     async def _prefill_when_up(self, d, reason):
         """A failed prefill with nowhere to go: retry once an instance is up for it."""
-        interval = self.svc.rt["scheduler"]["health_interval_s"]
+        interval = self.svc.rt.scheduler.health_interval_s
         while True:
             await self.svc.health.any_up(interval)
             p = self._place()

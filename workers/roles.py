@@ -37,17 +37,16 @@ from testbed.proto import testbed_pb2_grpc as pbg
 
 def planner_inputs(rt, lengths, outputs):
     """The planner's Inputs for the measured mix (real-world lengths) of this run."""
-    prof = profiles.load(rt["profile"])
-    acc = {i["dc"]: i["accelerator"] for i in rt["instances"].values()
-           if i["role"] in ("prefill", "decode")}
+    prof = profiles.load(rt.profile)
+    acc = {i.dc: i.accelerator for i in rt.of_role("prefill", "decode")}
     dist = plan.LengthDistribution.from_lengths(lengths, "window")
     l_out = float(np.mean(outputs))
-    decode = profiles.DecodeModel(**rt["decode"]["model"])
+    decode = rt.decode.model()
     return plan.Inputs(
         profile=prof, remote=acc["prfaas"], local=acc["local"], lengths=dist, l_out=l_out,
         t_decode_s=decode.step_time(decode.bs_max, decode.bs_max * (dist.mean + l_out / 2)),
-        bs_max=decode.bs_max, b_out_Bps=rt["scheduler"]["roles"]["wan_rate_bps"] / 8.0,
-        wan_rate_bps=rt["scheduler"]["roles"]["wan_rate_bps"])
+        bs_max=decode.bs_max, b_out_Bps=rt.scheduler.roles.wan_rate_real_bps / 8.0,
+        wan_rate_bps=rt.scheduler.roles.wan_rate_real_bps)
 
 
 def replan(inp, n_prfaas, n_local, n_p_now, gain):
@@ -77,7 +76,7 @@ def replan(inp, n_prfaas, n_local, n_p_now, gain):
 class RoleManager:
     def __init__(self, svc, rt, log):
         self.svc, self.rt, self.log = svc, rt, log
-        self.cfg = rt["scheduler"]["roles"]
+        self.cfg = rt.scheduler.roles
         self.events = svc.health.events
         self.seen = collections.deque()          # (time, input_len, output_len)
         self.router = svc.router
@@ -92,7 +91,7 @@ class RoleManager:
     def on_request(self, req):
         now = time.time()
         self.seen.append((now, req.input_len - req.cached_len, req.output_len))
-        while self.seen and self.seen[0][0] < now - self.cfg["window_s"]:
+        while self.seen and self.seen[0][0] < now - self.cfg.window_s:
             self.seen.popleft()
 
     def n_prefill(self):
@@ -100,21 +99,21 @@ class RoleManager:
 
     def step(self):
         now = time.time()
-        while self.seen and self.seen[0][0] < now - self.cfg["window_s"]:
+        while self.seen and self.seen[0][0] < now - self.cfg.window_s:
             self.seen.popleft()
-        if len(self.seen) < self.cfg["min_requests"] or self.converting is not None:
+        if len(self.seen) < self.cfg.min_requests or self.converting is not None:
             return None
         _, lens, outs = zip(*self.seen)
         inp = planner_inputs(self.rt, lens, outs)
         n_p = self.n_prefill()
-        d = replan(inp, len(self.router.remote), len(self.local), n_p, self.cfg["gain"])
+        d = replan(inp, len(self.router.remote), len(self.local), n_p, self.cfg.gain)
         self.last = d
         self.events("replan", window=len(lens), mean_input=round(inp.lengths.mean),
                     n_p=n_p, n_d=len(self.local) - n_p, n_p_best=d["n_p_best"],
                     target=d["target"], lambda_now=f"{d['lambda_now']:.4f}",
                     lambda_best=f"{d['lambda_best']:.4f}", binding=d["binding_now"],
                     threshold=d["threshold"][n_p])
-        if self.cfg["retune"]:
+        if self.cfg.retune:
             self._retune(n_p)
         if d["target"] > n_p:
             pick = min((i for i in self.router.decode if i.dc == "local" and not i.down),
@@ -146,14 +145,14 @@ class RoleManager:
             while inst.inflight > 0 or inst.outstanding_s > 1e-9:
                 await asyncio.sleep(0.01)
             reply = await self.role_stub[inst.name].SetRole(
-                pb.RoleRequest(role=role, cost_s=self.cfg["cost_s"]))
+                pb.RoleRequest(role=role, cost_s=self.cfg.cost_s))
             inst.role = reply.role
             dst.append(inst)
             self.events("role", instance=inst.name, state="done", **{"from": old, "to": role},
                         drain_s=f"{time.time() - t0 - reply.convert_s:.4f}",
                         convert_s=f"{reply.convert_s:.4f}")
             self.log.info("role: %s is now %s (%.3fs)", inst.name, role, time.time() - t0)
-            if self.cfg["retune"] and self.last is not None:
+            if self.cfg.retune and self.last is not None:
                 self._retune(self.n_prefill())
         except Exception as e:      # noqa: BLE001 -- the instance keeps its old role
             self.log.warning("role: converting %s failed: %s", inst.name, e)
@@ -166,7 +165,7 @@ class RoleManager:
 
     async def run(self):
         while True:
-            await asyncio.sleep(self.cfg["interval_s"])
+            await asyncio.sleep(self.cfg.interval_s)
             try:
                 self.step()
             except Exception as e:      # noqa: BLE001 -- a failed re-plan keeps the split

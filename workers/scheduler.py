@@ -23,30 +23,29 @@ from workers.recovery import Flight, Health
 class SchedulerService(pbg.SchedulerServicer):
     def __init__(self, rt, log):
         self.rt, self.log = rt, log
-        self.time_scale = rt["scale"]["time"]
-        prof = profiles.load(rt["profile"])
-        instances = [Instance(name=n, role=i["role"], dc=i["dc"], accelerator=i["accelerator"],
-                              addr=f"{i['ip']}:{i['grpc_port']}",
-                              kv_addr=f"{i['ip']}:{i.get('kv_port', 0)}")
-                     for n, i in rt["instances"].items() if i["role"] in ("prefill", "decode")]
-        self.router = Router(rt["scheduler"]["policy"], rt["scheduler"]["threshold"], instances,
-                             lambda inst, l: prof.t_prefill(inst.accelerator, max(l, 1))
-                             / self.time_scale,
-                             max_local=rt["scheduler"].get("failover_max_local"))
+        scale = rt.scale
+        prof = profiles.load(rt.profile)
+        instances = [Instance(name=i.name, role=i.role, dc=i.dc, accelerator=i.accelerator,
+                              addr=i.addr, kv_addr=i.kv_addr)
+                     for i in rt.of_role("prefill", "decode")]
+        self.router = Router(rt.scheduler.policy, rt.scheduler.threshold, instances,
+                             lambda inst, l: scale.emulated_s(
+                                 prof.t_prefill(inst.accelerator, max(l, 1))),
+                             max_local=rt.scheduler.failover_max_local)
         opts = common.grpc_options()
         self.channels = {i.name: grpc.aio.insecure_channel(i.addr, options=opts) for i in instances}
         self.prefill_stub = {i.name: pbg.PrefillStub(self.channels[i.name])
                              for i in instances if i.role == "prefill"}
         self.decode_stub = {i.name: pbg.DecodeStub(self.channels[i.name])
                             for i in instances if i.role == "decode"}
-        self.stats = pb.SchedulerStats(threshold=rt["scheduler"]["threshold"])
+        self.stats = pb.SchedulerStats(threshold=rt.scheduler.threshold)
         self.health = Health(self, rt, log)     # instance states, failover (workers/recovery.py)
         self.placer = None          # workers.placement.CachePlacer when the cache is on
         self.on_request = []        # callables(request): workers/adaptive.py, workers/roles.py
-        if rt.get("cache", {}).get("enabled"):
+        if rt.cache.enabled:
             from workers.placement import CachePlacer
-            self.placer = CachePlacer(rt, self.router, lambda inst, l, cached: prof.t_prefill_cached(
-                inst.accelerator, max(l, 1), cached) / self.time_scale, log)
+            self.placer = CachePlacer(rt, self.router, lambda inst, l, cached: scale.emulated_s(
+                prof.t_prefill_cached(inst.accelerator, max(l, 1), cached)), log)
 
     def route(self, req, kind=""):
         """(kind, prefill Instance, decode Instance) for a request; LookupError if none is up.
@@ -100,21 +99,20 @@ async def main():
     server = await common.start_grpc(inst, pbg.add_SchedulerServicer_to_server, service)
     await common.connect_all(service.channels, log)     # before the first request
     tasks = []
-    if rt["scheduler"]["failover"]:
+    if rt.scheduler.failover:
         tasks.append(asyncio.create_task(service.health.loop()))
-    if rt["scheduler"].get("adaptive"):
+    if rt.scheduler.adaptive is not None:
         from workers.adaptive import ThresholdController
-        ctl = ThresholdController(service.router, rt["scheduler"]["adaptive"], rt["_dir"], log)
+        ctl = ThresholdController(service.router, rt.scheduler.adaptive, rt.wan, rt.dir, log)
         service.on_request.append(lambda req: ctl.on_request())
         tasks.append(asyncio.create_task(ctl.run()))
-    if rt["scheduler"].get("roles"):
+    if rt.scheduler.roles is not None:
         from workers.roles import RoleManager
         roles = RoleManager(service, rt, log)
         service.on_request.append(roles.on_request)
         tasks.append(asyncio.create_task(roles.run()))
     common.mark_ready(rt, args.name)
-    log.info("scheduler up on %s:%s, policy %s", inst["ip"], inst["grpc_port"],
-             rt["scheduler"]["policy"])
+    log.info("scheduler up on %s, policy %s", inst.addr, rt.scheduler.policy)
     await common.serve_until_signalled(server, lambda: [t.cancel() for t in tasks])
 
 

@@ -1,8 +1,10 @@
-"""Build: the experiment's topology made real with Mininet, and the WAN link model applied.
+"""Build: a deployment's topology made real with Mininet, and the WAN link model applied.
 
-`Network(exp, registry)` creates the two-datacenter topology (`topologies.two_dc`) with Linux
-bridges and no controller, turns the WAN router into a router (IPv4 forwarding), and hands its
-two egress interfaces to the link model (`testbed.net.shaping.Wan`). Every node's shell PID and
+`Network(deployment, registry)` creates the two-datacenter topology (`topologies.two_dc`) from
+the deployment's instances with Linux bridges and no controller, turns the WAN router into a
+router (IPv4 forwarding), and hands its two egress interfaces to the link model
+(`testbed.net.shaping.Wan`) with the deployment's emulated link parameters. Used by the Mininet
+backend (`testbed.backend.mininet`). Every node's shell PID and
 every bridge is recorded in the run's `Registry` as it is created, so a killed run can be cleaned
 up exactly (`testbed clean`); `stop()` tears down in reverse order.
 """
@@ -29,8 +31,8 @@ def _mininet():
 class Network:
     """The emulated network of one run. Use as: start(), host(role), popen(...), stop()."""
 
-    def __init__(self, exp, registry, events=None):
-        self.exp = exp
+    def __init__(self, deployment, registry, events=None):
+        self.deployment = deployment
         self.registry = registry
         self.events = events
         self.net = None
@@ -43,12 +45,8 @@ class Network:
         Mininet, LinuxBridge = _mininet()
         from topologies.two_dc import TwoDatacenterTopo
 
-        c = self.exp.clusters
         self.topo = TwoDatacenterTopo(prefix=self.registry.prefix,
-                                      remote_prefill=c.prfaas.instances,
-                                      local_prefill=c.local.prefill,
-                                      local_decode=c.local.decode,
-                                      cache=self.exp.cache.enabled)
+                                      instances=self.deployment.instances)
         self.net = Mininet(topo=None, switch=LinuxBridge, controller=None, build=False,
                            autoSetMacs=False, waitConnected=False)
         self.registry.on_close(self.stop, "network")
@@ -86,11 +84,9 @@ class Network:
 
     def _per_frame_if_lossy(self):
         """With loss configured (now or by a scheduled change), hosts send single frames."""
-        from testbed.net.shaping import disable_offloads, needs_per_frame_packets
+        from testbed.net.shaping import disable_offloads
 
-        params = {d: self.exp.emulated_direction(d) for d in ("kv", "request")}
-        scheduled = any(c.loss for c in self.exp.network.wan.changes)
-        self.per_frame = needs_per_frame_packets(params) or scheduled
+        self.per_frame = self.deployment.per_frame
         if not self.per_frame:
             return
         for name in self.topo.hosts():
@@ -104,10 +100,11 @@ class Network:
     def _shape(self, router):
         from testbed.net.shaping import Wan
 
+        dep = self.deployment
         self.wan = Wan(netns_path=f"/proc/{router.pid}/ns/net",
                        ifaces=dict(self.topo.router_intfs),
-                       params={d: self.exp.emulated_direction(d) for d in ("kv", "request")},
-                       backend=self.exp.network.wan.backend, seed=self.exp.seed,
+                       params={d: link.params() for d, link in dep.links.items()},
+                       backend=dep.shaping_backend, seed=dep.seed,
                        registry=self.registry, events=self.events)
         self.wan.start()
 

@@ -1,9 +1,9 @@
 """Scheduled link changes during a run: failure injection, degradation, bandwidth traces.
 
-`LinkSchedule(wan, items)` applies each `(t_s, direction, changes)` (emulation units, from
-`Experiment.emulated_changes`, which also turns `network.wan.rate_trace` rows from
-`config.read_rate_trace` into changes, and link faults from `testbed.faults.link_items`, whose
-fourth element is logged as a `fault_inject`/`fault_end` event) through `Wan.set` at `t0 + t_s`,
+`LinkSchedule(wan, items)` applies each `(t_s, direction, changes)` (emulation units: the
+deployment's link changes, `testbed.deploy.LinkChange.item()` -- `network.wan.changes`, every
+`network.wan.rate_trace` row and the link faults, whose fourth element is logged as a
+`fault_inject`/`fault_end` event) through the shaper's `set` at `t0 + t_s`,
 in a thread; `Wan.set` logs each change, with how long it took to apply, to the run's
 events.csv. A change that fails is reported (a `link_schedule_error` row in events.csv and a
 warning line) and kept in `errors`; the later changes are still applied, and the run goes on

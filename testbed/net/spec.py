@@ -3,7 +3,7 @@
 Direction names follow what crosses the link: `kv` is PrfaaS -> local (KV caches),
 `request` is local -> PrfaaS (requests, ACKs). `network.wan` sets both; `network.wan.kv` and
 `network.wan.request` override single keys for one direction. Scaling (`scale.time`,
-`scale.bytes`) is applied by `testbed.config.Experiment.emulated_direction`, not here.
+`scale.bytes`) is applied by `testbed.deploy.compile` (the deployment's `links`), not here.
 """
 
 import dataclasses

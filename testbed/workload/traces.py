@@ -105,11 +105,11 @@ class _Rows:
         if ids:
             self.blocks.append(ids[0])
 
-    def trace(self, fmt, time_scale):
+    def trace(self, fmt, seconds_per_unit):
         if not self.t:
             raise ConfigError(f"no valid rows ({self.read} data lines, {self.skipped} skipped)",
                               path=self.path)
-        t = np.asarray(self.t, dtype=np.float64) * time_scale
+        t = np.asarray(self.t, dtype=np.float64) * seconds_per_unit     # a unit, not the Scale
         blocks = None
         if self.blocks:
             blocks = tuple(np.asarray(b, dtype=np.int64) for b in self.blocks)

@@ -1,0 +1,56 @@
+"""Backends: where a `testbed.deploy.Deployment` runs. The seam between describing a run and
+running it.
+
+    describe (config) -> deploy (Deployment) -> backend: build, run, measure -> analyse -> plot
+
+A backend takes a deployment and the run's teardown `Registry` and event log, and gives the
+runner (testbed/run.py) what it drives:
+
+- `start()`: build what the deployment needs (hosts, network, WAN shaping), registering how to
+  tear each part down in the registry as it is made; returns the backend;
+- `spawn(host, argv, log_path, env)`: start a process placed on the deployment's instance
+  `host`; returns a `subprocess.Popen`-like handle (poll, wait, terminate, kill, pid,
+  returncode, send_signal), its PID on record in the registry;
+- `shaper`: the WAN link model in force (`set(direction, **changes)` for the link schedule,
+  `stats()` for the counter sampler, `backend`, `backend_reason`);
+- `describe()`: what metadata.json records of the built system (versions, topology,
+  segmentation offload, shaping);
+- `probe(congestion_control)`: the WAN measured as built (link_fidelity);
+- `cli()`: an interactive shell on the running system, where the backend has one;
+- `stop()`: tear down (also registered with the registry by `start`).
+
+Nothing above this package imports Mininet: `open_backend` imports the backend's module only
+when a run asks for it. `mininet` (testbed/backend/mininet.py) is today's only backend: one
+machine, a Mininet host per instance, the WAN shaped on a router host.
+"""
+
+from typing import Protocol
+
+BACKENDS = ("mininet",)
+
+
+class Backend(Protocol):
+    name: str
+
+    def start(self) -> "Backend": ...
+
+    def spawn(self, host, argv, log_path, env=None): ...
+
+    @property
+    def shaper(self): ...
+
+    def describe(self) -> dict: ...
+
+    def probe(self, congestion_control) -> dict: ...
+
+    def cli(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+def open_backend(name, deployment, registry, events):
+    """The backend `name` for one deployment (not started)."""
+    if name == "mininet":
+        from testbed.backend.mininet import MininetBackend
+        return MininetBackend(deployment, registry, events)
+    raise ValueError(f"unknown backend {name!r}; expected one of {', '.join(BACKENDS)}")

@@ -1,0 +1,70 @@
+"""The Mininet backend: a deployment on one machine, a Mininet host per instance.
+
+`start()` builds the two-datacenter network (`testbed.net.build.Network`: Linux bridges, a WAN
+router whose two egress interfaces carry the deployment's emulated link model), `spawn()` runs a
+process inside an instance's host (its network namespace), the shaper is the router's
+`testbed.net.shaping.Wan`, and `probe()` measures the WAN between the two probe hosts. The
+network registers its own teardown with the run's registry as it is built.
+"""
+
+import os
+
+from testbed import kvwire
+
+
+def _mininet_version():
+    """Mininet's own VERSION (the Debian package has no Python package metadata)."""
+    try:
+        import mininet.net
+        return mininet.net.VERSION
+    except ImportError:
+        return None
+
+
+class MininetBackend:
+    name = "mininet"
+
+    def __init__(self, deployment, registry, events=None):
+        self.deployment, self.registry, self.events = deployment, registry, events
+        self.net = None
+
+    def start(self):
+        from testbed.net.build import Network
+        self.net = Network(self.deployment, self.registry, self.events).start()
+        return self
+
+    def spawn(self, host, argv, log_path, env=None):
+        return self.net.popen(host, argv, log_path, env=env)
+
+    @property
+    def shaper(self):
+        return self.net.wan
+
+    def describe(self):
+        topo, wan = self.net.topo, self.net.wan
+        return {
+            "backend": self.name, "versions": {"mininet": _mininet_version()},
+            "topology": {"class": "topologies.two_dc.TwoDatacenterTopo",
+                         "nodes": dict(topo.roles), "ips": dict(topo.ips),
+                         "router_egress": dict(topo.router_intfs)},
+            "segmentation_offload": not self.net.per_frame,
+            "shaping": {"backend": wan.backend, "reason": getattr(wan, "backend_reason", ""),
+                        "emulated": {d: link.params()
+                                     for d, link in self.deployment.links.items()}}}
+
+    def probe(self, congestion_control):
+        """The KV direction measured as built, between the two probe hosts (link_fidelity)."""
+        from testbed.net.probe import measure_link
+
+        paths = self.net.netns_path
+        os.environ[kvwire.CC_ENV] = congestion_control      # the probe's TCP sender
+        return measure_link(paths["probe_remote"], paths["probe_local"],
+                            self.net.ip("probe_local"),
+                            configured=self.deployment.links["kv"].params())
+
+    def cli(self):
+        self.net.cli()
+
+    def stop(self):
+        if self.net is not None:
+            self.net.stop()

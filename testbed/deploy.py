@@ -1,0 +1,440 @@
+"""Deploy: an `Experiment` compiled once into a `Deployment`, what a backend runs.
+
+    describe (config.Experiment, real-world) -> deploy (Deployment, emulated) -> backend
+    (testbed.backend: build, place, shape, count) -> analyse -> plot
+
+`compile(exp)` (or `Deployment.of(exp)`) is the only place where real-world values become
+emulated ones: every conversion goes through the run's `testbed.scale.Scale`. The result is
+frozen and says what runs where, in which units:
+
+- `instances`: every process to place (name, role, datacenter, accelerator, worker module,
+  address); the topology (topologies/two_dc.py) is built from it;
+- `links`: the WAN's two directions (`kv`: PrfaaS -> local, `request`: local -> PrfaaS),
+  emulated and checked here once against what one machine can shape (`links_real` keeps the
+  real-world values beside them for deployment.json);
+- `schedule`: one time-ordered list, emulated seconds after the first arrival, of link changes
+  (`network.wan.changes`, every row of `network.wan.rate_trace`, link faults and their ends)
+  and instance fault actions (pause, kill, restart, slow);
+- `runtime`: the typed `testbed.runtime.WorkerRuntime` every worker reads (runtime.json).
+
+The run directory keeps it as `deployment.json` (`to_dict`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+
+from testbed import profile as profiles
+from testbed import units
+from testbed.errors import ConfigError
+from testbed.net import spec as netspec
+from testbed.net.shaping import needs_per_frame_packets
+from testbed.runtime import (AdaptiveRuntime, CacheRuntime, DecodeRuntime,
+                             InstanceRuntime, RolesRuntime, SchedulerRuntime, WanRuntime,
+                             WorkerRuntime)
+from testbed.scale import Scale
+
+DIRECTIONS = ("kv", "request")
+# Address plan: one /16 per datacenter; the topology puts each instance on its DC's bridge.
+DC_NET = {"prfaas": "10.1", "local": "10.2"}
+
+# The emulated WAN must stay within what one 2-core machine can shape and carry.
+MAX_EMULATED_RATE_BPS = 2e9
+MIN_EMULATED_RATE_BPS = 8e3
+MIN_EMULATED_QUEUE_BYTES = 64 * 1024     # one TSO burst: a smaller drop-tail queue drops most
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Link:
+    """One WAN direction as the shaper runs it (emulated)."""
+
+    rate_bps: float
+    delay_s: float = 0.0
+    jitter_s: float = 0.0
+    jitter_dist: str = "normal"
+    reorder: bool = False
+    loss: float = 0.0
+    loss_burst: float | None = None      # packets: not scaled
+    queue: dict | None = None            # {"bytes": emulated} or {"packets": n}; None: one BDP
+    up: bool = True
+
+    def params(self):
+        """The shaper's keyword form (testbed.net.shaping.Wan `params`, `Wan.set`)."""
+        return {"rate": self.rate_bps, "delay": self.delay_s, "jitter": self.jitter_s,
+                "loss": self.loss, "loss_burst": self.loss_burst,
+                "queue": dict(self.queue) if self.queue else None, "up": self.up,
+                "jitter_dist": self.jitter_dist, "reorder": self.reorder}
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkChange:
+    """A change of the live link at `at_s` (emulated) in `direction` (None: both); `changes`
+    in the shaper's keys, emulated; `source`: change | trace | fault; `fault`: a link fault's
+    note (logged as fault_inject / fault_end)."""
+
+    at_s: float
+    direction: str | None
+    changes: dict
+    source: str = "change"
+    fault: dict | None = None
+
+    def item(self):
+        """`testbed.net.schedule.LinkSchedule`'s (t_s, direction, changes[, note]) form."""
+        base = (self.at_s, self.direction, dict(self.changes))
+        return base + (dict(self.fault),) if self.fault else base
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultAction:
+    """An instance fault's injection or end at `at_s` (emulated): what `faults.Injector` does."""
+
+    at_s: float
+    phase: str                  # inject | end
+    fault: int                  # index in `faults:`
+    occurrence: int
+    kind: str                   # pause | kill | restart | slow
+    targets: tuple
+    factor: float | None = None
+
+    @property
+    def target(self):
+        return ",".join(self.targets)
+
+
+@dataclasses.dataclass(frozen=True)
+class Deployment:
+    """What runs where, in which units: everything a backend needs, emulated."""
+
+    name: str
+    label: str
+    seed: int
+    scale: Scale
+    instances: tuple                    # InstanceRuntime, in start order
+    links: dict                         # direction -> Link (emulated)
+    links_real: dict                    # direction -> the experiment's real-world values
+    shaping_backend: str                # auto | netem | userspace
+    per_frame: bool                     # loss now or later: hosts send single frames
+    schedule: tuple                     # LinkChange and FaultAction, by time
+    runtime: WorkerRuntime
+
+    @classmethod
+    def of(cls, exp):
+        return compile(exp)
+
+    @property
+    def link_changes(self):
+        return [s for s in self.schedule if isinstance(s, LinkChange)]
+
+    @property
+    def fault_actions(self):
+        return [s for s in self.schedule if isinstance(s, FaultAction)]
+
+    def instance(self, name):
+        return self.runtime.instances[name]
+
+    def workers(self):
+        """Instances the backend starts with the run (the scheduler and client come later)."""
+        return [i for i in self.instances if i.role in ("prefill", "decode", "cachepool")]
+
+    def to_dict(self):
+        def plain(x):
+            d = dataclasses.asdict(x)
+            d["type"] = type(x).__name__
+            return d
+        return {"name": self.name, "label": self.label, "seed": self.seed,
+                "scale": self.scale.to_dict(),
+                "instances": [dataclasses.asdict(i) for i in self.instances],
+                "links": {d: dataclasses.asdict(v) for d, v in self.links.items()},
+                "links_real": self.links_real, "shaping_backend": self.shaping_backend,
+                "per_frame": self.per_frame, "schedule": [plain(s) for s in self.schedule]}
+
+    def dump(self, path):
+        pathlib.Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+
+
+def compile(exp):     # noqa: A001 (the verb of this module)
+    """The `Deployment` of one expanded run; raises ConfigError for an emulated link this
+    machine cannot shape (rate, queue), naming the key."""
+    from testbed.config import cache_capacity      # config validates by compiling: no cycle
+
+    scale = Scale.of(exp)
+    prof = profiles.load(exp.model.profile)
+    instances = _instances(exp, lambda dc: int(scale.emulated_bytes(
+        cache_capacity(exp, prof, dc))))
+    links = {d: _link(exp.network.wan.direction(d), scale) for d in DIRECTIONS}
+    link_changes = _link_changes(exp, scale)
+    _check_links(exp, scale, links, link_changes)
+    faults = _faults(exp)
+    schedule = tuple(sorted(link_changes + _link_fault_changes(exp, scale, links, faults,
+                                                               link_changes)
+                            + _fault_actions(scale, faults), key=lambda s: s.at_s))
+    per_frame = needs_per_frame_packets({d: lk.params() for d, lk in links.items()}) or any(
+        c.loss for c in exp.network.wan.changes)
+    return Deployment(
+        name=exp.name, label=exp.run_label, seed=exp.seed, scale=scale,
+        instances=tuple(instances),
+        links=links, links_real={d: _real(exp.network.wan.direction(d)) for d in DIRECTIONS},
+        shaping_backend=exp.network.wan.backend, per_frame=per_frame, schedule=schedule,
+        runtime=_runtime(exp, prof, scale, instances))
+
+
+# ---------------------------------------------------------------- instances
+
+def instance_names(exp):
+    """The prefill and decode instances' names (what faults may target)."""
+    return [i.name for i in _instances(exp, lambda dc: 0) if i.role in ("prefill", "decode")]
+
+
+def _instances(exp, pool_bytes):
+    """Every placed process with its address, in start order: PrfaaS prefill, local prefill,
+    local decode, scheduler, client, then a cache pool per datacenter (`pool_bytes(dc)`
+    emulated bytes)."""
+    c = exp.clusters
+    worker = "dualrole" if exp.scheduler.roles.enabled else None   # role: the starting one
+    out = []
+
+    def add(name, role, dc, ip, accelerator="", local_worker=None, **kw):
+        out.append(InstanceRuntime(name=name, role=role, dc=dc, accelerator=accelerator,
+                                   worker=local_worker or role, ip=ip, **kw))
+    for i in range(c.prfaas.instances):
+        add(f"rp{i}", "prefill", "prfaas", f"{DC_NET['prfaas']}.1.{i + 1}", c.prfaas.accelerator)
+    for i in range(c.local.prefill):
+        add(f"lp{i}", "prefill", "local", f"{DC_NET['local']}.1.{i + 1}", c.local.accelerator,
+            worker)
+    for i in range(c.local.decode):
+        add(f"ld{i}", "decode", "local", f"{DC_NET['local']}.2.{i + 1}", c.local.accelerator,
+            worker)
+    add("scheduler", "scheduler", "local", f"{DC_NET['local']}.0.2")
+    add("client", "client", "local", f"{DC_NET['local']}.0.3")
+    if exp.cache.enabled:
+        for dc in ("prfaas", "local"):
+            add(f"pool_{dc}", "cachepool", dc, f"{DC_NET[dc]}.0.5",
+                cache_capacity_bytes=pool_bytes(dc))
+    return out
+
+
+# ---------------------------------------------------------------- links
+
+def _link(real, scale):
+    """One direction's real-world parameters (`WanSpec.direction`) as the shaper runs them.
+
+    A queue given in bytes is scaled by `scale.bytes`, which keeps its drain time (queue /
+    rate) in step with everything else; a queue in packets is taken as emulated packets."""
+    q = real["queue"]
+    if q and "bytes" in q:
+        q = {"bytes": int(scale.emulated_bytes(q["bytes"]))}
+    return Link(rate_bps=scale.emulated_rate(real["rate"]), delay_s=scale.emulated_s(real["delay"]),
+                jitter_s=scale.emulated_s(real["jitter"]), jitter_dist=real["jitter_dist"],
+                reorder=real["reorder"], loss=real["loss"], loss_burst=real["loss_burst"],
+                queue=dict(q) if q else None, up=real["up"])
+
+
+def _real(d):
+    return {"rate_real_bps": d["rate"], "delay_real_s": d["delay"], "jitter_real_s": d["jitter"],
+            "jitter_dist": d["jitter_dist"], "reorder": d["reorder"], "loss": d["loss"],
+            "loss_burst": d["loss_burst"], "queue_real": d["queue"], "up": d["up"]}
+
+
+def _changes(spec, scale):
+    """The shaper's keys of a change or link fault (`rate`, `delay`, `jitter`, `loss`, `up`
+    that are set), emulated."""
+    out = {}
+    for k in ("rate", "delay", "jitter", "loss", "up"):
+        v = getattr(spec, k, None)
+        if v is None:
+            continue
+        out[k] = (scale.emulated_rate(v) if k == "rate" else
+                  scale.emulated_s(v) if k in ("delay", "jitter") else v)
+    return out
+
+
+def _direction(d):
+    return None if d == "both" else d
+
+
+def rate_trace_rows(exp):
+    """The rate trace's (t_real_s, rate_real_bps) rows, repeated to cover the longest the run
+    may last (4 x drain_timeout) when it loops; [] without a trace."""
+    from testbed.config import read_rate_trace
+
+    trace = exp.network.wan.rate_trace
+    if trace is None:
+        return []
+    rows = read_rate_trace(trace.path)
+    if trace.loop and rows:
+        period, horizon = rows[-1][0], exp.run.drain_timeout * 4
+        if period > 0:
+            n = int(horizon / period) + 1
+            rows = [(t + k * period, r) for k in range(n) for t, r in rows]
+    return rows
+
+
+def _link_changes(exp, scale):
+    """`network.wan.changes` and the rate trace's rows, emulated, by time."""
+    out = [LinkChange(scale.emulated_s(c.at), _direction(c.direction), _changes(c, scale))
+           for c in exp.network.wan.changes]
+    trace = exp.network.wan.rate_trace
+    for t, rate in rate_trace_rows(exp):
+        out.append(LinkChange(scale.emulated_s(t), _direction(trace.direction),
+                              {"rate": scale.emulated_rate(rate)}, "trace"))
+    return sorted(out, key=lambda c: c.at_s)
+
+
+def in_force(links, changes, direction, t_s):
+    """The shaper's parameters of one direction in force at emulated time `t_s`: the built
+    link, then every change up to then."""
+    p = links[direction].params()
+    for c in sorted(changes, key=lambda c: c.at_s):
+        if c.at_s <= t_s and c.direction in (None, direction):
+            p.update(c.changes)
+    return p
+
+
+def _check_rate(rate, key, what):
+    """An emulated rate within what this machine can shape (`what` names the real value)."""
+    if rate > MAX_EMULATED_RATE_BPS:
+        raise ConfigError(f"{what} scales to {units.fmt_rate(rate)} emulated, above what this "
+                          f"machine can shape ({units.fmt_rate(MAX_EMULATED_RATE_BPS)}); lower "
+                          f"scale.bytes or scale.time", key=key)
+    if rate < MIN_EMULATED_RATE_BPS:
+        raise ConfigError(f"{what} scales to {units.fmt_rate(rate)} emulated, below 8 kbit/s; "
+                          f"raise scale.bytes (a link that is down is `up: false`)", key=key)
+
+
+def _check_links(exp, scale, links, changes):
+    """Everything about the emulated WAN, checked once: each direction's rate and queue, every
+    scheduled change's and rate-trace row's rate, every link fault's rate."""
+    wan = exp.network.wan
+    for d in DIRECTIONS:
+        q, real = links[d].queue, wan.direction(d)
+        if q and "bytes" in q and q["bytes"] < MIN_EMULATED_QUEUE_BYTES:
+            raise ConfigError(
+                f"queue {real['queue']['bytes']} bytes x scale.bytes {scale.bytes:g} = "
+                f"{q['bytes']} emulated bytes, less than one 64 KiB TSO burst; raise scale.bytes "
+                f"or give the queue in packets (emulated packets, not scaled)",
+                key="network.wan.queue")
+        _check_rate(links[d].rate_bps, "scale",
+                    f"network.wan.rate {units.fmt_rate(real['rate'])} x scale.bytes "
+                    f"{scale.bytes:g} x scale.time {scale.time:g}")
+    for i, c in enumerate(wan.changes):
+        if c.rate is not None:
+            _check_rate(scale.emulated_rate(c.rate), f"network.wan.changes[{i}].rate",
+                        f"rate {units.fmt_rate(c.rate)}")
+    for c in changes:
+        if c.source == "trace":
+            _check_rate(c.changes["rate"], "network.wan.rate_trace",
+                        f"a row of {wan.rate_trace.path} "
+                        f"({units.fmt_rate(scale.real_rate(c.changes['rate']))})")
+    for i, f in enumerate(exp.faults):
+        if f.kind == "link" and f.rate is not None:
+            _check_rate(scale.emulated_rate(f.rate), f"faults[{i}].rate",
+                        f"rate {units.fmt_rate(f.rate)}")
+    rtt = sum(links[d].delay_s for d in DIRECTIONS)
+    for d in DIRECTIONS:
+        rates = [links[d].rate_bps] + [scale.emulated_rate(c.rate) for c in wan.changes
+                                       if c.rate and c.direction in (d, "both")]
+        netspec.check_queue(links[d].queue, max(rates), rtt, f"network.wan.{d}.queue")
+
+
+# ---------------------------------------------------------------- faults
+
+def _faults(exp):
+    from testbed import faults
+    return faults.resolve(exp) if exp.faults else []
+
+
+def _link_fault_changes(exp, scale, links, occurrences, base):
+    """Each link fault's change at injection and, after `duration`, the values in force before
+    it (the built link, then every entry of `base` -- changes and the rate trace -- up to
+    that moment)."""
+    out = []
+    for o in occurrences:
+        f = o.spec
+        if f.kind != "link":
+            continue
+        ch = _changes(f, scale)
+        d = _direction(f.direction)
+        note = {"fault": o.index, "occurrence": o.n, "fault_kind": "link", "target": o.target}
+        at = scale.emulated_s(o.at_s)
+        out.append(LinkChange(at, d, ch, "fault", {**note, "phase": "inject"}))
+        if not math.isinf(o.end_s):
+            for dd in (DIRECTIONS if d is None else (d,)):
+                before = in_force(links, base, dd, at)
+                out.append(LinkChange(scale.emulated_s(o.end_s), dd,
+                                      {k: before[k] for k in ch}, "fault",
+                                      {**note, "phase": "end"}))
+    return out
+
+
+def _fault_actions(scale, occurrences):
+    """Injections and ends of the instance faults, by (time, injection before end)."""
+    out = []
+    for o in occurrences:
+        k = o.spec.kind
+        if k == "link":
+            continue
+        phases = [(o.at_s, 0, "inject")]
+        if k in ("pause", "slow", "restart"):
+            phases.append((o.end_s, 1, "end"))
+        for t, order, phase in phases:
+            out.append((t, order, FaultAction(scale.emulated_s(t), phase, o.index, o.n, k,
+                                              tuple(o.targets), o.spec.factor)))
+    return [a for *_, a in sorted(out, key=lambda x: (x[0], x[1]))]
+
+
+# ---------------------------------------------------------------- the workers' runtime
+
+def _scheduler(exp, scale):
+    s = exp.scheduler
+    a, r, f = s.adaptive, s.roles, s.failover
+    adaptive = None
+    if a.enabled and s.policy == "prfaas":
+        adaptive = AdaptiveRuntime(
+            interval_s=scale.emulated_s(a.interval), window_s=scale.emulated_s(a.window),
+            dwell_s=scale.emulated_s(a.dwell), egress_high=a.egress_high, egress_low=a.egress_low,
+            queue_ratio=a.queue_ratio, step=a.step, min=a.min, max=a.max)
+    roles = None
+    if r.enabled:
+        roles = RolesRuntime(
+            interval_s=scale.emulated_s(r.interval), window_s=scale.emulated_s(r.window),
+            min_requests=r.min_requests, cost_s=scale.emulated_s(r.cost), gain=r.gain,
+            retune=r.retune, wan_rate_real_bps=float(exp.network.wan.direction("kv")["rate"]))
+    return SchedulerRuntime(
+        policy=s.policy, threshold=s.threshold, placement=s.placement, failover=f.enabled,
+        health_interval_s=scale.emulated_s(f.interval),
+        health_timeout_s=scale.emulated_s(f.timeout), failover_max_local=f.max_local,
+        adaptive=adaptive, roles=roles)
+
+
+def _runtime(exp, prof, scale, instances):
+    from testbed import loadgen
+
+    step_real = exp.model.decode_step if exp.model.decode_step is not None else prof.decode_step_s
+    c = exp.cache
+    cache = CacheRuntime(enabled=True, block=c.block, snapshot_every=c.snapshot_every,
+                         transfer=c.transfer, headroom=c.headroom,
+                         s_kv_real=tuple(prof.kv_size.coeffs)) if c.enabled else CacheRuntime()
+    return WorkerRuntime(
+        name=exp.name, label=exp.run_label, seed=exp.seed, scale=scale,
+        profile=exp.model.profile, engine=exp.model.engine, device=exp.model.device,
+        torch={"seed": exp.seed, **exp.model.torch},
+        decode=DecodeRuntime(step_s=scale.emulated_s(step_real), step_real_s=step_real,
+                             bs_max=exp.model.bs_max or prof.bs_max,
+                             model_real=dataclasses.asdict(exp.decode_model())),
+        scheduler=_scheduler(exp, scale), cache=cache,
+        # timeseries.csv's kv_link_gbps is real-world Gbit/s; workers compare it with emulated
+        # byte counters: this is the one factor between them
+        wan=WanRuntime(link_real_gbps_to_bps=scale.emulated_rate(1e9)),
+        frontdoor=loadgen.runtime(exp),
+        kv_deadline_s=scale.emulated_s(exp.run.kv_deadline),
+        token_flush_s=scale.emulated_s(exp.run.token_flush),
+        request_timeout_s=scale.emulated_s(exp.run.request_timeout),
+        drain_timeout_s=scale.emulated_s(exp.run.drain_timeout),
+        instances={i.name: i for i in instances})
+
+
+__all__ = ["Deployment", "Link", "LinkChange", "FaultAction", "compile", "in_force",
+           "instance_names", "rate_trace_rows", "DC_NET", "MAX_EMULATED_RATE_BPS"]
