@@ -189,14 +189,23 @@ def _cpu_s(pid):
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def raw_veth_bps(per_frame, duration_s=SWEEP_S):
-    """TCP goodput through the same src - router - dst namespaces with no shaping at all (the
-    link is built, then its `Wan` removed); per_frame: segmentation offload off, as with loss."""
+@dataclasses.dataclass(frozen=True)
+class RawVeth:
+    """The same src - router - dst namespaces with no shaping at all: what the veths carry."""
+    per_frame: bool                # segmentation offload off on the end hosts, as with loss
+    goodput_bps: float
+    tcp_reorder_events: int        # the kernel's own reordering (per-CPU receive queues)
+
+
+def raw_veth(per_frame, duration_s=SWEEP_S):
+    """Measure RawVeth: the link is built as for the sweep, then its `Wan` removed."""
     d = shaping.check_params({"rate": 1e9, "loss": SWEEP_LOSSES[1] if per_frame else 0.0},
                              "raw")
     with two_host_link({"kv": d, "request": d}) as link:
         link.wan.stop()
-        return probe.measure_goodput(link.src, link.dst, link.dst_ip, duration_s)
+        reorder0 = _tcp_reorder_events(link.src)
+        goodput = probe.measure_goodput(link.src, link.dst, link.dst_ip, duration_s)
+        return RawVeth(per_frame, goodput, _tcp_reorder_events(link.src) - reorder0)
 
 
 def _loaded(link, duration_s):
@@ -243,13 +252,14 @@ def sweep_point(rate, loss, raw_bps, delay_s=SWEEP_DELAY_S, duration_s=SWEEP_S):
 
 
 def delayline_sweep(rates=SWEEP_RATES, losses=SWEEP_LOSSES, duration_s=SWEEP_S):
-    """Yield (raw veth goodput by offload setting, SweepPoint) for every rate x loss; the raw
-    rates are measured first, in the same run, with and without segmentation offload."""
-    raw = {per_frame: raw_veth_bps(per_frame, duration_s)
+    """Yield ({per_frame: RawVeth}, SweepPoint) for every rate x loss; the raw veth rates are
+    measured first, in the same run, with and without segmentation offload."""
+    raw = {per_frame: raw_veth(per_frame, duration_s)
            for per_frame in sorted({loss > 0 for loss in losses})}
     for loss in losses:
         for rate in rates:
-            yield raw, sweep_point(rate, loss, raw[loss > 0], duration_s=duration_s)
+            yield raw, sweep_point(rate, loss, raw[loss > 0].goodput_bps,
+                                   duration_s=duration_s)
 
 
 SWEEP_HEADER = ("| rate | loss | goodput Gbit/s | goodput/rate | goodput/raw veth | RTT err ms "
@@ -268,6 +278,11 @@ def fmt_sweep_row(p):
             f"| {p.delayline_cpu:.2f} | {p.queue_drops} |")
 
 
+def fmt_raw(r):
+    return (f"raw veth (no shaping), offload {'off' if r.per_frame else 'on'}: goodput "
+            f"{r.goodput_bps / 1e9:.2f} Gbit/s, TCP reorder events {r.tcp_reorder_events}")
+
+
 def run_rate_sweep(duration_s, results):
     """Print the sweep as it is measured; append each point's fields to `results`."""
     print(f"delay-line rate sweep: {SWEEP_DELAY_S * 1e3:g} ms each way, {duration_s:g} s bulk "
@@ -276,10 +291,10 @@ def run_rate_sweep(duration_s, results):
     raw_shown = False
     for raw, p in delayline_sweep(duration_s=duration_s):
         if not raw_shown:
-            print("raw veth goodput (no shaping): "
-                  + ", ".join(f"{'offload off' if k else 'offload on'} {v / 1e9:.2f} Gbit/s"
-                              for k, v in raw.items()) + "\n")
-            print(SWEEP_HEADER)
+            for r in raw.values():
+                print(fmt_raw(r))
+                results.append({"raw_veth": True, **dataclasses.asdict(r)})
+            print("\n" + SWEEP_HEADER)
             raw_shown = True
         print(fmt_sweep_row(p), flush=True)
         results.append({"sweep_point": True, **dataclasses.asdict(p)})
@@ -296,7 +311,10 @@ def print_saved(results):
     sweep = [SweepPoint(**{k: v for k, v in r.items() if k != "sweep_point"})
              for r in results if r.get("sweep_point")]
     if sweep:
-        print(SWEEP_HEADER)
+        for r in results:
+            if r.get("raw_veth"):
+                print(fmt_raw(RawVeth(**{k: v for k, v in r.items() if k != "raw_veth"})))
+        print("\n" + SWEEP_HEADER)
         for p in sweep:
             print(fmt_sweep_row(p))
         return 0
