@@ -19,7 +19,8 @@ for benchmarks/emulation_speed.py): per configured rate (1, 2, 5, 8 Gbit/s, 5 ms
 no loss and with a small loss (0.1%, which turns segmentation offload off, so every 1514-byte
 frame is one delay-line packet), the TCP goodput over the rate and over the raw veth goodput of
 the same topology without shaping (measured in the same run, same offload setting); the idle
-RTT's error; the one-way delay of probes on the reverse (ACK) direction while the bulk flow runs,
+RTT's error (p50 - 2 x delay; the raw veth's idle RTT, printed above the table, is the stack's
+share of it); the one-way delay of probes on the reverse (ACK) direction while the bulk flow runs,
 so through a delay line under load with an empty bottleneck queue; reordering seen by the probes
 and by TCP (the sender's reordering counters); and how late the forward delay line released
 packets by its own clock, and its CPU share.
@@ -195,6 +196,7 @@ class RawVeth:
     per_frame: bool                # segmentation offload off on the end hosts, as with loss
     goodput_bps: float
     tcp_reorder_events: int        # the kernel's own reordering (per-CPU receive queues)
+    rtt_p50_ms: float              # idle probes: the stack's own RTT, no delay line
 
 
 def raw_veth(per_frame, duration_s=SWEEP_S):
@@ -203,9 +205,11 @@ def raw_veth(per_frame, duration_s=SWEEP_S):
                              "raw")
     with two_host_link({"kv": d, "request": d}) as link:
         link.wan.stop()
+        c, _ = probe.measure_udp(link.src, link.dst, link.dst_ip, probes=SWEEP_IDLE_PROBES)
         reorder0 = _tcp_reorder_events(link.src)
         goodput = probe.measure_goodput(link.src, link.dst, link.dst_ip, duration_s)
-        return RawVeth(per_frame, goodput, _tcp_reorder_events(link.src) - reorder0)
+        return RawVeth(per_frame, goodput, _tcp_reorder_events(link.src) - reorder0,
+                       probe._percentile([x / 1e6 for x in c["rtt_ns"]], 0.5))
 
 
 def _loaded(link, duration_s):
@@ -280,7 +284,8 @@ def fmt_sweep_row(p):
 
 def fmt_raw(r):
     return (f"raw veth (no shaping), offload {'off' if r.per_frame else 'on'}: goodput "
-            f"{r.goodput_bps / 1e9:.2f} Gbit/s, TCP reorder events {r.tcp_reorder_events}")
+            f"{r.goodput_bps / 1e9:.2f} Gbit/s, TCP reorder events {r.tcp_reorder_events}, "
+            f"idle RTT p50 {r.rtt_p50_ms:.3f} ms")
 
 
 def run_rate_sweep(duration_s, results):
