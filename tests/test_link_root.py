@@ -8,6 +8,7 @@ benchmarks/link_fidelity.py because these two cores are shared with other jobs.
 import os
 import signal
 import subprocess
+import threading
 import time
 
 import pytest
@@ -101,6 +102,46 @@ def test_rtt_jitter_and_order(link_factory):
     sd = (sum((x - sum(owd) / len(owd)) ** 2 for x in owd) / len(owd)) ** 0.5
     assert 0.65 <= sd <= 1.35, sd
     assert s["reordered"]["p"] == 0
+
+
+def _during_bulk_transfer(link, duration_s, measure):
+    """Run measure() while a bulk TCP flow src -> dst fills the link (after its warm-up)."""
+    done = {}
+    bulk = threading.Thread(target=lambda: done.setdefault("goodput", probe.measure_goodput(
+        link.src, link.dst, link.dst_ip, duration_s=duration_s)))
+    bulk.start()
+    try:
+        time.sleep(probe.WARMUP_S)
+        return measure()
+    finally:
+        bulk.join()
+        assert "goodput" in done, "the bulk transfer failed (traceback above)"
+
+
+def test_delay_line_above_2_gbit_keeps_order_and_delay(link_factory):
+    """At 4 Gbit/s (above the old 2 Gbit/s cap) with bulk TCP filling the link: forward packets
+    (through the loaded line and the bottleneck queue) arrive in order and none before the 5 ms
+    delay; reverse probes (through the ACK direction's line, whose queue stays empty) arrive
+    5 ms later plus little; the line dropped nothing and the kernel refused no verdict."""
+    link = link_factory(rate=4e9, delay=0.005)
+
+    def both_directions():
+        fwd = probe.measure_udp(link.src, link.dst, link.dst_ip, probes=100, train=5000,
+                                train_pps=10000)
+        rev = probe.measure_udp(link.dst, link.src, link.src_ip, probes=100)
+        return fwd, rev
+
+    (_, fwd), (_, rev) = _during_bulk_transfer(link, 4.0, both_directions)
+    fwd_ms = [x / 1e6 for x in fwd["owd_ns"]]
+    assert len(fwd_ms) >= 95 and fwd["got"]["t"] >= 4900
+    assert min(fwd_ms) >= 4.99, min(fwd_ms)        # held for the delay, queueing on top
+    assert fwd["reordered"]["p"] + fwd["reordered"]["t"] == 0, fwd.get("reorder_examples")
+    rev_ms = sorted(x / 1e6 for x in rev["owd_ns"])
+    assert len(rev_ms) >= 95 and rev["reordered"]["p"] == 0
+    assert 4.99 <= rev_ms[0] and probe._percentile(rev_ms, 0.5) <= 6.0, rev_ms
+    counters = link.wan.delayline_counters()
+    for d in ("kv", "request"):
+        assert counters[d]["dropped"] == 0 and counters[d]["errors"] == 0, counters
 
 
 def test_loss_measured_one_way(link_factory):

@@ -194,7 +194,7 @@ def test_case_study_file_validates_and_is_runnable_here(case_runs):
     assert by["naive"].clusters.local.decode == 8
     for r in case_runs:
         assert r.network.wan.rate == 100e9
-        assert deploy.compile(r).links["kv"].rate_bps <= 2e9
+        assert deploy.compile(r).links["kv"].rate_bps <= deploy.MAX_EMULATED_RATE_BPS
         assert r.model.decode_step == 0.025 and r.model.bs_max == 20
         assert (r.workload.input.mu, r.workload.input.sigma) == (9.9, 1.0)
         assert (r.workload.input.min, r.workload.input.max) == (128, 131072)

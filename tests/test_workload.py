@@ -454,7 +454,7 @@ def test_shipped_mooncake_experiment(traces_dir):
     assert exp.workload.arrival.process == "trace" and exp.workload.input.dist == "trace"
     from testbed import deploy
     rate = deploy.compile(exp).links["kv"].rate_bps
-    assert rate <= 2e9
+    assert rate <= deploy.MAX_EMULATED_RATE_BPS
     df = generate(exp.workload, exp.seed, requests=exp.requests, duration_s=exp.duration,
                   base_dir=path.parent)
     assert 300 <= len(df) <= 400

@@ -433,7 +433,9 @@ class DelayLine:
                 raise NetworkError(f"delay line on NFQUEUE {self.queue_num} answered {ack!r}")
 
     def counters(self):
-        """{'held', 'passed', 'dropped', 'lost'} from the delay line itself, or {} when gone."""
+        """{'held', 'passed', 'dropped', 'lost', 'errors', 'late_sum_ns', 'late_max_ns'} from
+        the delay line itself (late: release time - due time of passed packets, by its own
+        clock), or {} when gone."""
         with self._lock:
             if not self.alive():
                 return {}
