@@ -42,3 +42,22 @@ def test_torch_decode_engine_implements_its_protocol():
     from workers.engine_torch import TorchDecodeEngine
     _implements(TorchDecodeEngine, engine.AssemblingDecodeEngine)
     assert engine.PacedDecodeEngine not in TorchDecodeEngine.__mro__
+
+
+def test_a_slowed_decode_engine_stays_slow_after_a_request_frees_its_memory(tmp_path):
+    """The `slow` fault sets clock_factor on the engine (workers/control.py); a request finishing
+    (free) once reset it to 1, so a slowed decode instance recovered at its first completion."""
+    from conftest import SMALL_EXPERIMENT
+    from testbed import config, deploy
+
+    p = tmp_path / "exp.yaml"
+    p.write_text(SMALL_EXPERIMENT)
+    (exp,) = config.load_experiment(p)
+    rt = deploy.compile(exp).runtime
+    eng = ProfileDecodeEngine(rt, rt.instance("ld0"))
+    assert eng.clock_factor == 1.0
+    eng.clock_factor = 3.0
+    need = eng.kv_need(1000, 10)
+    eng.reserve(need)
+    eng.free(need)
+    assert eng.clock_factor == 3.0 and eng.reserved == 0.0

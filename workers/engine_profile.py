@@ -75,6 +75,7 @@ class ProfileDecodeEngine(PacedDecodeEngine):
         self.bs_max = rt.decode.bs_max
         self.model = rt.decode.model()
         self.reserved = 0.0          # real-world KV bytes of the requests in the batch
+        self.clock_factor = 1.0    # > 1: a slowed instance (the `slow` fault, workers/control.py)
 
     def step_seconds(self, batch, context_tokens):
         """Emulated duration of one step of `batch` requests holding `context_tokens`."""
@@ -93,7 +94,6 @@ class ProfileDecodeEngine(PacedDecodeEngine):
 
     def free(self, need):
         self.reserved = max(0.0, self.reserved - need)
-        self.clock_factor = 1.0    # > 1: a slowed instance (the `slow` fault, workers/control.py)
 
     def admit(self, request_id, state):
         pass
