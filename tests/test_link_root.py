@@ -51,9 +51,16 @@ def link_factory(tmp_path):
 
 def test_rate_measured_at_the_receiver(link_factory):
     link = link_factory(rate=50e6)
-    goodput = probe.measure_goodput(link.src, link.dst, link.dst_ip, duration_s=1.5)
-    # TCP payload share of a 1514-byte frame is 0.956
-    assert 0.88 * 50e6 <= goodput <= 1.0 * 50e6, goodput
+    # TCP payload share of a 1514-byte frame is 0.956. The link's capacity is what the best of
+    # up to three 1.5 s transfers reaches: a busy CPU on this shared machine can only lower a
+    # transfer's goodput (seen: 0.77 of the rate once), never raise it above the shaped rate.
+    runs = []
+    for _ in range(3):
+        runs.append(probe.measure_goodput(link.src, link.dst, link.dst_ip, duration_s=1.5))
+        assert runs[-1] <= 1.0 * 50e6, runs
+        if runs[-1] >= 0.88 * 50e6:
+            break
+    assert max(runs) >= 0.88 * 50e6, runs
     st = link.wan.stats()["kv"]
     assert st["tx_bytes"] >= 0.9 * 50e6 / 8 * 1.5
 
