@@ -36,6 +36,7 @@ class Network:
         self.net = None
         self.topo = None
         self.wan = None
+        self.tcp_timers = {}
 
     def start(self):
         if os.geteuid() != 0:
@@ -76,6 +77,7 @@ class Network:
             # emulated BDP (per-namespace sysctls; the machine's own are untouched).
             self.net[name].cmd("sysctl -qw net.ipv4.tcp_rmem='4096 131072 67108864' "
                                "net.ipv4.tcp_wmem='4096 16384 67108864'")
+        self._scale_tcp_timers()
         self._per_frame_if_lossy()
         router = self.host("wan")
         out = router.cmd("sysctl -qw net.ipv4.ip_forward=1 && cat /proc/sys/net/ipv4/ip_forward")
@@ -83,6 +85,15 @@ class Network:
             raise NetworkError(f"could not enable forwarding on the WAN router: {out.strip()}")
         self._shape(router)
         return self
+
+    def _scale_tcp_timers(self):
+        """rto_min and quickack on the end hosts' routes (`net.timers`); recorded for metadata."""
+        from testbed.net.timers import TcpTimers, apply
+
+        timers = TcpTimers.for_scale(self.exp.scale.time)
+        routes = {role: apply(path, timers) for role, path in self.netns_path.items()
+                  if role != "wan"}
+        self.tcp_timers = {**timers.describe(self.exp.scale.time), "routes": routes}
 
     def _per_frame_if_lossy(self):
         """With loss configured (now or by a scheduled change), hosts send single frames."""
