@@ -33,6 +33,8 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from testbed import fidelity
+
 SUMMARY_KEYS = [
     "label", "policy", "completed", "failed", "duration_s", "request_throughput",
     "mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
@@ -198,7 +200,7 @@ def summarize(df, exp, timeseries=None, counters=None):
         "scale_time": T, "scale_bytes": B,
     }
     out.update(goodput(df, exp.slo.objectives_ms(), duration_s))
-    out.update(egress(timeseries, t0, t1, T, B))
+    out.update(egress(fidelity.without_artifacts(timeseries), t0, t1, T, B))
     if counters:
         out["wan_bytes_counted"] = counters.get("kv", {}).get("tx_bytes")
     errors = df.error[df.status != "ok"].dropna().value_counts()
@@ -459,6 +461,7 @@ def analyse(run_dir, exp):
     df.drop(columns=["token_times", "client_times"], errors="ignore").to_parquet(
         d / "requests.parquet", index=False)
     ts = read_timeseries(d / "timeseries.csv")
+    ts = fidelity.flag_artifacts(ts, 1e9 * exp.scale.bytes * exp.scale.time)
     meta = json.loads((d / "metadata.json").read_text()) if (d / "metadata.json").exists() else {}
     summary = summarize(df, exp, ts, meta.get("wan_counters"))
     reasons = incomplete_reasons(d)
@@ -478,6 +481,9 @@ def analyse(run_dir, exp):
     summary["warnings"] = summary["link_warnings"] + (summary.get("emulation") or {}).get(
         "warnings", []) + [f"scheduled link change at {e['at_s']:g}s (emulated) failed: "
                            f"{e['error']}" for e in meta.get("link_schedule_errors") or []]
+    guards, guard_warnings = fidelity.guards(df, exp, ts, meta)    # testbed/fidelity.py
+    summary.update(guards)
+    summary["warnings"] += guard_warnings
     if reasons:
         summary["warnings"].append(f"incomplete run: {summary['incomplete_reason']}")
     from testbed import faults     # accounting, recovery per injected fault

@@ -23,7 +23,8 @@ import time
 
 import yaml
 
-from testbed import __version__, config, kvwire, lifecycle, loadgen, metrics, ownership, plot
+from testbed import (__version__, config, fidelity, kvwire, lifecycle, loadgen, metrics,
+                     ownership, plot)
 from testbed.errors import ConfigError, PrivilegeError, RunInterrupted, WorkerError
 from testbed.measure import CounterSampler, EventLog
 from testbed.workload import generate
@@ -234,10 +235,13 @@ class Run:
                 net.cli()
             sampler = CounterSampler(net.wan, d / "timeseries.csv", exp.scale.time,
                                      exp.scale.bytes).start()
+            tcp_before = fidelity.host_tcp_counters(net.netns_path)
             try:
                 self._drive(net, rt, workload, events)
             finally:
                 counters = sampler.stop()
+                self.meta["tcp_counters"] = fidelity.counter_delta(
+                    tcp_before, fidelity.host_tcp_counters(net.netns_path))
         except KeyboardInterrupt:
             interrupted = True
             events("interrupted")
@@ -264,7 +268,8 @@ class Run:
                                  "router_egress": dict(net.topo.router_intfs)}
         self.meta["tcp"] = {"congestion_control_kv": self.congestion_control(),
                             "congestion_control_default": _system_cc(),
-                            "segmentation_offload": not net.per_frame}
+                            "segmentation_offload": not net.per_frame,
+                            "timers": net.tcp_timers}
         self.meta["shaping"] = {"backend": net.wan.backend,
                                 "reason": getattr(net.wan, "backend_reason", ""),
                                 "emulated": {k: self.exp.emulated_direction(k)
