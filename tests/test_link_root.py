@@ -7,6 +7,7 @@ benchmarks/link_fidelity.py because these two cores are shared with other jobs.
 
 import os
 import signal
+import statistics
 import subprocess
 import time
 
@@ -14,7 +15,7 @@ import pytest
 
 from testbed import lifecycle
 from testbed.commands.linktest import two_host_link
-from testbed.net import probe, shaping
+from testbed.net import probe, shaping, timers
 
 pytestmark = pytest.mark.root
 
@@ -212,3 +213,30 @@ def test_netem_loss_and_down(link_factory):
     link.wan.set(up=False)
     _, s = probe.measure_udp(link.src, link.dst, link.dst_ip, probes=20)
     assert s["got"]["p"] == 0
+
+
+def _stalls_real_s(link_factory, time_scale, cuts=7):
+    """Receiver stalls (real-world s) of a 20 Mbit/s, 5 ms link emulated at `time_scale`, with
+    the hosts' TCP timers as a run sets them (`net.timers`), cut for 450 ms every 2 s."""
+    link = link_factory(rate=20e6 * time_scale, delay=0.005 / time_scale)
+    tcp = timers.TcpTimers.for_scale(time_scale)
+    for ns in (link.src, link.dst):
+        timers.apply(ns, tcp)
+    stalls = probe.measure_stalls(link, cuts=cuts, cut_s=0.45 / time_scale,
+                                  period_s=2.0 / time_scale, warmup_s=1.0 / time_scale)
+    found = [s * time_scale for s in stalls if s is not None]
+    assert len(found) >= 4, stalls
+    return found
+
+
+def test_loss_recovery_costs_the_same_real_time_at_1x_and_10x(link_factory):
+    """A 450 ms cut of the KV direction stalls the receiver until the sender's retransmission
+    timeout, backed off, finds the link up again: at 1x the second timeout (~750 ms after the
+    last data). With the kernel's 200 ms RTO floor a 10x run stalls 2-7 s of real-world time;
+    with rto_min scaled it stalls as long as at 1x. Medians of seven cuts. The restore's own apply
+    time (an iptables-restore, 12-21 ms = 120-210 ms real at 10x) keeps it before the second
+    timeout (~720 ms) at both scales."""
+    one = statistics.median(_stalls_real_s(link_factory, 1.0))
+    ten = statistics.median(_stalls_real_s(link_factory, 10.0))
+    assert one >= 0.45, one               # the cut itself is part of every stall
+    assert abs(ten / one - 1) <= 0.2, (one, ten)
