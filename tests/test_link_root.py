@@ -231,12 +231,12 @@ def _stalls_real_s(link_factory, time_scale, cuts=7):
 
 def test_loss_recovery_costs_the_same_real_time_at_1x_and_10x(link_factory):
     """A 450 ms cut of the KV direction stalls the receiver until the sender's retransmission
-    timeout, backed off, finds the link up again: at 1x the second timeout (~750 ms after the
-    last data). With the kernel's 200 ms RTO floor a 10x run stalls 2-7 s of real-world time;
-    with rto_min scaled it stalls as long as at 1x. Medians of seven cuts. The restore's own apply
-    time (an iptables-restore, 12-21 ms = 120-210 ms real at 10x) keeps it before the second
-    timeout (~720 ms) at both scales."""
+    timeout, backed off, finds the link up again: at 1x ~750 ms after the last data (median of
+    seven cuts). With the kernel's 200 ms RTO floor a 10x run stalls ~6.5 s of real-world time
+    (8.6x); with rto_min scaled its stalls are ~450 or ~900 ms (two modes: the restore, an
+    iptables-restore of 12-21 ms = 120-210 ms real at 10x, lands on either side of a timeout),
+    so the bound is wide; the kernel's floor gives 8.6x."""
     one = statistics.median(_stalls_real_s(link_factory, 1.0))
     ten = statistics.median(_stalls_real_s(link_factory, 10.0))
     assert one >= 0.45, one               # the cut itself is part of every stall
-    assert abs(ten / one - 1) <= 0.2, (one, ten)
+    assert 0.5 <= ten / one <= 1.5, (one, ten)
