@@ -93,7 +93,8 @@ class Network:
         timers = TcpTimers.for_scale(self.exp.scale.time)
         routes = {role: apply(path, timers) for role, path in self.netns_path.items()
                   if role != "wan"}
-        self.tcp_timers = {**timers.describe(self.exp.scale.time), "routes": routes}
+        self.tcp_timers = {**timers.describe(self.exp.scale.time), "hosts": len(routes),
+                           "routes": sorted({r for rs in routes.values() for r in rs})}
 
     def _per_frame_if_lossy(self):
         """With loss configured (now or by a scheduled change), hosts send single frames."""
