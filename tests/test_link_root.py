@@ -233,9 +233,9 @@ def test_loss_recovery_costs_the_same_real_time_at_1x_and_10x(link_factory):
     """A 450 ms cut of the KV direction stalls the receiver until the sender's retransmission
     timeout, backed off, finds the link up again: at 1x ~750 ms after the last data (median of
     seven cuts). With the kernel's 200 ms RTO floor a 10x run stalls ~6.5 s of real-world time
-    (8.6x); with rto_min scaled its stalls are ~450 or ~900 ms (two modes: the restore, an
-    iptables-restore of 12-21 ms = 120-210 ms real at 10x, lands on either side of a timeout),
-    so the bound is wide; the kernel's floor gives 8.6x."""
+    (8.6x); with rto_min scaled its stalls are ~450 or ~900 ms (two modes: whether a
+    retransmission is due when the link returns; the timers that do not scale, jiffies and the
+    loss probe's floor, shift it by a few ms: docs/link.md), so the bound is wide."""
     one = statistics.median(_stalls_real_s(link_factory, 1.0))
     ten = statistics.median(_stalls_real_s(link_factory, 10.0))
     assert one >= 0.45, one               # the cut itself is part of every stall
