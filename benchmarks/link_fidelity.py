@@ -203,7 +203,7 @@ def raw_veth(per_frame, duration_s=SWEEP_S):
     """Measure RawVeth: the link is built as for the sweep, then its `Wan` removed."""
     d = shaping.check_params({"rate": 1e9, "loss": SWEEP_LOSSES[1] if per_frame else 0.0},
                              "raw")
-    with two_host_link({"kv": d, "request": d}) as link:
+    with routed_pair({"kv": d, "request": d}) as link:
         link.wan.stop()
         c, _ = probe.measure_udp(link.src, link.dst, link.dst_ip, probes=SWEEP_IDLE_PROBES)
         reorder0 = _tcp_reorder_events(link.src)
@@ -231,7 +231,7 @@ def _loaded(link, duration_s):
 def sweep_point(rate, loss, raw_bps, delay_s=SWEEP_DELAY_S, duration_s=SWEEP_S):
     """Measure one configured rate (see the module docstring); returns a SweepPoint."""
     d = shaping.check_params({"rate": rate, "delay": delay_s, "loss": loss}, "sweep")
-    with two_host_link({"kv": d, "request": d}) as link:
+    with routed_pair({"kv": d, "request": d}) as link:
         c, s = probe.measure_udp(link.src, link.dst, link.dst_ip, probes=SWEEP_IDLE_PROBES)
         rtt_ms = [x / 1e6 for x in c["rtt_ns"]]
         forward = link.wan._delaylines["kv"]

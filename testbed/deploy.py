@@ -168,7 +168,7 @@ def compile(exp):     # noqa: A001 (the verb of this module)
     prof = profiles.load(exp.model.profile)
     instances = _instances(exp, lambda dc: int(scale.emulated_bytes(
         cache_capacity(exp, prof, dc))))
-    links = {d: _link(exp.network.wan.direction(d), scale) for d in DIRECTIONS}
+    links = {d: emulated_link(exp.network.wan.direction(d), scale) for d in DIRECTIONS}
     link_changes = _link_changes(exp, scale)
     _check_links(exp, scale, links, link_changes)
     faults = _faults(exp)
@@ -222,7 +222,7 @@ def _instances(exp, pool_bytes):
 
 # ---------------------------------------------------------------- links
 
-def _link(real, scale):
+def emulated_link(real, scale):
     """One direction's real-world parameters (`WanSpec.direction`) as the shaper runs them.
 
     A queue given in bytes is scaled by `scale.bytes`, which keeps its drain time (queue /

@@ -5,7 +5,8 @@ each router egress interface, queue backlog, drops, link state, and the configur
 force, `*_link_gbps`, for comparison) at `hz` (default 20 Hz) in a
 thread and writes `timeseries.csv`. Rates are differences of kernel byte counters, never what the
 workers say they sent. Real-world columns are converted back with the run's `Scale`
-(`real_rate`, `real_s`).
+(`real_rate`, `real_s`). `read_s` is how long the counter read took and `<dir>_artifact`
+flags a rate above what the link carries (`testbed.fidelity`).
 
 `EventLog` appends timestamped rows to `events.csv` (link changes, worker deaths, phases).
 """
@@ -48,7 +49,8 @@ class CounterSampler:
     COLUMNS = ["time", "t_s", "t_real_s"] + [
         f"{d}_{k}" for d in DIRECTIONS for k in (
             "tx_bytes", "tx_packets", "rate_bps", "egress_gbps", "backlog_bytes",
-            "backlog_packets", "drops", "up", "link_gbps")]
+            "backlog_packets", "drops", "up", "link_gbps")] + [
+        "read_s"] + [f"{d}_artifact" for d in DIRECTIONS]     # testbed.fidelity
 
     def __init__(self, wan, path, scale, hz=20.0):
         """`scale`: the run's `testbed.scale.Scale` (real-world columns are converted back)."""
@@ -75,6 +77,7 @@ class CounterSampler:
     def _sample(self, prev):
         now = time.time()
         stats = self.wan.stats()
+        read_s = time.time() - now
         row = [f"{now:.6f}", f"{now - self.t0:.6f}", f"{self.scale.real_s(now - self.t0):.6f}"]
         for d in DIRECTIONS:
             s = stats[d]
@@ -86,8 +89,20 @@ class CounterSampler:
                     f"{self.scale.real_rate(rate) / 1e9:.6f}", s["backlog_bytes"],
                     s.get("backlog_packets", 0), s["drops"], int(bool(s["up"])),
                     f"{self.scale.real_rate(s.get('rate_bps', 0)) / 1e9:.6f}"]
+        row += [f"{read_s:.6f}"] + [int(self._artifact(prev, now, read_s, stats, d))
+                                    for d in DIRECTIONS]
         self.w.writerow(row)
         return (now, stats)
+
+    @staticmethod
+    def _artifact(prev, now, read_s, stats, d):
+        """This sample's rate is more than the link carries (`fidelity.exceeds_link`)."""
+        from testbed.fidelity import exceeds_link    # numpy/pandas: not for EventLog's users
+        if prev is None or now <= prev[0]:
+            return False
+        link = max(stats[d].get("rate_bps", 0), prev[1][d].get("rate_bps", 0))
+        rate = (stats[d]["tx_bytes"] - prev[1][d]["tx_bytes"]) * 8 / (now - prev[0])
+        return bool(exceeds_link(rate, link, now - prev[0], read_s))
 
     def _loop(self):
         prev = self.first

@@ -34,7 +34,7 @@ import pathlib
 import numpy as np
 import pandas as pd
 
-from testbed import rundir
+from testbed import fidelity, rundir
 from testbed.rundir import RunInfo, read_records  # noqa: F401  (read_records: loadgen's import)
 from testbed.scale import Scale
 
@@ -185,7 +185,7 @@ def summarize(df: pd.DataFrame, run: RunInfo, timeseries: pd.DataFrame | None = 
         "scale": scale.to_dict(),
     }
     out.update(goodput(df, exp.slo.objectives_ms(), duration_s))
-    out.update(egress(timeseries, t0, t1, scale))
+    out.update(egress(fidelity.without_artifacts(timeseries), t0, t1, scale))
     if counters:
         out["wan_bytes_counted"] = counters.get("kv", {}).get("tx_bytes")
     errors = df.error[df.status != "ok"].dropna().value_counts()
@@ -388,11 +388,12 @@ def incomplete_reasons(run_dir) -> list[str]:
     return reasons
 
 
-def _warnings(summary: dict, meta: dict, reasons: list[str]) -> list[str]:
+def _warnings(summary: dict, meta: dict, reasons: list[str], guards: list[str]) -> list[str]:
     fid = meta.get("link_fidelity") or {}
     out = list(fid.get("warnings", [])) + (summary.get("emulation") or {}).get("warnings", [])
     out += [f"scheduled link change at {e['at_s']:g}s (emulated) failed: {e['error']}"
             for e in meta.get("link_schedule_errors") or []]
+    out += guards          # testbed/fidelity.py: transfers, rate artifacts, TCP timeouts
     if reasons:
         out.append(f"incomplete run: {'; '.join(reasons)}")
     return out
@@ -415,7 +416,8 @@ def analyse(run_dir) -> dict:
     tokens_table(df, scale).to_parquet(rd.tokens, index=False)
     df.drop(columns=["token_times", "client_times"], errors="ignore").to_parquet(
         rd.requests, index=False)
-    summary = summarize(df, run, rundir.timeseries(rd), run.metadata.get("wan_counters"))
+    ts = fidelity.flag_artifacts(rundir.timeseries(rd), scale)
+    summary = summarize(df, run, ts, run.metadata.get("wan_counters"))
     reasons = incomplete_reasons(rd)
     ids = set(int(i) for i in workload.id)
     summary["incomplete"] = bool(reasons)
@@ -429,7 +431,9 @@ def analyse(run_dir) -> dict:
     if pools:
         summary["cache_pools"] = pools
     summary["link_warnings"] = (run.metadata.get("link_fidelity") or {}).get("warnings", [])
-    summary["warnings"] = _warnings(summary, run.metadata, reasons)
+    guards, guard_warnings = fidelity.guards(df, run, ts, run.metadata)    # testbed/fidelity.py
+    summary.update(guards)
+    summary["warnings"] = _warnings(summary, run.metadata, reasons, guard_warnings)
     from testbed import faults     # accounting, recovery per injected fault
     summary.update(faults.analyse(rd.path, exp, df))
     if exp.workload.client != "builtin":

@@ -18,7 +18,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
-from testbed import rundir  # noqa: E402
+from testbed import fidelity, rundir  # noqa: E402
 from testbed.rundir import find_runs  # noqa: E402,F401  (plot.find_runs: callers' name)
 from testbed.scale import Scale  # noqa: E402
 
@@ -106,7 +106,9 @@ def egress_timeline(top, out_dir: pathlib.Path) -> pathlib.Path | None:
         t = _arrival_clock(d, ts, scale)
         frames.append(pd.DataFrame({
             "time since first arrival (s, real-world)": t,
-            "KV egress (Gbit/s, real-world)": ts.kv_egress_gbps.rolling(window, min_periods=1).mean(),
+            # samples above the link rate are counter artifacts (testbed/fidelity.py)
+            "KV egress (Gbit/s, real-world)": ts.kv_egress_gbps.mask(fidelity.artifact_mask(ts))
+            .rolling(window, min_periods=1).mean(),
             "run": _label(s), "policy": s.get("policy")}))
         if link is None and "kv_link_gbps" in ts:
             link = (t, ts.kv_link_gbps * ts.kv_up)

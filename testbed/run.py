@@ -24,8 +24,8 @@ import time
 
 import yaml
 
-from testbed import (__version__, config, deploy, kvwire, lifecycle, loadgen, metrics, ownership,
-                     plot, rundir)
+from testbed import (__version__, config, deploy, fidelity, kvwire, lifecycle, loadgen, metrics,
+                     ownership, plot, rundir)
 from testbed.backend import open_backend
 from testbed.errors import ConfigError, PrivilegeError, RunInterrupted, WorkerError
 from testbed.measure import CounterSampler, EventLog
@@ -147,10 +147,13 @@ class Run:
             if self.cli:
                 self.backend.cli()
             sampler = CounterSampler(self.backend.shaper, d / "timeseries.csv", dep.scale).start()
+            tcp_before = self.backend.tcp_counters()
             try:
                 self._drive(workload, events)
             finally:
                 counters = sampler.stop()
+                self.meta["tcp_counters"] = fidelity.counter_delta(
+                    tcp_before, self.backend.tcp_counters())
         except KeyboardInterrupt:
             interrupted = True
             events("interrupted")
@@ -177,7 +180,8 @@ class Run:
         self.meta["topology"] = desc["topology"]
         self.meta["tcp"] = {"congestion_control_kv": self.congestion_control(),
                             "congestion_control_default": _system_cc(),
-                            "segmentation_offload": desc["segmentation_offload"]}
+                            "segmentation_offload": desc["segmentation_offload"],
+                            "timers": desc.get("tcp_timers", {})}
         self.meta["shaping"] = desc["shaping"]
 
     def congestion_control(self):

@@ -16,6 +16,8 @@ runner (testbed/run.py) what it drives:
 - `describe()`: what metadata.json records of the built system (versions, topology,
   segmentation offload, shaping);
 - `probe(congestion_control)`: the WAN measured as built (link_fidelity);
+- `tcp_counters()`: each host's kernel TCP counters now ({host: {TCPTimeouts, TCPLossProbes,
+  RetransSegs}}; `testbed.fidelity`), read before and after the requests;
 - `cli()`: an interactive shell on the running system, where the backend has one;
 - `stop()`: tear down (also registered with the registry by `start`).
 
@@ -42,6 +44,8 @@ class Backend(Protocol):
     def describe(self) -> dict: ...
 
     def probe(self, congestion_control) -> dict: ...
+
+    def tcp_counters(self) -> dict: ...
 
     def cli(self) -> None: ...
 

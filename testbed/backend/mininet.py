@@ -48,6 +48,7 @@ class MininetBackend:
                          "nodes": dict(topo.roles), "ips": dict(topo.ips),
                          "router_egress": dict(topo.router_intfs)},
             "segmentation_offload": not self.net.per_frame,
+            "tcp_timers": self.net.tcp_timers,
             "shaping": {"backend": wan.backend, "reason": getattr(wan, "backend_reason", ""),
                         "emulated": {d: link.params()
                                      for d, link in self.deployment.links.items()}}}
@@ -61,6 +62,11 @@ class MininetBackend:
         return measure_link(paths["probe_remote"], paths["probe_local"],
                             self.net.ip("probe_local"),
                             configured=self.deployment.links["kv"].params())
+
+    def tcp_counters(self):
+        """Each host's kernel TCP counters now (`testbed.fidelity.host_tcp_counters`)."""
+        from testbed.fidelity import host_tcp_counters
+        return host_tcp_counters(self.net.netns_path)
 
     def cli(self):
         self.net.cli()

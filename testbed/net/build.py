@@ -38,6 +38,7 @@ class Network:
         self.net = None
         self.topo = None
         self.wan = None
+        self.tcp_timers = {}
 
     def start(self):
         if os.geteuid() != 0:
@@ -74,6 +75,7 @@ class Network:
             # emulated BDP (per-namespace sysctls; the machine's own are untouched).
             self.net[name].cmd("sysctl -qw net.ipv4.tcp_rmem='4096 131072 67108864' "
                                "net.ipv4.tcp_wmem='4096 16384 67108864'")
+        self._scale_tcp_timers()
         self._per_frame_if_lossy()
         router = self.host("wan")
         out = router.cmd("sysctl -qw net.ipv4.ip_forward=1 && cat /proc/sys/net/ipv4/ip_forward")
@@ -81,6 +83,17 @@ class Network:
             raise NetworkError(f"could not enable forwarding on the WAN router: {out.strip()}")
         self._shape(router)
         return self
+
+    def _scale_tcp_timers(self):
+        """rto_min and quickack on the end hosts' routes (`net.timers`); recorded for metadata."""
+        from testbed.net.timers import TcpTimers, apply
+
+        scale = self.deployment.scale
+        timers = TcpTimers.for_scale(scale)
+        routes = {role: apply(path, timers) for role, path in self.netns_path.items()
+                  if role != "wan"}
+        self.tcp_timers = {**timers.describe(scale), "hosts": len(routes),
+                           "routes": sorted({r for rs in routes.values() for r in rs})}
 
     def _per_frame_if_lossy(self):
         """With loss configured (now or by a scheduled change), hosts send single frames."""

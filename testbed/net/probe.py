@@ -160,8 +160,9 @@ def _drain_echoes(s, rtt_ns, rev_ns, wait_s, stop_at=None):
         rev_ns.append(now - echoed)
 
 
-def _tcp_sink(port, duration_s):
-    """Accept one connection, read it to the end; report the payload bytes received."""
+def _tcp_sink(port, duration_s, gap_s=0.0):
+    """Accept one connection, read it to the end; report the payload bytes received, and with
+    `gap_s` > 0 every pause between two reads longer than it ([monotonic start, length])."""
     srv = socket.socket()
     srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     srv.bind(("0.0.0.0", port))
@@ -171,17 +172,21 @@ def _tcp_sink(port, duration_s):
     conn, _ = srv.accept()
     conn.settimeout(5)
     buf = bytearray(1 << 20)
-    total = 0
+    total, gaps, last = 0, [], None
     try:
         while True:
             n = conn.recv_into(buf)
+            now = time.monotonic()
+            if gap_s > 0 and last is not None and now - last > gap_s:
+                gaps.append([last, now - last])
+            last = now
             if n == 0:
                 break
             total += n
     except socket.timeout:
         pass
-    print(json.dumps({"bytes": total, "bytes_received": _tcp_info(conn)["bytes_received"]}),
-          flush=True)
+    print(json.dumps({"bytes": total, "bytes_received": _tcp_info(conn)["bytes_received"],
+                      "gaps": gaps}), flush=True)
 
 
 def _tcp_info(conn):
@@ -331,6 +336,44 @@ def measure_goodput(src, dst, dst_ip, duration_s):
     return 8 * r["rate_Bps"]
 
 
+def measure_stalls(link, cuts, cut_s, period_s, warmup_s):
+    """Receiver stalls of a bulk TCP flow across `link` (a `testbed.net.pair.routed_pair`) cut `cuts` times.
+
+    After `warmup_s`, the kv direction goes down for `cut_s` every `period_s`
+    (`Wan.set("kv", up=False)`; ACKs still flow). For each cut, the stall is the pause in the receiver's reads that spans the
+    restore: from the last data before the cut to the first after it, so the cut itself plus
+    however long TCP took to notice the link was back (its retransmission timeout and backoff).
+    Returns the stalls in seconds of this link's (emulated) time, one per cut, None where the
+    receiver showed no pause across a restore.
+    """
+    duration_s = warmup_s + cuts * period_s
+    sink = _spawn(link.dst, "tcp-sink", TCP_PORT, duration_s, cut_s / 2)
+    windows = []
+    try:
+        _wait_ready(sink, "tcp sink")
+        source = _spawn(link.src, "tcp-source", link.dst_ip, TCP_PORT, duration_s - WARMUP_S)
+        t0 = time.monotonic()
+        for k in range(cuts):
+            _pace(t0 + warmup_s + k * period_s)         # on schedule: the cuts are the experiment
+            down = time.monotonic()
+            link.wan.set("kv", up=False)
+            _pace(down + cut_s)
+            up = time.monotonic()
+            link.wan.set("kv", up=True)
+            windows.append((up, time.monotonic()))
+        _result(source, "tcp source", duration_s + 15)
+        gaps = _result(sink, "tcp sink", 30)["gaps"]
+    finally:
+        for p in (sink,):
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    # The restore takes effect somewhere within its set() call (an iptables-restore, 5-30 ms
+    # here): the stall is the longest pause overlapping that call.
+    return [max((length for start, length in gaps if start <= end and start + length >= begin),
+                default=None) for begin, end in windows]
+
+
 def _expected(configured):
     fwd = configured
     rev = configured.get("reverse", configured)
@@ -428,7 +471,7 @@ def main(argv):
         _udp_client(args[0], int(args[1]), int(args[2]), float(args[3]), int(args[4]),
                     float(args[5]))
     elif role == "tcp-sink":
-        _tcp_sink(int(args[0]), float(args[1]))
+        _tcp_sink(int(args[0]), float(args[1]), *map(float, args[2:3]))
     elif role == "tcp-source":
         _tcp_source(args[0], int(args[1]), float(args[2]))
     else:

@@ -1,0 +1,61 @@
+"""Loss recovery in real-world time at several `scale.time`, with and without scaled TCP timers.
+
+A link built alone (`testbed.net.pair.routed_pair`): 20 Mbit/s, 5 ms real-world,
+emulated at each scale; the hosts' routes carry the timers a run would set
+(`testbed.net.timers`), or the kernel's (200 ms RTO floor, delayed ACKs). A bulk TCP flow has its
+KV direction cut for 450 ms every 2 s (`probe.measure_stalls`); the receiver's stall across each
+cut is printed in real-world ms with its median, side by side. Not part of the test suite.
+
+    sudo .venv/bin/python benchmarks/tcp_timers.py [--cuts 7]
+"""
+
+import argparse
+import pathlib
+import statistics
+import sys
+import tempfile
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+from testbed import lifecycle  # noqa: E402
+from testbed.net import probe, shaping, timers  # noqa: E402
+from testbed.net.pair import routed_pair  # noqa: E402
+from testbed.scale import Scale  # noqa: E402
+
+POINTS = ((1.0, True), (10.0, True), (10.0, False), (40.0, True))
+RATE_BPS, DELAY_S, CUT_S, PERIOD_S, WARMUP_S = 20e6, 0.005, 0.45, 2.0, 1.0
+
+
+def stalls_real_ms(time_scale, scaled, cuts):
+    s = Scale(time=time_scale)
+    d = shaping.check_params({"rate": s.emulated_rate(RATE_BPS), "delay": s.emulated_s(DELAY_S)},
+                             "b")
+    reg = lifecycle.Registry("tcptimers", kind="benchmark", state_dir=tempfile.mkdtemp())
+    try:
+        with routed_pair({"kv": d, "request": d}, registry=reg) as link:
+            tcp = timers.TcpTimers.for_scale(s if scaled else Scale())
+            for ns in (link.src, link.dst):
+                timers.apply(ns, tcp)
+            stalls = probe.measure_stalls(link, cuts, s.emulated_s(CUT_S),
+                                          s.emulated_s(PERIOD_S), s.emulated_s(WARMUP_S))
+    finally:
+        reg.close()
+    return [round(s.real_ms(x)) for x in stalls if x is not None]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cuts", type=int, default=7)
+    args = ap.parse_args()
+    base = None
+    print("scale.time  timers   median stall ms  / 1x   stalls ms (real-world)")
+    for time_scale, scaled in POINTS:
+        ms = stalls_real_ms(time_scale, scaled, args.cuts)
+        med = statistics.median(ms) if ms else float("nan")
+        base = base or med
+        print(f"{time_scale:10g}  {'scaled' if scaled else 'kernel':7}  {med:15.0f}  "
+              f"{med / base:5.2f}   {ms}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

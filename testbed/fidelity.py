@@ -1,0 +1,271 @@
+"""Fidelity guards: does what a run measured stay within what the emulated link allows?
+
+Place in the architecture: the measuring side (`measure.CounterSampler`, `run.Run`) calls
+`exceeds_link` on each counter sample and `host_tcp_counters` before and after the requests;
+analysis (`metrics.analyse`) calls `flag_artifacts` on the timeseries and `guards` for the
+summary; `plot` leaves flagged samples out. Three guards, each a summary key and, when it fires,
+a warning in real-world units:
+
+- `kv_transfers`: every KV transfer over the WAN against a fluid model of the link: its bytes
+  (on the wire: 1514-byte frames carry 1448 payload bytes) served at the link rate in force
+  (timeseries `kv_link_gbps`, 0 while down) behind every transfer that had started before this
+  one ended (under any work-conserving sharing those may go first), and never before the sender
+  handed over its last byte; plus one RTT and three jitter deviations. A transfer that took more
+  than `INFLATION_TOL` beyond that is inflated: the emulation (CPU, TCP timers, the delay line)
+  added time the modelled link would not.
+- `tcp`: TCP retransmission timeouts, tail-loss probes and retransmitted segments counted by the
+  kernel of every end host (`/proc/<pid>/net/netstat`, `/proc/<pid>/net/snmp`: the files of the
+  host's network namespace) over the request phase.
+- `rate_artifacts`: counter samples whose rate exceeds the link rate by more than the sampling
+  can explain (the counter read's own duration, the HTB burst and one GSO packet). They are
+  flagged in `<dir>_artifact` columns, and left out of egress statistics and plots.
+"""
+
+import math
+import re
+import subprocess
+
+import numpy as np
+import pandas as pd
+
+DIRECTIONS = ("kv", "request")
+WIRE_PER_PAYLOAD = 1514 / 1448     # Ethernet frame bytes per TCP payload byte at full MTU
+INFLATION_TOL = 0.25               # a transfer is inflated beyond 1.25x what the link allows
+RATE_TOL = 0.02                    # counter rounding, HZ-granular HTB token refills
+BURST_S = 0.001                    # HTB burst: 1 ms of line rate (shaping.BURST_S)
+GSO_BYTES = 65536                  # one TSO/GSO packet may pass on HTB credit
+TCP_COUNTERS = {"TcpExt": ("TCPTimeouts", "TCPLossProbes"), "Tcp": ("RetransSegs",)}
+
+
+# ---------------------------------------------------------------- rate artifacts
+
+def exceeds_link(rate_bps, link_bps, dt_s, read_s=0.0):
+    """Whether a counter sample's rate is more than the link could have carried (emulated bit/s
+    and seconds; numbers or numpy arrays). Allowed: the link rate over the interval stretched by
+    the counter read's duration `read_s` (the sample's time is taken before the read), plus
+    RATE_TOL, plus one HTB burst and one GSO packet over the interval."""
+    dt = np.maximum(dt_s, 1e-9)
+    allowed = (link_bps * (dt + read_s) / dt * (1 + RATE_TOL)
+               + 8 * (link_bps / 8 * BURST_S + GSO_BYTES) / dt)
+    return (np.asarray(rate_bps) > allowed) & (np.asarray(link_bps) > 0)
+
+
+def flag_artifacts(ts, scale):
+    """`ts` (`scale`: the run's testbed.scale.Scale) with `<dir>_artifact` columns (0/1), computed from the rates when the sampler did not
+    write them (older runs). The link rate of an interval is the larger of its two ends' (a rate
+    change between samples)."""
+    if ts is None or not len(ts):
+        return ts
+    ts = ts.copy()
+    dt = ts.time.diff().fillna(0).to_numpy()
+    read = ts.read_s.to_numpy() if "read_s" in ts else 0.0
+    for d in DIRECTIONS:
+        col = f"{d}_artifact"
+        if col in ts or f"{d}_link_gbps" not in ts:
+            continue
+        link = scale.emulated_rate(ts[f"{d}_link_gbps"].to_numpy() * 1e9)
+        link = np.maximum(link, np.concatenate([link[:1], link[:-1]]))
+        flag = exceeds_link(ts[f"{d}_rate_bps"].to_numpy(), link, dt, read) & (dt > 0)
+        ts[col] = flag.astype(int)
+    return ts
+
+
+def artifact_mask(ts, direction="kv"):
+    """Boolean Series: the rows flagged as artifacts in `direction` (none when not flagged)."""
+    col = f"{direction}_artifact"
+    if ts is None or col not in ts:
+        return pd.Series(False, index=getattr(ts, "index", None), dtype=bool)
+    return ts[col].fillna(0).astype(int) == 1
+
+
+def without_artifacts(ts):
+    """The timeseries without the rows flagged in either direction (egress statistics)."""
+    if ts is None:
+        return ts
+    bad = artifact_mask(ts, "kv") | artifact_mask(ts, "request")
+    return ts[~bad].reset_index(drop=True)
+
+
+def rate_artifacts(ts):
+    """{'kv': n, 'request': n, 'samples': N} flagged samples."""
+    out = {d: int(artifact_mask(ts, d).sum()) for d in DIRECTIONS} if ts is not None else {}
+    out["samples"] = int(len(ts)) if ts is not None else 0
+    return out
+
+
+# ---------------------------------------------------------------- KV transfers vs the link model
+
+class FluidLink:
+    """A link serving bits at a piecewise-constant rate (emulated bit/s from time t[k] on)."""
+
+    def __init__(self, t, rate_bps):
+        self.t = np.asarray(t, dtype=float)
+        self.rate = np.asarray(rate_bps, dtype=float)
+        self.cum = np.concatenate([[0.0], np.cumsum(self.rate[:-1] * np.diff(self.t))])
+
+    def capacity(self, t0):
+        """Bits the link could carry from t[0] to t0 (negative before t[0])."""
+        k = int(np.searchsorted(self.t, t0, side="right")) - 1
+        k = max(k, 0)
+        return self.cum[k] + (t0 - self.t[k]) * self.rate[k]
+
+    def served_at(self, t0, bits):
+        """When `bits` starting at t0 have crossed (inf when the link stays down)."""
+        target = self.capacity(t0) + bits
+        i = int(np.searchsorted(self.cum, target, side="left"))
+        if i == 0:
+            return t0 + bits / self.rate[0] if self.rate[0] > 0 else math.inf
+        if i == len(self.cum):
+            r = self.rate[-1]
+            return self.t[-1] + (target - self.cum[-1]) / r if r > 0 else math.inf
+        return self.t[i - 1] + (target - self.cum[i - 1]) / self.rate[i - 1]
+
+
+def _emulated(run, direction):
+    """One WAN direction as the shaper ran it (testbed.deploy.Link), from the run's config."""
+    from testbed import deploy
+    return deploy.emulated_link(run.experiment.network.wan.direction(direction), run.scale)
+
+
+def link_model(run, ts):
+    """The KV direction's FluidLink: the timeseries' rate in force (0 while down), or the
+    configured rate when there is no timeseries. `run`: testbed.rundir.RunInfo."""
+    if ts is None or not len(ts) or "kv_link_gbps" not in ts:
+        return FluidLink([0.0], [_emulated(run, "kv").rate_bps])
+    up = ts.kv_up.to_numpy() if "kv_up" in ts else 1
+    return FluidLink(ts.time.to_numpy(), run.scale.emulated_rate(ts.kv_link_gbps.to_numpy() * 1e9) * up)
+
+
+def transfer_bounds(df, link, rtt_s):
+    """Per remote KV transfer (emulated seconds): measured and allowed duration from the
+    sender's first byte. Columns id, measured_s, allowed_s, inflation, excess_s."""
+    cols = ["send_start", "send_end", "kv_recv_end", "kv_bytes"]
+    if not {"id", "route", *cols} <= set(df.columns):
+        t = df.iloc[:0]
+    else:
+        t = df[(df.route == "remote")].dropna(subset=cols).sort_values("send_start")
+    if not len(t):
+        return pd.DataFrame(columns=["id", "measured_s", "allowed_s", "inflation", "excess_s"])
+    start, bits = t.send_start.to_numpy(), t.kv_bytes.to_numpy() * 8 * WIRE_PER_PAYLOAD
+    fifo, free = np.empty(len(t)), -math.inf
+    for i in range(len(t)):               # all transfers one queue, in the order they started
+        free = link.served_at(max(free, start[i]), bits[i])
+        fifo[i] = free
+    # everything that started before this transfer ended may have been served ahead of it
+    ahead = np.searchsorted(start, t.kv_recv_end.to_numpy(), side="left") - 1
+    busy = fifo[np.maximum(ahead, np.arange(len(t)))]
+    allowed_end = np.maximum(busy, t.send_end.to_numpy()) + rtt_s
+    measured = t.kv_recv_end.to_numpy() - start
+    allowed = allowed_end - start
+    return pd.DataFrame({"id": t.id.to_numpy(), "measured_s": measured, "allowed_s": allowed,
+                         "inflation": measured / allowed,
+                         "excess_s": t.kv_recv_end.to_numpy() - allowed_end})
+
+
+def kv_transfers(df, run, ts):
+    """Summary of `transfer_bounds` in real-world units, and a warning when any is inflated."""
+    kv, req = _emulated(run, "kv"), _emulated(run, "request")
+    rtt = kv.delay_s + req.delay_s + 3 * kv.jitter_s
+    b = transfer_bounds(df, link_model(run, ts), rtt)
+    s = run.scale
+    bad = b[b.inflation > 1 + INFLATION_TOL]
+    out = {"transfers": int(len(b)), "inflated": int(len(bad)), "tolerance": INFLATION_TOL,
+           "median_inflation": _q(b.inflation, 50), "p90_inflation": _q(b.inflation, 90),
+           "max_inflation": _q(b.inflation, 100),
+           "excess_total_s": float(s.real_s(bad.excess_s.sum())),
+           "median_excess_ms": _q(s.real_ms(bad.excess_s), 50)}
+    warn = []
+    if len(bad):
+        warn.append(f"{len(bad)} of {len(b)} KV transfers took more than {1 + INFLATION_TOL:g}x "
+                    f"what the link model allows (median {out['median_inflation']:.2f}x, max "
+                    f"{out['max_inflation']:.2f}x; inflated ones {out['median_excess_ms']:.0f} ms "
+                    f"over it (median), {out['excess_total_s']:.1f} s in total, real-world)")
+    return out, warn
+
+
+def _q(series, q):
+    s = pd.Series(series).replace([np.inf, -np.inf], np.nan).dropna()
+    return float(np.percentile(s, q)) if len(s) else None
+
+
+# ---------------------------------------------------------------- kernel TCP counters
+
+def _parse_proc(text, wanted):
+    """{name: value} of `wanted` ({section: names}) from /proc/net/netstat or snmp text: each
+    section is a header line of names and a line of values."""
+    out, lines = {}, text.splitlines()
+    for names, values in zip(lines[::2], lines[1::2]):
+        sec = names.split(":", 1)[0]
+        if sec not in wanted:
+            continue
+        row = dict(zip(names.split()[1:], values.split()[1:]))
+        out.update({k: int(row[k]) for k in wanted[sec] if k in row})
+    return out
+
+
+def _read_netns_file(ns_path, name):
+    """/proc/net/<name> as seen in the namespace at `ns_path`. For a process's namespace
+    (/proc/<pid>/ns/net) that is /proc/<pid>/net/<name>; otherwise read inside it."""
+    m = re.fullmatch(r"/proc/(\d+)/ns/net", ns_path)
+    if m:
+        with open(f"/proc/{m.group(1)}/net/{name}") as f:
+            return f.read()
+    return subprocess.run(["nsenter", f"--net={ns_path}", "cat", f"/proc/net/{name}"],
+                          capture_output=True, text=True, check=True, timeout=10).stdout
+
+
+def tcp_counters(ns_path):
+    """{TCPTimeouts, TCPLossProbes, RetransSegs} of one network namespace."""
+    out = _parse_proc(_read_netns_file(ns_path, "netstat"), {"TcpExt": TCP_COUNTERS["TcpExt"]})
+    out.update(_parse_proc(_read_netns_file(ns_path, "snmp"), {"Tcp": TCP_COUNTERS["Tcp"]}))
+    return out
+
+
+def host_tcp_counters(ns_paths):
+    """{host: counters} for {host: netns path}; a host that is gone is left out."""
+    out = {}
+    for host, path in ns_paths.items():
+        try:
+            out[host] = tcp_counters(path)
+        except (OSError, subprocess.SubprocessError):
+            continue
+    return out
+
+
+def counter_delta(before, after):
+    """Per host, after - before, for hosts present in both."""
+    return {h: {k: after[h][k] - before[h].get(k, 0) for k in after[h]}
+            for h in after if h in before}
+
+
+def tcp_summary(delta):
+    """Totals over hosts, the hosts with any timeout, and a warning when there were timeouts."""
+    names = [n for sec in TCP_COUNTERS.values() for n in sec]
+    out = {n: int(sum(c.get(n, 0) for c in delta.values())) for n in names}
+    out["hosts_with_timeouts"] = {h: c["TCPTimeouts"] for h, c in sorted(delta.items())
+                                  if c.get("TCPTimeouts")}
+    warn = []
+    if out["TCPTimeouts"]:
+        warn.append(f"{out['TCPTimeouts']} TCP retransmission timeouts during the requests "
+                    f"({out['TCPLossProbes']} tail-loss probes, {out['RetransSegs']} segments "
+                    f"retransmitted) on {', '.join(out['hosts_with_timeouts'])}: each stalls a "
+                    f"transfer for at least the RTO (metadata tcp.timers)")
+    return out, warn
+
+
+# ---------------------------------------------------------------- the summary
+
+def guards(df, run, ts, meta):
+    """{'fidelity': {...}} for summary.json and the warnings, from the analysed run
+    (`run`: testbed.rundir.RunInfo)."""
+    transfers, warn = kv_transfers(df, run, ts)
+    out = {"kv_transfers": transfers, "rate_artifacts": rate_artifacts(ts)}
+    art = out["rate_artifacts"]
+    if art.get("kv") or art.get("request"):
+        warn.append(f"{art['kv']} KV and {art['request']} request-direction counter samples "
+                    f"(of {art['samples']}) exceed the link rate beyond sampling jitter: "
+                    f"left out of egress statistics and plots")
+    if meta.get("tcp_counters") is not None:
+        out["tcp"], w = tcp_summary(meta["tcp_counters"])
+        warn += w
+    return {"fidelity": out}, warn
