@@ -146,6 +146,25 @@ class Proc:
     def name(self):
         return self.arg("--name") or pathlib.Path(self.argv[0]).name if self.argv else "?"
 
+    FIELDS = ("pid", "start", "argv", "samples", "sys_s", "threads_max", "threads",
+              "threads_at_attach", "ready_cpu", "is_root")
+
+    def to_json(self):
+        d = {k: getattr(self, k) for k in self.FIELDS}
+        d["pyspy"] = str(self.pyspy[1]) if self.pyspy else None
+        return d
+
+    @classmethod
+    def from_json(cls, d):
+        p = cls(d["pid"], d["start"])
+        for k in cls.FIELDS:
+            setattr(p, k, d[k])
+        for k in ("threads", "threads_at_attach"):
+            setattr(p, k, {int(tid): tuple(v) for tid, v in d[k].items()})
+        p.samples = [tuple(x) for x in p.samples]
+        p.pyspy = (None, pathlib.Path(d["pyspy"])) if d["pyspy"] else None
+        return p
+
     @property
     def exe(self):
         return pathlib.Path(self.argv[0]).name if self.argv else ""
@@ -187,9 +206,9 @@ class Proc:
 class Sampler:
     """Samples the run's process tree; starts one py-spy per Python process once it is known."""
 
-    def __init__(self, root_pid, profiles_dir, interval_s, pyspy, rate, every):
+    def __init__(self, root_pid, profiles_dir, interval_s, pyspy, rate, every, native=()):
         self.root, self.dir, self.interval_s = root_pid, profiles_dir, interval_s
-        self.pyspy, self.rate, self.every = pyspy, rate, every
+        self.pyspy, self.rate, self.every, self.native = pyspy, rate, every, set(native)
         self.profiled_roles = set()     # (variant dir, role) with a py-spy already
         self.procs = {}             # (pid, start) -> Proc
         self.passes = 0
@@ -215,8 +234,9 @@ class Sampler:
                 continue
             p = self.procs.setdefault((pid, st[4]), Proc(pid, st[4]))
             p.is_root = pid == self.root
-            if not (p.is_python and p.module):
-                p.argv = read_cmdline(pid)      # fork, mnexec, exec: read until it is itself
+            if p.is_root or not (p.is_python and p.module.startswith(("workers.", "testbed.net"))):
+                p.argv = read_cmdline(pid) or p.argv    # fork, mnexec, exec: until it is
+                # itself (a zombie's cmdline is empty)
             p.samples.append((now, st[1] + st[2]))
             p.sys_s = st[2]
             p.threads_max = max(p.threads_max, st[3])
@@ -252,7 +272,9 @@ class Sampler:
         out = sub / f"{name}.txt"
         log = open(sub / f"{name}.pyspy.log", "wb")
         argv = [pyspy_binary(), "record", "--pid", str(p.pid), "--rate", str(self.rate),
-                "--format", "raw", "--threads", "--nonblocking", "--output", str(out)]
+                "--format", "raw", "--threads", "--output", str(out)]
+        # Native frames (gRPC's Cython and C core, syscalls) need the target paused per sample.
+        argv += ["--native"] if p.role in self.native else ["--nonblocking"]
         p.pyspy = (subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL), out)
         log.close()
@@ -284,9 +306,13 @@ def pyspy_binary():
 # ---- py-spy raw profiles ------------------------------------------------------------------
 
 def short(frame):
-    """'func (path/to/file.py:12)' -> 'func (file.py)': own samples summed over lines."""
+    """'func (path/to/file.py:12)' -> 'func (file.py)': own samples summed over lines. A native
+    frame without a symbol ('0x7f.. (libc.so.6)') is charged to its library: '[libc.so.6]'."""
     func, _, where = frame.partition(" (")
-    return f"{func} ({pathlib.Path(where.rsplit(':', 1)[0]).name})" if where else func
+    lib = pathlib.Path(where.rstrip(")").rsplit(":", 1)[0]).name
+    if func.startswith("0x"):
+        return f"[{lib}]"
+    return f"{func} ({lib})" if where else func
 
 
 def read_profile(path):
@@ -300,9 +326,9 @@ def read_profile(path):
     for line in lines:
         stack, _, n = line.rpartition(" ")
         head, *frames = stack.split(";")
-        # 'thread (8549): Thread-1 (_poll_wrapper)'
-        tid, _, name = head.removeprefix("thread (").partition("): ")
-        entry = threads.setdefault(int(tid), (name, []))
+        # 'thread (8549): Thread-1 (_poll_wrapper)', or 'thread (8550)' (a thread without name)
+        tid, _, name = head.removeprefix("thread (").partition(")")
+        entry = threads.setdefault(int(tid), (name.removeprefix(": ") or f"thread {tid}", []))
         entry[1].append((frames, int(n)))
     return threads
 
@@ -346,6 +372,30 @@ def attribute(profile, threads):
 
 # ---- report -------------------------------------------------------------------------------
 
+PHASES = (("wan_start", "network build"), ("workers_ready", "workers start"),
+          ("client_started", "link probe, client start"), ("client_finished", "requests"))
+
+
+def phases(vdir, t0, t1):
+    """Seconds of each phase of a variant from its events.csv: build, workers, probe, requests,
+    teardown."""
+    import csv
+    seen = {}
+    try:
+        with open(vdir / "events.csv") as f:
+            for row in csv.DictReader(f):
+                seen.setdefault(row["kind"], float(row["time"]))
+    except OSError:
+        return {}
+    out, last = {}, t0
+    for kind, label in PHASES:
+        if kind in seen:
+            out[label] = seen[kind] - last
+            last = seen[kind]
+    out["teardown"] = t1 - last
+    return out
+
+
 def variant_spans(out):
     """{variant dir: (start, end, summary dict)} from each run directory the run wrote."""
     spans = {}
@@ -355,6 +405,22 @@ def variant_spans(out):
         s = json.loads(summ.read_text()) if summ.exists() else {}
         spans[meta.parent] = (m["start_time"], m["end_time"], s)
     return spans
+
+
+def token_messages(vdir):
+    """(requests finished, token chunks the client received): a chunk is one gRPC message on
+    each hop of the token path (decode -> scheduler -> client); the client stamps each with its
+    arrival, so distinct arrival times count them."""
+    n = chunks = 0
+    try:
+        with open(vdir / "requests.jsonl") as f:
+            for line in f:
+                if '"ev":"done"' in line:
+                    n += 1
+                    chunks += len(set(json.loads(line).get("client_times") or ()))
+    except OSError:
+        pass
+    return n, chunks
 
 
 def fidelity(summary):
@@ -382,7 +448,25 @@ def build_report(sampler, out, wall_s, tree_cpu_s, spy_cpu_s, load0, load1, top_
               "sampled_cpu_s": sum(p.cpu for p in sampler.procs.values()), "variants": []}
     for vdir, (t0, t1, summary) in spans.items():
         report["variants"].append(variant_report(sampler, vdir, t0, t1, summary))
+    report["roles_all_variants"] = all_variants(report["variants"])
     return report
+
+
+def all_variants(variants):
+    """Per role over every variant: CPU seconds and its functions (the instances of a role run
+    the same code in each deployment, so their profiles add up to more samples)."""
+    roles = {}
+    for v in variants:
+        for r in v["roles"]:
+            a = roles.setdefault(r["role"], {"cpu_s": 0.0, "own": collections.Counter()})
+            a["cpu_s"] += r["cpu_s"]
+            a["own"].update(dict(r["own_cpu_s"]))
+    out = []
+    for role, a in sorted(roles.items(), key=lambda kv: -kv[1]["cpu_s"]):
+        tot = sum(a["own"].values()) or 1.0
+        out.append({"role": role, "cpu_s": a["cpu_s"],
+                    "top_own": [(f, c / tot) for f, c in a["own"].most_common(15)]})
+    return out
 
 
 def process_row(p, cpu, t0, t1):
@@ -425,10 +509,13 @@ def variant_report(sampler, vdir, t0, t1, summary):
     for role, r in sorted(roles.items(), key=lambda kv: -kv[1]["cpu_s"]):
         tot = sum(r["own"].values()) or 1.0
         role_rows.append({"role": role, "processes": r["processes"], "cpu_s": r["cpu_s"],
+                          "own_cpu_s": r["own"].most_common(40),
                           "cpu_pct_of_variant": 100 * r["cpu_s"] / (t1 - t0),
                           "top_own": [(f, c / tot) for f, c in r["own"].most_common(12)],
                           "top_inclusive": [(f, c / tot) for f, c in r["incl"].most_common(40)]})
+    done, chunks = token_messages(vdir)
     return {"variant": vdir.name, "dir": str(vdir), "wall_s": t1 - t0,
+            "phases_s": phases(vdir, t0, t1), "requests_done": done, "token_chunks": chunks,
             "fidelity": fidelity(summary), "processes": rows, "roles": role_rows}
 
 
@@ -437,12 +524,22 @@ def fmt_top(top, n):
 
 
 def print_report(rep, top_n):
-    print(f"wall {rep['wall_s']:.1f} s; load average before {rep['load_before']}, after "
+    spans = sum(v["wall_s"] for v in rep["variants"])
+    print(f"wall {rep['wall_s']:.1f} s ({rep['wall_s'] - spans:.1f} s outside the variants: "
+          f"imports, analysis, figures); load average before {rep['load_before']}, after "
           f"{rep['load_after']}; all {rep['cores']} cores busy "
           f"{100 * (rep['machine_busy_share'] or 0):.0f}% over the run; run tree CPU "
           f"{rep['run_tree_cpu_s']:.1f} s (sampled {rep['sampled_cpu_s']:.1f} s); py-spy's own "
           f"CPU {rep['profiler_cpu_s']:.1f} s")
     for v in rep["variants"]:
+        print_variant(v, top_n)
+    print(f"\n== every variant: {'role':<12} {'CPU s':>6}  top functions (profiled instances)")
+    for r in rep["roles_all_variants"]:
+        print(f"   {r['role']:<28} {r['cpu_s']:6.2f}  {fmt_top(r['top_own'], top_n + 3)}")
+
+
+def print_variant(v, top_n):
+    if True:
         f = v["fidelity"]
         pred = f["predicted_rps_expected"]
         ratio = f"{f['steady_rps'] / pred:.3f}" if f["steady_rps"] and pred else "-"
@@ -452,6 +549,9 @@ def print_report(rep, top_n):
               f"{f['first_token_lag_ms'] or float('nan'):.0f} ms; decode step "
               f"{f['decode_step_ratio'] or float('nan'):.3f}x, prefill "
               f"{f['prefill_ratio'] or float('nan'):.3f}x")
+        print("   phases: " + ", ".join(f"{k} {s:.1f} s" for k, s in v["phases_s"].items()))
+        print(f"   token path: {v['token_chunks']} chunks for {v['requests_done']} requests "
+              f"({v['token_chunks'] / max(v['requests_done'], 1):.1f} per request)")
         for w in f["warnings"]:
             print(f"   warning: {w}")
         print(f"{'process':<12} {'role':<12} {'CPU s':>6} {'% wall':>6} {'sys':>5} {'start':>5} "
@@ -477,16 +577,24 @@ def print_report(rep, top_n):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("experiment")
+    ap.add_argument("experiment", help="experiment file, or with --report a profiled run dir")
+    ap.add_argument("--report", action="store_true",
+                    help="only rebuild and print the report of an earlier profiled run")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--out", help="run directory (new or empty); default results/profile/<time>")
     ap.add_argument("--no-pyspy", action="store_true", help="CPU per process only")
     ap.add_argument("--rate", type=int, default=25, help="py-spy samples per second")
     ap.add_argument("--every", action="store_true",
                     help="py-spy on every worker (default: one per role and variant)")
+    ap.add_argument("--native", action="append", default=[], metavar="ROLE",
+                    help="also sample native frames (gRPC core, syscalls) of this role's "
+                         "processes; pauses them at each sample")
     ap.add_argument("--interval", type=float, default=0.25, help="/proc sampling period, s")
     ap.add_argument("--top", type=int, default=5)
     args = ap.parse_args()
+    if args.report:
+        report(pathlib.Path(args.experiment).resolve(), args.top)
+        return 0
     if os.geteuid() != 0:
         raise SystemExit("profile_run: needs root (testbed run and py-spy); run it under sudo")
     if not args.no_pyspy:
@@ -505,7 +613,7 @@ def main():
         run = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
     profiles = out / "profiles"
     sampler = Sampler(run.pid, profiles, args.interval, not args.no_pyspy, args.rate,
-                      args.every).start()
+                      args.every, args.native).start()
     try:
         _, status, usage = os.wait4(run.pid, 0)
     except KeyboardInterrupt:
@@ -522,13 +630,29 @@ def main():
     if run.returncode != 0:
         print(f"testbed run exited with {run.returncode}; see {profiles / 'testbed-run.log'}",
               file=sys.stderr)
-    rep = build_report(sampler, out, wall, tree_cpu, spy_cpu,
-                       [round(x, 2) for x in load0], [round(x, 2) for x in load1], args.top)
-    rep["argv"] = sys.argv
-    (profiles / "profile.json").write_text(json.dumps(rep, indent=1))
-    print_report(rep, args.top)
-    print(out)
+    run_info = {"argv": sys.argv, "wall_s": wall, "tree_cpu_s": tree_cpu, "spy_cpu_s": spy_cpu,
+                "load0": [round(x, 2) for x in load0], "load1": [round(x, 2) for x in load1],
+                "interval_s": sampler.interval_s, "busy0": sampler.busy0,
+                "busy1": sampler.busy1, "returncode": run.returncode,
+                "processes": [p.to_json() for p in sampler.procs.values()]}
+    (profiles / "processes.json").write_text(json.dumps(run_info))
+    report(out, args.top)
     return 0 if run.returncode == 0 else 1
+
+
+def report(out, top_n):
+    """Build, save and print the report of a profiled run from DIR/profiles/processes.json."""
+    profiles = out / "profiles"
+    info = json.loads((profiles / "processes.json").read_text())
+    sampler = argparse.Namespace(
+        interval_s=info["interval_s"], busy0=info["busy0"], busy1=info["busy1"],
+        procs={(d["pid"], d["start"]): Proc.from_json(d) for d in info["processes"]})
+    rep = build_report(sampler, out, info["wall_s"], info["tree_cpu_s"], info["spy_cpu_s"],
+                       info["load0"], info["load1"], top_n)
+    rep["argv"] = info["argv"]
+    (profiles / "profile.json").write_text(json.dumps(rep, indent=1))
+    print_report(rep, top_n)
+    print(out)
 
 
 def _children_cpu():
