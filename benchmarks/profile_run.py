@@ -67,8 +67,9 @@ def read_cmdline(pid):
 
 
 def thread_cpu(pid):
-    """{tid: (kernel thread name, cpu seconds)} of the threads of `pid`. gRPC core names its
-    threads; Python threads all carry the interpreter's name (py-spy names them by tid)."""
+    """{tid: (kernel thread name, user cpu s, system cpu s)} of the threads of `pid`. gRPC core
+    names its threads; Python threads all carry the interpreter's name (py-spy names them by
+    tid)."""
     out = {}
     try:
         tids = os.listdir(f"/proc/{pid}/task")
@@ -80,8 +81,8 @@ def thread_cpu(pid):
         except OSError:
             continue
         f = raw.rsplit(")", 1)[1].split()
-        out[int(tid)] = (raw[raw.index("(") + 1:raw.rindex(")")],
-                         (int(f[11]) + int(f[12])) / CLK_TCK)
+        out[int(tid)] = (raw[raw.index("(") + 1:raw.rindex(")")], int(f[11]) / CLK_TCK,
+                         int(f[12]) / CLK_TCK)
     return out
 
 
@@ -124,8 +125,8 @@ class Proc:
         self.samples = []           # (unix time, cpu seconds)
         self.sys_s = 0.0            # of which in the kernel (last sample)
         self.threads_max = 0
-        self.threads = {}           # tid -> (kernel name, cpu seconds at its last sample)
-        self.threads_at_attach = {}     # tid -> (name, cpu seconds) when py-spy started
+        self.threads = {}           # tid -> (kernel name, user s, system s) at its last sample
+        self.threads_at_attach = {}     # the same when py-spy started
         self.ready_cpu = None       # cpu seconds when the worker's ready file appeared
         self.pyspy = None           # (Popen, output path)
         self.is_root = False
@@ -340,31 +341,56 @@ def leaf(frames, thread_name):
     return f"[{thread_name}: compiled code]" if f.startswith("Thread.run ") else f
 
 
+# Where a thread waits for its next event: a sample there is a thread woken (runnable, maybe
+# waiting for a core on a busy machine) or inside the syscall, never Python work.
+WAIT_LEAVES = {"EpollSelector.select (selectors.py)", "epoll_wait (libc.so.6)"}
+SYSCALLS = {"epoll_wait", "epoll_pwait", "sendmsg", "recvmsg", "send", "recv", "write", "read",
+            "writev", "readv", "syscall", "eventfd_write", "eventfd_read", "clock_nanosleep",
+            "nanosleep", "getpid", "futex", "poll", "ppoll", "accept4", "close", "sendto",
+            "recvfrom", "__libc_sendmsg", "__libc_recvmsg"}
+KERNEL = "[kernel: system calls]"
+
+
+def is_syscall(f):
+    return f in WAIT_LEAVES or f.split(" (", 1)[0] in SYSCALLS
+
+
 def attribute(profile, threads):
     """Estimated CPU seconds per function and per thread.
 
-    py-spy's own samples say where a thread was when it was not idle (on a loaded machine that
-    includes waiting for a core); /proc says how much CPU each thread used. Each thread's CPU is
-    split over its functions in proportion to its samples; a thread with CPU and no Python
-    sample (gRPC core's C threads) is charged as `[thread name]`.
+    /proc says how much CPU each thread used, in user space and in the kernel; py-spy's samples
+    say where a thread was when it was not idle (on a loaded machine that includes threads
+    woken and waiting for a core). Each thread's user CPU is split over the functions its
+    samples end in, leaving out samples that wait for events (the selector's epoll_wait) and
+    system calls; its kernel CPU over the system calls its native samples end in (with
+    --native), else charged to `[kernel: system calls]`. A thread with CPU and no Python sample
+    (gRPC core's C threads) is charged as `[name thread]`.
     Returns (own Counter, inclusive Counter, per-thread rows, samples).
     """
     own, incl, rows, total = collections.Counter(), collections.Counter(), [], 0
-    for tid, (comm, cpu) in threads.items():
+    for tid, (comm, user, sys_s) in threads.items():
         name, stacks = profile.get(tid, (comm, []))
         stacks = [(fr, n) for fr, n in stacks if fr]
-        n_all = sum(n for _, n in stacks)
-        total += n_all
+        total += sum(n for _, n in stacks)
+        work = [(fr, n) for fr, n in stacks if not is_syscall(short(fr[-1]))]
+        calls = [(fr, n) for fr, n in stacks if is_syscall(short(fr[-1]))
+                 and short(fr[-1]) != "EpollSelector.select (selectors.py)"]
         t_own = collections.Counter()
-        if not n_all:
-            t_own[f"[{name} thread]"] += cpu
-        for frames, n in stacks:
-            t_own[leaf(frames, name)] += cpu * n / n_all
-            for f in {short(f) for f in frames}:
-                incl[f] += cpu * n / n_all
+        for part, cpu in ((work, user), (calls, sys_s)):
+            n_all = sum(n for _, n in part)
+            if not n_all:
+                t_own[KERNEL if part is calls and stacks else f"[{name} thread]"] += cpu
+                continue
+            for frames, n in part:
+                t_own[leaf(frames, name)] += cpu * n / n_all
+                for f in {short(f) for f in frames}:
+                    incl[f] += cpu * n / n_all
         own.update(t_own)
-        if cpu >= 0.01:
-            rows.append({"tid": tid, "thread": name, "cpu_s": cpu, "samples": n_all,
+        if user + sys_s >= 0.01:
+            rows.append({"tid": tid, "thread": name, "cpu_s": user + sys_s, "sys_s": sys_s,
+                         "samples": sum(n for _, n in stacks),
+                         "waiting_samples": sum(n for fr, n in stacks
+                                                if short(fr[-1]) in WAIT_LEAVES),
                          "top_own_cpu_s": t_own.most_common(5)})
     rows.sort(key=lambda r: -r["cpu_s"])
     return own, incl, rows, total
@@ -376,9 +402,8 @@ PHASES = (("wan_start", "network build"), ("workers_ready", "workers start"),
           ("client_started", "link probe, client start"), ("client_finished", "requests"))
 
 
-def phases(vdir, t0, t1):
-    """Seconds of each phase of a variant from its events.csv: build, workers, probe, requests,
-    teardown."""
+def event_times(vdir):
+    """{event kind: unix time of its first occurrence} from a variant's events.csv."""
     import csv
     seen = {}
     try:
@@ -386,6 +411,15 @@ def phases(vdir, t0, t1):
             for row in csv.DictReader(f):
                 seen.setdefault(row["kind"], float(row["time"]))
     except OSError:
+        pass
+    return seen
+
+
+def phases(vdir, t0, t1):
+    """Seconds of each phase of a variant from its events.csv: build, workers, probe, requests,
+    teardown."""
+    seen = event_times(vdir)
+    if not seen:
         return {}
     out, last = {}, t0
     for kind, label in PHASES:
@@ -479,8 +513,10 @@ def process_row(p, cpu, t0, t1):
            "threads": p.threads_max}
     if p.pyspy is None:
         return row, None
-    seen = {tid: (name, cpu - p.threads_at_attach.get(tid, ("", 0.0))[1])
-            for tid, (name, cpu) in p.threads.items()}
+    before = p.threads_at_attach
+    seen = {tid: (name, user - before.get(tid, ("", 0.0, 0.0))[1],
+                  sys_s - before.get(tid, ("", 0.0, 0.0))[2])
+            for tid, (name, user, sys_s) in p.threads.items()}
     own, incl, threads, samples = attribute(read_profile(p.pyspy[1]), seen)
     tot = sum(own.values()) or 1.0
     row.update(profiled=True, samples=samples, thread_cpu=threads,
@@ -514,8 +550,17 @@ def variant_report(sampler, vdir, t0, t1, summary):
                           "top_own": [(f, c / tot) for f, c in r["own"].most_common(12)],
                           "top_inclusive": [(f, c / tot) for f, c in r["incl"].most_common(40)]})
     done, chunks = token_messages(vdir)
+    ev = event_times(vdir)
+    busy = None
+    if "client_started" in ev and "client_finished" in ev:
+        # The requests phase alone: how many of the machine's cores the run's processes used.
+        a, b = ev["client_started"], ev["client_finished"]
+        cpu = sum(p.cpu_at(b) - p.cpu_at(a) for p in sampler.procs.values()
+                  if p.variant_dir in (None, vdir))
+        busy = {"seconds": b - a, "cpu_s": cpu, "cores_used": cpu / (b - a)}
     return {"variant": vdir.name, "dir": str(vdir), "wall_s": t1 - t0,
             "phases_s": phases(vdir, t0, t1), "requests_done": done, "token_chunks": chunks,
+            "requests_phase": busy,
             "fidelity": fidelity(summary), "processes": rows, "roles": role_rows}
 
 
@@ -550,6 +595,10 @@ def print_variant(v, top_n):
               f"{f['decode_step_ratio'] or float('nan'):.3f}x, prefill "
               f"{f['prefill_ratio'] or float('nan'):.3f}x")
         print("   phases: " + ", ".join(f"{k} {s:.1f} s" for k, s in v["phases_s"].items()))
+        rp = v["requests_phase"]
+        if rp:
+            print(f"   requests phase: {rp['seconds']:.1f} s, the run's processes used "
+                  f"{rp['cpu_s']:.1f} CPU-s = {rp['cores_used']:.2f} of {os.cpu_count()} cores")
         print(f"   token path: {v['token_chunks']} chunks for {v['requests_done']} requests "
               f"({v['token_chunks'] / max(v['requests_done'], 1):.1f} per request)")
         for w in f["warnings"]:
