@@ -190,13 +190,14 @@ class Proc:
             return "host shell"
         return exe or "?"
 
-    def cpu_at(self, t):
-        """CPU seconds at time `t` (the last sample at or before it; 0 before the first)."""
+    def cpu_at(self, t, system=False):
+        """CPU seconds (of them in the kernel: `system`) at time `t`: the last sample at or
+        before it; 0 before the first."""
         cpu = 0.0
-        for ts, c in self.samples:
+        for ts, c, *sys_s in self.samples:
             if ts > t:
                 break
-            cpu = c
+            cpu = (sys_s[0] if sys_s else 0.0) if system else c
         return cpu
 
     @property
@@ -238,7 +239,7 @@ class Sampler:
             if p.is_root or not (p.is_python and p.module.startswith(("workers.", "testbed.net"))):
                 p.argv = read_cmdline(pid) or p.argv    # fork, mnexec, exec: until it is
                 # itself (a zombie's cmdline is empty)
-            p.samples.append((now, st[1] + st[2]))
+            p.samples.append((now, st[1] + st[2], st[2]))
             p.sys_s = st[2]
             p.threads_max = max(p.threads_max, st[3])
             worker = p.is_python and p.module.startswith("workers.")
@@ -486,6 +487,12 @@ def build_report(sampler, out, wall_s, tree_cpu_s, spy_cpu_s, load0, load1, top_
     return report
 
 
+def frange(a, b, step):
+    while a <= b:
+        yield a
+        a += step
+
+
 def all_variants(variants):
     """Per role over every variant: CPU seconds and its functions (the instances of a role run
     the same code in each deployment, so their profiles add up to more samples)."""
@@ -532,6 +539,7 @@ def variant_report(sampler, vdir, t0, t1, summary):
         if p.variant_dir not in (None, vdir) or cpu <= 0:
             continue
         row, prof = process_row(p, cpu, t0, t1)
+        row["sys_s"] = p.cpu_at(t1 + sampler.interval_s, True) - p.cpu_at(t0, True)
         rows.append(row)
         r = roles.setdefault(p.role, {"cpu_s": 0.0, "processes": 0, "own": collections.Counter(),
                                       "incl": collections.Counter()})
@@ -555,9 +563,13 @@ def variant_report(sampler, vdir, t0, t1, summary):
     if "client_started" in ev and "client_finished" in ev:
         # The requests phase alone: how many of the machine's cores the run's processes used.
         a, b = ev["client_started"], ev["client_finished"]
-        cpu = sum(p.cpu_at(b) - p.cpu_at(a) for p in sampler.procs.values()
-                  if p.variant_dir in (None, vdir))
-        busy = {"seconds": b - a, "cpu_s": cpu, "cores_used": cpu / (b - a)}
+        mine = [p for p in sampler.procs.values() if p.variant_dir in (None, vdir)]
+
+        def used(x, y):
+            return sum(p.cpu_at(y) - p.cpu_at(x) for p in mine)
+        peak = max((used(x, x + 2.0) / 2.0 for x in frange(a, b - 2.0, 0.5)), default=None)
+        busy = {"seconds": b - a, "cpu_s": used(a, b), "cores_used": used(a, b) / (b - a),
+                "peak_2s_cores_used": peak}
     return {"variant": vdir.name, "dir": str(vdir), "wall_s": t1 - t0,
             "phases_s": phases(vdir, t0, t1), "requests_done": done, "token_chunks": chunks,
             "requests_phase": busy,
@@ -598,7 +610,8 @@ def print_variant(v, top_n):
         rp = v["requests_phase"]
         if rp:
             print(f"   requests phase: {rp['seconds']:.1f} s, the run's processes used "
-                  f"{rp['cpu_s']:.1f} CPU-s = {rp['cores_used']:.2f} of {os.cpu_count()} cores")
+                  f"{rp['cpu_s']:.1f} CPU-s = {rp['cores_used']:.2f} of {os.cpu_count()} cores "
+                  f"(busiest 2 s: {rp['peak_2s_cores_used'] or float('nan'):.2f})")
         print(f"   token path: {v['token_chunks']} chunks for {v['requests_done']} requests "
               f"({v['token_chunks'] / max(v['requests_done'], 1):.1f} per request)")
         for w in f["warnings"]:
