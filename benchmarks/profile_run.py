@@ -534,12 +534,19 @@ def process_row(p, cpu, t0, t1):
 
 def variant_report(sampler, vdir, t0, t1, summary):
     rows, roles = [], {}
+    ev = event_times(vdir)
+    # Workers up, no request yet (link probe, client start): the CPU floor of an idle worker.
+    idle = (ev["workers_ready"] + sampler.interval_s, ev["client_started"]) \
+        if "workers_ready" in ev and "client_started" in ev else None
     for p in sampler.procs.values():
         cpu = p.cpu_at(t1 + sampler.interval_s) - p.cpu_at(t0)
         if p.variant_dir not in (None, vdir) or cpu <= 0:
             continue
         row, prof = process_row(p, cpu, t0, t1)
         row["sys_s"] = p.cpu_at(t1 + sampler.interval_s, True) - p.cpu_at(t0, True)
+        if idle is not None and p.samples and p.samples[0][0] < idle[0]:
+            row["idle_cpu_pct"] = 100 * (p.cpu_at(idle[1]) - p.cpu_at(idle[0])) / (
+                idle[1] - idle[0])
         rows.append(row)
         r = roles.setdefault(p.role, {"cpu_s": 0.0, "processes": 0, "own": collections.Counter(),
                                       "incl": collections.Counter()})
@@ -558,7 +565,6 @@ def variant_report(sampler, vdir, t0, t1, summary):
                           "top_own": [(f, c / tot) for f, c in r["own"].most_common(12)],
                           "top_inclusive": [(f, c / tot) for f, c in r["incl"].most_common(40)]})
     done, chunks = token_messages(vdir)
-    ev = event_times(vdir)
     busy = None
     if "client_started" in ev and "client_finished" in ev:
         # The requests phase alone: how many of the machine's cores the run's processes used.
@@ -617,13 +623,15 @@ def print_variant(v, top_n):
         for w in f["warnings"]:
             print(f"   warning: {w}")
         print(f"{'process':<12} {'role':<12} {'CPU s':>6} {'% wall':>6} {'sys':>5} {'start':>5} "
-              f"{'thr':>3}  top {top_n} functions by own CPU (py-spy share x /proc thread CPU)")
+              f"{'idle%':>5} {'thr':>3}  top {top_n} functions by own CPU (py-spy share x /proc "
+              f"thread CPU)")
         for r in v["processes"]:
             if r["cpu_s"] < 0.05:
                 continue
             start = f"{r['startup_cpu_s']:.1f}" if r["startup_cpu_s"] is not None else "-"
+            idle = f"{r['idle_cpu_pct']:.1f}" if r.get("idle_cpu_pct") is not None else "-"
             print(f"{r['name'][:12]:<12} {r['role']:<12} {r['cpu_s']:6.2f} "
-                  f"{r['cpu_pct_of_variant']:6.1f} {r['sys_s']:5.2f} {start:>5} "
+                  f"{r['cpu_pct_of_variant']:6.1f} {r['sys_s']:5.2f} {start:>5} {idle:>5} "
                   f"{r['threads']:3d}  {fmt_top(r.get('top_own', []), top_n)}")
             for t in r.get("thread_cpu", [])[:4]:
                 print(f"{'':<14}thread {t['thread'][:28]:<28} {t['cpu_s']:5.2f} s  "
@@ -645,6 +653,7 @@ def main():
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--out", help="run directory (new or empty); default results/profile/<time>")
     ap.add_argument("--no-pyspy", action="store_true", help="CPU per process only")
+    ap.add_argument("--no-probe", action="store_true", help="testbed run --no-probe")
     ap.add_argument("--rate", type=int, default=25, help="py-spy samples per second")
     ap.add_argument("--every", action="store_true",
                     help="py-spy on every worker (default: one per role and variant)")
@@ -666,6 +675,8 @@ def main():
     argv = [sys.executable, "-m", "testbed.cli", "run", args.experiment, "--out", str(out)]
     for s in args.set:
         argv += ["--set", s]
+    if args.no_probe:
+        argv.append("--no-probe")
     out.parent.mkdir(parents=True, exist_ok=True)
     log_path = out.parent / f".{out.name}.testbed-run.log"
     load0 = os.getloadavg()
