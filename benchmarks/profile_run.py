@@ -1,5 +1,5 @@
-"""Profile one `testbed run`: CPU per process and per role, and where the time goes inside each
-Python process (py-spy), in one table.
+"""Profile one `testbed run`: CPU per process, thread and role, and where the time goes inside
+the Python processes (py-spy), in one table (docs/performance.md shows one and how to read it).
 
 Needs root (it starts `testbed run` and attaches py-spy to that run's processes), so on a shared
 machine run it under the root lock, e.g. the 40x case study:
@@ -8,24 +8,27 @@ machine run it under the root lock, e.g. the 40x case study:
         experiments/paper_case_study.yaml --set scale.time=40 --set scale.bytes=2.5e-4 \\
         --set workload.arrival.rate=4/s
 
-How: `testbed run FILE --out DIR` runs as a child of this script. A sampler walks that child's
-process tree (and nothing else) every `--interval` seconds and reads each process's CPU time,
-threads and command line from /proc; each Python worker (`-m workers.X`) and the run's own process
-get a `py-spy record --nonblocking --idle`-less sampler of their own, writing a raw (collapsed
-stack) profile to DIR/profiles/<variant>/<name>.txt. py-spy only ever attaches to PIDs found in the
-run's own tree. After the run it reads each variant's `metadata.json` (start/end) and
-`summary.json` (capacity, prediction, the emulation's own fidelity warnings) and prints:
+How: `testbed run FILE --out DIR` runs as a child of this script. A sampler thread walks that
+child's process tree (and nothing else) every `--interval` seconds and reads each process's CPU
+time (user, system), threads and command line from /proc, and each Python process's per-thread
+CPU. Once a worker has written its ready file, one instance per role and variant (`--every`: all)
+and the run's own process get a `py-spy record --threads` of their own (non-blocking; `--native
+ROLE` adds native frames and pauses that role's processes per sample), writing collapsed stacks
+to DIR/profiles/<variant>/<name>.txt. py-spy only ever attaches to PIDs found in the run's tree.
 
-- per variant and process: role, CPU seconds inside the variant's span, CPU % of that span,
-  CPU seconds spent before the worker said ready (start-up), threads, and the top functions by
-  own (leaf) samples;
-- per variant and role: CPU seconds and % of the variant's wall time;
-- the machine: load average before and after, busy share of all cores over the run, the run
-  tree's total CPU (rusage of the reaped `testbed run`, a check on the sampled sum) and the
-  profilers' own CPU.
+After the run it reads each variant's `metadata.json` (start/end), `events.csv` (phases),
+`summary.json` (steady throughput, the planner's prediction, the emulation's own fidelity
+warnings) and `requests.jsonl` (token chunks), and prints per variant: fidelity, phases, the
+cores the run used while requests ran; per process: CPU seconds in the variant, % of its wall,
+system CPU, start-up CPU, idle CPU %, threads, the top functions by estimated own CPU (each
+thread's measured CPU split over its py-spy samples, see `attribute`) and the busiest threads;
+per role; and per role over every variant. The machine line gives the load average before and
+after, the busy share of all cores, the run tree's CPU (rusage of the reaped `testbed run`, a
+check on the sampled sum) and py-spy's own CPU.
 
-`--no-pyspy` measures CPU only (no sampling overhead in the target processes or on the cores);
-run both to see what profiling itself costs. Everything also goes to DIR/profiles/profile.json.
+`--no-pyspy` measures CPU only (no sampling overhead); run both to see what profiling costs.
+DIR/profiles/ keeps processes.json (every sample; `--report DIR` prints the report again) and
+profile.json (the report).
 """
 
 import argparse
@@ -602,45 +605,45 @@ def print_report(rep, top_n):
 
 
 def print_variant(v, top_n):
-    if True:
-        f = v["fidelity"]
-        pred = f["predicted_rps_expected"]
-        ratio = f"{f['steady_rps'] / pred:.3f}" if f["steady_rps"] and pred else "-"
-        print(f"\n== {v['variant']}: wall {v['wall_s']:.1f} s; completed {f['completed']}, "
-              f"failed {f['failed']}; steady {f['steady_rps'] or float('nan'):.3f} req/s vs "
-              f"predicted (E[T]) {pred or float('nan'):.3f} ({ratio}); first-token lag "
-              f"{f['first_token_lag_ms'] or float('nan'):.0f} ms; decode step "
-              f"{f['decode_step_ratio'] or float('nan'):.3f}x, prefill "
-              f"{f['prefill_ratio'] or float('nan'):.3f}x")
-        print("   phases: " + ", ".join(f"{k} {s:.1f} s" for k, s in v["phases_s"].items()))
-        rp = v["requests_phase"]
-        if rp:
-            print(f"   requests phase: {rp['seconds']:.1f} s, the run's processes used "
-                  f"{rp['cpu_s']:.1f} CPU-s = {rp['cores_used']:.2f} of {os.cpu_count()} cores "
-                  f"(busiest 2 s: {rp['peak_2s_cores_used'] or float('nan'):.2f})")
-        print(f"   token path: {v['token_chunks']} chunks for {v['requests_done']} requests "
-              f"({v['token_chunks'] / max(v['requests_done'], 1):.1f} per request)")
-        for w in f["warnings"]:
-            print(f"   warning: {w}")
-        print(f"{'process':<12} {'role':<12} {'CPU s':>6} {'% wall':>6} {'sys':>5} {'start':>5} "
-              f"{'idle%':>5} {'thr':>3}  top {top_n} functions by own CPU (py-spy share x /proc "
-              f"thread CPU)")
-        for r in v["processes"]:
-            if r["cpu_s"] < 0.05:
-                continue
-            start = f"{r['startup_cpu_s']:.1f}" if r["startup_cpu_s"] is not None else "-"
-            idle = f"{r['idle_cpu_pct']:.1f}" if r.get("idle_cpu_pct") is not None else "-"
-            print(f"{r['name'][:12]:<12} {r['role']:<12} {r['cpu_s']:6.2f} "
-                  f"{r['cpu_pct_of_variant']:6.1f} {r['sys_s']:5.2f} {start:>5} {idle:>5} "
-                  f"{r['threads']:3d}  {fmt_top(r.get('top_own', []), top_n)}")
-            for t in r.get("thread_cpu", [])[:4]:
-                print(f"{'':<14}thread {t['thread'][:28]:<28} {t['cpu_s']:5.2f} s  "
-                      f"{fmt_top([(f, c / (t['cpu_s'] or 1)) for f, c in t['top_own_cpu_s']], 3)}")
-        print(f"{'role':<12} {'n':>3} {'CPU s':>6} {'% wall':>6}  top functions (profiled "
-              f"instances)")
-        for r in v["roles"]:
-            print(f"{r['role']:<12} {r['processes']:3d} {r['cpu_s']:6.2f} "
-                  f"{r['cpu_pct_of_variant']:6.1f}  {fmt_top(r['top_own'], top_n)}")
+    """One variant's block: fidelity, phases, requests phase, the process and role tables."""
+    f = v["fidelity"]
+    pred = f["predicted_rps_expected"]
+    ratio = f"{f['steady_rps'] / pred:.3f}" if f["steady_rps"] and pred else "-"
+    print(f"\n== {v['variant']}: wall {v['wall_s']:.1f} s; completed {f['completed']}, "
+          f"failed {f['failed']}; steady {f['steady_rps'] or float('nan'):.3f} req/s vs "
+          f"predicted (E[T]) {pred or float('nan'):.3f} ({ratio}); first-token lag "
+          f"{f['first_token_lag_ms'] or float('nan'):.0f} ms; decode step "
+          f"{f['decode_step_ratio'] or float('nan'):.3f}x, prefill "
+          f"{f['prefill_ratio'] or float('nan'):.3f}x")
+    print("   phases: " + ", ".join(f"{k} {s:.1f} s" for k, s in v["phases_s"].items()))
+    rp = v["requests_phase"]
+    if rp:
+        print(f"   requests phase: {rp['seconds']:.1f} s, the run's processes used "
+              f"{rp['cpu_s']:.1f} CPU-s = {rp['cores_used']:.2f} of {os.cpu_count()} cores "
+              f"(busiest 2 s: {rp['peak_2s_cores_used'] or float('nan'):.2f})")
+    print(f"   token path: {v['token_chunks']} chunks for {v['requests_done']} requests "
+          f"({v['token_chunks'] / max(v['requests_done'], 1):.1f} per request)")
+    for w in f["warnings"]:
+        print(f"   warning: {w}")
+    print(f"{'process':<12} {'role':<12} {'CPU s':>6} {'% wall':>6} {'sys':>5} {'start':>5} "
+          f"{'idle%':>5} {'thr':>3}  top {top_n} functions by own CPU (py-spy share x /proc "
+          f"thread CPU)")
+    for r in v["processes"]:
+        if r["cpu_s"] < 0.05:
+            continue
+        start = f"{r['startup_cpu_s']:.1f}" if r["startup_cpu_s"] is not None else "-"
+        idle = f"{r['idle_cpu_pct']:.1f}" if r.get("idle_cpu_pct") is not None else "-"
+        print(f"{r['name'][:12]:<12} {r['role']:<12} {r['cpu_s']:6.2f} "
+              f"{r['cpu_pct_of_variant']:6.1f} {r['sys_s']:5.2f} {start:>5} {idle:>5} "
+              f"{r['threads']:3d}  {fmt_top(r.get('top_own', []), top_n)}")
+        for t in r.get("thread_cpu", [])[:4]:
+            print(f"{'':<14}thread {t['thread'][:28]:<28} {t['cpu_s']:5.2f} s  "
+                  f"{fmt_top([(f, c / (t['cpu_s'] or 1)) for f, c in t['top_own_cpu_s']], 3)}")
+    print(f"{'role':<12} {'n':>3} {'CPU s':>6} {'% wall':>6}  top functions (profiled "
+          f"instances)")
+    for r in v["roles"]:
+        print(f"{r['role']:<12} {r['processes']:3d} {r['cpu_s']:6.2f} "
+              f"{r['cpu_pct_of_variant']:6.1f}  {fmt_top(r['top_own'], top_n)}")
 
 
 # ---- main ---------------------------------------------------------------------------------
