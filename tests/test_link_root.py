@@ -15,13 +15,15 @@ import pytest
 
 from testbed import lifecycle
 from testbed.net.pair import routed_pair
-from testbed.net import probe, shaping
+from testbed.net import probe
+from testbed.net.linkmodel import check_params
+from testbed.net.wan import probe_backend
 
 pytestmark = pytest.mark.root
 
 
 def _params(**kw):
-    d = shaping.check_params({"rate": 50e6, **kw}, "test")
+    d = check_params({"rate": 50e6, **kw}, "test")
     return {"kv": d, "request": d}
 
 
@@ -230,7 +232,7 @@ def test_delay_line_refuses_bad_control_lines_and_stops_on_sigterm(link_factory)
 
 
 def _netem_skip():
-    backend, reason = shaping.probe_backend()
+    backend, reason = probe_backend()
     if backend != "netem":
         pytest.skip(f"netem backend unavailable: {reason}")
 

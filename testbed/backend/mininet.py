@@ -3,7 +3,7 @@
 `start()` builds the two-datacenter network (`testbed.net.build.Network`: Linux bridges, a WAN
 router whose two egress interfaces carry the deployment's emulated link model), `spawn()` runs a
 process inside an instance's host (its network namespace), the shaper is the router's
-`testbed.net.shaping.Wan`, and `probe()` measures the WAN between the two probe hosts. The
+`testbed.net.wan.Wan`, and `probe()` measures the WAN between the two probe hosts. The
 network registers its own teardown with the run's registry as it is built.
 """
 
