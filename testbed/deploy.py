@@ -34,8 +34,7 @@ from testbed.errors import ConfigError
 from testbed.net import spec as netspec
 from testbed.net.linkmodel import Link, check_params, needs_per_frame_packets
 from testbed.runtime import (AdaptiveRuntime, CacheRuntime, DecodeRuntime,
-                             InstanceRuntime, RolesRuntime, SchedulerRuntime, WanRuntime,
-                             WorkerRuntime)
+                             InstanceRuntime, RolesRuntime, SchedulerRuntime, WorkerRuntime)
 from testbed.scale import Scale
 
 DIRECTIONS = ("kv", "request")
@@ -411,9 +410,6 @@ def _runtime(exp, prof, scale, instances):
                              bs_max=exp.model.bs_max or prof.bs_max,
                              model_real=dataclasses.asdict(exp.decode_model())),
         scheduler=_scheduler(exp, scale), cache=cache,
-        # timeseries.csv's kv_link_gbps is real-world Gbit/s; workers compare it with emulated
-        # byte counters: this is the one factor between them
-        wan=WanRuntime(link_real_gbps_to_bps=scale.emulated_rate(1e9)),
         frontdoor=loadgen.runtime(exp),
         kv_deadline_s=scale.emulated_s(exp.run.kv_deadline),
         token_flush_s=scale.emulated_s(exp.run.token_flush),

@@ -133,7 +133,6 @@ def test_worker_runtime_round_trips_through_json_with_every_time_emulated(tmp_pa
                         exp.scheduler.failover.interval)
     assert math.isclose(s.real_s(rt.scheduler.adaptive.window_s), exp.scheduler.adaptive.window)
     assert math.isclose(s.real_s(rt.decode.step_s), rt.decode.step_real_s)
-    assert math.isclose(s.real_rate(rt.wan.link_real_gbps_to_bps), 1e9)
     assert rt.decode.model().step_s == rt.decode.step_real_s
     assert rt.instance("scheduler").addr.endswith(":50051")
     saved = json.loads((tmp_path / "runtime.json").read_text())
