@@ -209,7 +209,7 @@ def test_pool_serves_real_bytes_over_tcp(tmp_path):
     from testbed.proto import testbed_pb2_grpc as pbg
     from workers import cache_wire, common
     from workers.cachepool import CachePoolService
-    from testbed import kvwire
+    from workers import kvwire
 
     async def main():
         insts = {n: InstanceRuntime(name=n, role="cachepool", dc=dc, ip="127.0.0.1",

@@ -14,7 +14,7 @@ import time
 
 import grpc
 
-from testbed import kvwire
+from workers import kvwire
 from testbed.proto import testbed_pb2 as pb
 from testbed.proto import testbed_pb2_grpc as pbg
 from workers import common, control, decode, prefill

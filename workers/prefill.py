@@ -11,7 +11,7 @@ import asyncio
 import time
 
 
-from testbed import kvwire
+from workers import kvwire
 from testbed.proto import testbed_pb2 as pb
 from testbed.proto import testbed_pb2_grpc as pbg
 from workers import common, control

@@ -9,7 +9,7 @@ network registers its own teardown with the run's registry as it is built.
 
 import os
 
-from testbed import kvwire
+from testbed.net.tcp import CC_ENV
 
 
 def _mininet_version():
@@ -57,7 +57,7 @@ class MininetBackend:
         from testbed.net.probe import measure_link
 
         paths = self.net.netns_path
-        os.environ[kvwire.CC_ENV] = congestion_control      # the probe's TCP sender
+        os.environ[CC_ENV] = congestion_control      # the probe's TCP sender
         return measure_link(paths["probe_remote"], paths["probe_local"],
                             self.net.ip("probe_local"),
                             configured=self.deployment.links["kv"].params())

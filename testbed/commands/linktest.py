@@ -12,11 +12,12 @@ direction. Everything is recorded in a `Registry` and removed in `finally`, also
 import json
 import os
 
-from testbed import kvwire, units
+from testbed import units
 from testbed.errors import ConfigError, PrivilegeError
 from testbed.net.linkmodel import check_params
 from testbed.net.pair import routed_pair
 from testbed.net.probe import measure_link
+from testbed.net.tcp import CC_ENV
 
 
 def direction_params(rate, delay, jitter, loss, queue, jitter_dist="normal", loss_burst=None):
@@ -56,7 +57,7 @@ def main(args):
     d = direction_params(args.rate, args.delay, args.jitter, args.loss, args.queue,
                          loss_burst=args.loss_burst)
     if args.cc:
-        os.environ[kvwire.CC_ENV] = args.cc     # the probe's TCP sender uses it
+        os.environ[CC_ENV] = args.cc     # the probe's TCP sender uses it
     with routed_pair({"kv": d, "request": d}, backend=args.backend) as link:
         result = measure_link(link.src, link.dst, link.dst_ip, d.params(),
                               duration_s=args.duration)
