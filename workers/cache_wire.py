@@ -13,10 +13,9 @@ import os
 
 import grpc
 
-from workers import kvwire
 from testbed.proto import testbed_pb2 as pb
 from testbed.proto import testbed_pb2_grpc as pbg
-from workers import common
+from workers import common, kvwire
 from workers.cache_core import KIND_KV, KIND_STATE  # noqa: F401  (re-exported)
 
 CACHE_PORT = 50053

@@ -266,6 +266,7 @@ class TorchDecodeEngine(AssemblingDecodeEngine):
         self.device = self.model.device
         self.bs_max = bs_max
         self.step_s = step_s             # no emulated pacing: the computation is the step
+        self.clock_factor = 1.0          # scales step_s, which is 0: the slow fault cannot
         self.assemblers = {}
         self.errors = {}
         self.live = {}                   # rid -> [RequestState, next input token]
