@@ -119,7 +119,7 @@ class TorchPrefill(PrefillEngine):
     def __init__(self, rt):
         from workers.engine_torch import TorchPrefillEngine
         self.engine = TorchPrefillEngine(rt.torch, rt.device, seed=rt.seed,
-                                         tokens_scale=rt.scale.tokens, threads=1)
+                                         scale=rt.scale, threads=1)
 
     async def prefill(self, request, emit):
         from workers.engine_torch import emit_sender
