@@ -168,3 +168,22 @@ def test_netem_backend_refuses_burst_loss_before_building_anything():
                 backend="netem")
     with pytest.raises(ConfigError, match="loss_burst"):
         w.start()    # raised before the namespace is opened (it does not exist)
+
+
+def test_netlink_refusal_is_a_network_error_with_the_errno():
+    import errno
+
+    from pyroute2.netlink.exceptions import NetlinkError
+
+    from testbed.errors import NetworkError
+    from testbed.net import netlink
+
+    def refuse():
+        raise NetlinkError(errno.EEXIST)
+    with pytest.raises(NetworkError, match="adding htb root on x") as e:
+        netlink.call("adding htb root on x", refuse)
+    assert e.value.errno == errno.EEXIST
+    assert netlink.call("ok", lambda a, b=0: a + b, 1, b=2) == 3
+    with pytest.raises(NetworkError) as e:
+        netlink.open_netns("/nonexistent/ns")
+    assert e.value.errno == errno.ENOENT
