@@ -209,7 +209,10 @@ def _link(real, scale, direction) -> Link:
     q = real["queue"]
     if q and "bytes" in q:
         q = {"bytes": int(scale.emulated_bytes(q["bytes"]))}
-    return check_params({"rate": scale.emulated_rate(real["rate"]),
+    rate = scale.emulated_rate(real["rate"])
+    _check_rate(rate, "scale", f"network.wan.rate {units.fmt_rate(real['rate'])} x scale.bytes "
+                               f"{scale.bytes:g} x scale.time {scale.time:g}")
+    return check_params({"rate": rate,
                          "delay": scale.emulated_s(real["delay"]),
                          "jitter": scale.emulated_s(real["jitter"]),
                          "jitter_dist": real["jitter_dist"], "reorder": real["reorder"],
@@ -301,9 +304,6 @@ def _check_links(exp, scale, links, changes):
                 f"{q['bytes']} emulated bytes, less than one 64 KiB TSO burst; raise scale.bytes "
                 f"or give the queue in packets (emulated packets, not scaled)",
                 key="network.wan.queue")
-        _check_rate(links[d].rate_bps, "scale",
-                    f"network.wan.rate {units.fmt_rate(real['rate'])} x scale.bytes "
-                    f"{scale.bytes:g} x scale.time {scale.time:g}")
     for i, c in enumerate(wan.changes):
         if c.rate is not None:
             _check_rate(scale.emulated_rate(c.rate), f"network.wan.changes[{i}].rate",
