@@ -16,6 +16,9 @@ from testbed.net.delayline import (DELAYLINE_CFLAGS, DELAYLINE_LIBS, DELAYLINE_S
                                    MAX_NFQUEUE_PACKETS, ROOT_CACHE, DelayLine,
                                    delayline_binary, delayline_capacity)
 from testbed.net.firewall import Firewall
+from testbed.net.netlink import call as _netlink_call  # noqa: F401 (pair.py used it)
+from testbed.net.netlink import open_netns as _open_netns  # noqa: F401
+from testbed.net.netlink import register_fifo_plugins as _register_fifo_plugins  # noqa: F401
 from testbed.net.linkmodel import (BURST_S, DIRECTIONS, FRAME_BYTES, MIN_BURST_BYTES,
                                    MIN_QUEUE_BYTES, SETTABLE, Link, burst_loss, check_params,
                                    default_queue_bytes, gilbert, htb_burst_bytes,
