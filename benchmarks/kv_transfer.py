@@ -8,7 +8,7 @@ One run, side by side, over one unshaped veth between two fresh namespaces (`tb<
           one buffer (no copy, no framing) to a sink that reads them into one reused 1 MB
           buffer and discards them (`BufferedProtocol`: the kernel's copy and nothing else);
   worker  real state frames (`state_wire.encode_layer` of each layer of a prefilled request,
-          plus its trailer) sent with `testbed.kvwire` as the prefill worker sends them (a
+          plus its trailer) sent with `workers.kvwire` as the prefill worker sends them (a
           layer's frames in one `send_frames`; no frame crc32: state frames carry a crc32 per
           tensor and header) to a receiver set up as the decode
           worker's (`kvwire.serve` with `TorchDecodeEngine.frame_buffer`: data chunks received
@@ -46,7 +46,7 @@ TRIAL_TIMEOUT_S = 120.0
 # ---- receiver (in the decode namespace) ----
 
 async def receiver(host):
-    from testbed import kvwire
+    from workers import kvwire
     from workers.engine_torch import TorchDecodeEngine
     from workers.model.config import HybridConfig
 
@@ -105,7 +105,7 @@ async def receiver(host):
 async def sender(host, tokens, requests, chunks, streams, repeat):
     import torch
 
-    from testbed import kvwire
+    from workers import kvwire
     from workers.model.config import HybridConfig
     from workers.model.hybrid import HybridModel
     from workers.model.state_wire import encode_layer, encode_trailer

@@ -43,7 +43,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from testbed import lifecycle  # noqa: E402
 from testbed.net.pair import routed_pair  # noqa: E402
-from testbed.net import shaping  # noqa: E402
+from testbed.net.linkmodel import check_params  # noqa: E402
 from testbed.net import probe  # noqa: E402
 from testbed.net.probe import GOODPUT_BASIS, measure_link  # noqa: E402
 
@@ -79,10 +79,10 @@ def verdicts(cfg, m):
 
 def run_point(cfg, backend, duration_s, loss_packets, loss_burst=None):
     rate, delay, jitter, loss = cfg
-    d = shaping.check_params({"rate": rate, "delay": delay, "jitter": jitter, "loss": loss,
-                              "loss_burst": loss_burst}, "bench")
+    d = check_params({"rate": rate, "delay": delay, "jitter": jitter, "loss": loss,
+                      "loss_burst": loss_burst}, "bench")
     with routed_pair({"kv": d, "request": d}, backend=backend) as link:
-        r = measure_link(link.src, link.dst, link.dst_ip, d, duration_s=duration_s,
+        r = measure_link(link.src, link.dst, link.dst_ip, d.params(), duration_s=duration_s,
                          loss_packets=loss_packets)
         r["backend"] = link.wan.backend
     return r
@@ -201,8 +201,7 @@ class RawVeth:
 
 def raw_veth(per_frame, duration_s=SWEEP_S):
     """Measure RawVeth: the link is built as for the sweep, then its `Wan` removed."""
-    d = shaping.check_params({"rate": 1e9, "loss": SWEEP_LOSSES[1] if per_frame else 0.0},
-                             "raw")
+    d = check_params({"rate": 1e9, "loss": SWEEP_LOSSES[1] if per_frame else 0.0}, "raw")
     with routed_pair({"kv": d, "request": d}) as link:
         link.wan.stop()
         c, _ = probe.measure_udp(link.src, link.dst, link.dst_ip, probes=SWEEP_IDLE_PROBES)
@@ -230,7 +229,7 @@ def _loaded(link, duration_s):
 
 def sweep_point(rate, loss, raw_bps, delay_s=SWEEP_DELAY_S, duration_s=SWEEP_S):
     """Measure one configured rate (see the module docstring); returns a SweepPoint."""
-    d = shaping.check_params({"rate": rate, "delay": delay_s, "loss": loss}, "sweep")
+    d = check_params({"rate": rate, "delay": delay_s, "loss": loss}, "sweep")
     with routed_pair({"kv": d, "request": d}) as link:
         c, s = probe.measure_udp(link.src, link.dst, link.dst_ip, probes=SWEEP_IDLE_PROBES)
         rtt_ms = [x / 1e6 for x in c["rtt_ns"]]

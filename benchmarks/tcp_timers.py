@@ -18,7 +18,8 @@ import tempfile
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from testbed import lifecycle  # noqa: E402
-from testbed.net import probe, shaping, timers  # noqa: E402
+from testbed.net import probe, timers  # noqa: E402
+from testbed.net.linkmodel import check_params  # noqa: E402
 from testbed.net.pair import routed_pair  # noqa: E402
 from testbed.scale import Scale  # noqa: E402
 
@@ -28,8 +29,8 @@ RATE_BPS, DELAY_S, CUT_S, PERIOD_S, WARMUP_S = 20e6, 0.005, 0.45, 2.0, 1.0
 
 def stalls_real_ms(time_scale, scaled, cuts):
     s = Scale(time=time_scale)
-    d = shaping.check_params({"rate": s.emulated_rate(RATE_BPS), "delay": s.emulated_s(DELAY_S)},
-                             "b")
+    d = check_params({"rate": s.emulated_rate(RATE_BPS), "delay": s.emulated_s(DELAY_S)},
+                     "b")
     reg = lifecycle.Registry("tcptimers", kind="benchmark", state_dir=tempfile.mkdtemp())
     try:
         with routed_pair({"kv": d, "request": d}, registry=reg) as link:

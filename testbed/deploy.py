@@ -10,7 +10,8 @@ frozen and says what runs where, in which units:
 - `instances`: every process to place (name, role, datacenter, accelerator, worker module,
   address); the topology (topologies/two_dc.py) is built from it;
 - `links`: the WAN's two directions (`kv`: PrfaaS -> local, `request`: local -> PrfaaS),
-  emulated and checked here once against what one machine can shape (`links_real` keeps the
+  emulated, made by the link model's checker (`testbed.net.linkmodel.Link`, what the shaper
+  accepts) and checked here once against what one machine can shape (`links_real` keeps the
   real-world values beside them for deployment.json);
 - `schedule`: one time-ordered list, emulated seconds after the first arrival, of link changes
   (`network.wan.changes`, every row of `network.wan.rate_trace`, link faults and their ends)
@@ -31,10 +32,9 @@ from testbed import profile as profiles
 from testbed import units
 from testbed.errors import ConfigError
 from testbed.net import spec as netspec
-from testbed.net.shaping import needs_per_frame_packets
+from testbed.net.linkmodel import Link, check_params, needs_per_frame_packets
 from testbed.runtime import (AdaptiveRuntime, CacheRuntime, DecodeRuntime,
-                             InstanceRuntime, RolesRuntime, SchedulerRuntime, WanRuntime,
-                             WorkerRuntime)
+                             InstanceRuntime, RolesRuntime, SchedulerRuntime, WorkerRuntime)
 from testbed.scale import Scale
 
 DIRECTIONS = ("kv", "request")
@@ -49,28 +49,6 @@ DC_NET = {"prfaas": "10.1", "local": "10.2"}
 MAX_EMULATED_RATE_BPS = 5e9
 MIN_EMULATED_RATE_BPS = 8e3
 MIN_EMULATED_QUEUE_BYTES = 64 * 1024     # one TSO burst: a smaller drop-tail queue drops most
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Link:
-    """One WAN direction as the shaper runs it (emulated)."""
-
-    rate_bps: float
-    delay_s: float = 0.0
-    jitter_s: float = 0.0
-    jitter_dist: str = "normal"
-    reorder: bool = False
-    loss: float = 0.0
-    loss_burst: float | None = None      # packets: not scaled
-    queue: dict | None = None            # {"bytes": emulated} or {"packets": n}; None: one BDP
-    up: bool = True
-
-    def params(self):
-        """The shaper's keyword form (testbed.net.shaping.Wan `params`, `Wan.set`)."""
-        return {"rate": self.rate_bps, "delay": self.delay_s, "jitter": self.jitter_s,
-                "loss": self.loss, "loss_burst": self.loss_burst,
-                "queue": dict(self.queue) if self.queue else None, "up": self.up,
-                "jitter_dist": self.jitter_dist, "reorder": self.reorder}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,14 +146,14 @@ def compile(exp):     # noqa: A001 (the verb of this module)
     prof = profiles.load(exp.model.profile)
     instances = _instances(exp, lambda dc: int(scale.emulated_bytes(
         cache_capacity(exp, prof, dc))))
-    links = {d: emulated_link(exp.network.wan.direction(d), scale) for d in DIRECTIONS}
+    links = {d: emulated_link(exp.network.wan.direction(d), scale, d) for d in DIRECTIONS}
     link_changes = _link_changes(exp, scale)
     _check_links(exp, scale, links, link_changes)
     faults = _faults(exp)
     schedule = tuple(sorted(link_changes + _link_fault_changes(exp, scale, links, faults,
                                                                link_changes)
                             + _fault_actions(scale, faults), key=lambda s: s.at_s))
-    per_frame = needs_per_frame_packets({d: lk.params() for d, lk in links.items()}) or any(
+    per_frame = needs_per_frame_packets(links) or any(
         c.loss for c in exp.network.wan.changes)
     return Deployment(
         name=exp.name, label=exp.run_label, seed=exp.seed, scale=scale,
@@ -222,18 +200,24 @@ def _instances(exp, pool_bytes):
 
 # ---------------------------------------------------------------- links
 
-def emulated_link(real, scale):
-    """One direction's real-world parameters (`WanSpec.direction`) as the shaper runs them.
+def emulated_link(real, scale, direction) -> Link:
+    """One direction's real-world parameters (`WanSpec.direction`) as the shaper runs them,
+    checked by the link model's one checker (`testbed.net.linkmodel.check_params`).
 
     A queue given in bytes is scaled by `scale.bytes`, which keeps its drain time (queue /
     rate) in step with everything else; a queue in packets is taken as emulated packets."""
     q = real["queue"]
     if q and "bytes" in q:
         q = {"bytes": int(scale.emulated_bytes(q["bytes"]))}
-    return Link(rate_bps=scale.emulated_rate(real["rate"]), delay_s=scale.emulated_s(real["delay"]),
-                jitter_s=scale.emulated_s(real["jitter"]), jitter_dist=real["jitter_dist"],
-                reorder=real["reorder"], loss=real["loss"], loss_burst=real["loss_burst"],
-                queue=dict(q) if q else None, up=real["up"])
+    rate = scale.emulated_rate(real["rate"])
+    _check_rate(rate, "scale", f"network.wan.rate {units.fmt_rate(real['rate'])} x scale.bytes "
+                               f"{scale.bytes:g} x scale.time {scale.time:g}")
+    return check_params({"rate": rate,
+                         "delay": scale.emulated_s(real["delay"]),
+                         "jitter": scale.emulated_s(real["jitter"]),
+                         "jitter_dist": real["jitter_dist"], "reorder": real["reorder"],
+                         "loss": real["loss"], "loss_burst": real["loss_burst"],
+                         "queue": dict(q) if q else None, "up": real["up"]}, direction)
 
 
 def _real(d):
@@ -320,9 +304,6 @@ def _check_links(exp, scale, links, changes):
                 f"{q['bytes']} emulated bytes, less than one 64 KiB TSO burst; raise scale.bytes "
                 f"or give the queue in packets (emulated packets, not scaled)",
                 key="network.wan.queue")
-        _check_rate(links[d].rate_bps, "scale",
-                    f"network.wan.rate {units.fmt_rate(real['rate'])} x scale.bytes "
-                    f"{scale.bytes:g} x scale.time {scale.time:g}")
     for i, c in enumerate(wan.changes):
         if c.rate is not None:
             _check_rate(scale.emulated_rate(c.rate), f"network.wan.changes[{i}].rate",
@@ -429,9 +410,6 @@ def _runtime(exp, prof, scale, instances):
                              bs_max=exp.model.bs_max or prof.bs_max,
                              model_real=dataclasses.asdict(exp.decode_model())),
         scheduler=_scheduler(exp, scale), cache=cache,
-        # timeseries.csv's kv_link_gbps is real-world Gbit/s; workers compare it with emulated
-        # byte counters: this is the one factor between them
-        wan=WanRuntime(link_real_gbps_to_bps=scale.emulated_rate(1e9)),
         frontdoor=loadgen.runtime(exp),
         kv_deadline_s=scale.emulated_s(exp.run.kv_deadline),
         token_flush_s=scale.emulated_s(exp.run.token_flush),

@@ -401,9 +401,10 @@ def _rolling_recovery(df, at_emul, pre_level, window_s, scale, t0):
     return None
 
 
-def analyse(run_dir, exp, df):
+def analyse(run_dir, exp, df, scale: Scale):
     """`accounting`, `faults` (one entry per injection, YAML order) and the KV duplicates the
-    decode workers discarded, from requests (df), events.csv and the run's metadata."""
+    decode workers discarded, from requests (df), events.csv and the run's metadata; `scale`:
+    the run's, from its directory (`testbed.rundir.scale`)."""
     import numpy as np
     d = pathlib.Path(run_dir)
     out = {"accounting": accounting(df)}
@@ -418,7 +419,6 @@ def analyse(run_dir, exp, df):
     out["redispatched_requests"] = len({rid for _, rid, _ in redispatches})
     if not exp.faults:
         return out
-    scale = Scale.of(exp)
     meta = json.loads((d / "metadata.json").read_text()) if (d / "metadata.json").exists() else {}
     t0 = meta.get("client_start_at", df.send_time.min())
     fo = exp.scheduler.failover

@@ -28,11 +28,10 @@ import subprocess
 import numpy as np
 import pandas as pd
 
-DIRECTIONS = ("kv", "request")
+from testbed.net.linkmodel import BURST_S, DIRECTIONS   # the shaper's HTB burst
 WIRE_PER_PAYLOAD = 1514 / 1448     # Ethernet frame bytes per TCP payload byte at full MTU
 INFLATION_TOL = 0.25               # a transfer is inflated beyond 1.25x what the link allows
 RATE_TOL = 0.02                    # counter rounding, HZ-granular HTB token refills
-BURST_S = 0.001                    # HTB burst: 1 ms of line rate (shaping.BURST_S)
 GSO_BYTES = 65536                  # one TSO/GSO packet may pass on HTB credit
 TCP_COUNTERS = {"TcpExt": ("TCPTimeouts", "TCPLossProbes"), "Tcp": ("RetransSegs",)}
 
@@ -124,7 +123,8 @@ class FluidLink:
 def _emulated(run, direction):
     """One WAN direction as the shaper ran it (testbed.deploy.Link), from the run's config."""
     from testbed import deploy
-    return deploy.emulated_link(run.experiment.network.wan.direction(direction), run.scale)
+    return deploy.emulated_link(run.experiment.network.wan.direction(direction), run.scale,
+                                direction)
 
 
 def link_model(run, ts):
@@ -133,7 +133,9 @@ def link_model(run, ts):
     if ts is None or not len(ts) or "kv_link_gbps" not in ts:
         return FluidLink([0.0], [_emulated(run, "kv").rate_bps])
     up = ts.kv_up.to_numpy() if "kv_up" in ts else 1
-    return FluidLink(ts.time.to_numpy(), run.scale.emulated_rate(ts.kv_link_gbps.to_numpy() * 1e9) * up)
+    rate = (ts.kv_link_bps.to_numpy() if "kv_link_bps" in ts     # emulated, as sampled
+            else run.scale.emulated_rate(ts.kv_link_gbps.to_numpy() * 1e9))   # older runs
+    return FluidLink(ts.time.to_numpy(), rate * up)
 
 
 def transfer_bounds(df, link, rtt_s):

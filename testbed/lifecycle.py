@@ -310,10 +310,12 @@ def scratch_netns(name, kind="scratch"):
     process dies first); yields the Registry, for processes started in it."""
     from pyroute2 import netns
 
+    from testbed.net import netlink
+
     reg = Registry(name, kind=kind)
     try:
         reg.add_netns(name)
-        netns.create(name)
+        netlink.call(f"creating netns {name}", netns.create, name)
         yield reg
     finally:
         reg.close()

@@ -142,12 +142,12 @@ def read_http(run_dir):
     return [o for o in _jsonl(pathlib.Path(run_dir) / "frontdoor.jsonl") if o.get("ev") == "http"]
 
 
-def served_workload(run_dir, time_scale):
+def served_workload(run_dir, scale: Scale):
     """The request list as the front door received it (from requests.jsonl's `sent` lines):
-    id, arrival_s (real-world seconds after the first arrival), input_len, output_len."""
+    id, arrival_s (real-world seconds after the first arrival), input_len, output_len.
+    `scale`: the run's, from its directory (`testbed.rundir.scale`)."""
     from testbed.metrics import read_records
     sent, _ = read_records(pathlib.Path(run_dir) / "requests.jsonl")
-    scale = Scale(time=time_scale)
     rows = sorted(sent.values(), key=lambda s: s["id"])
     t0 = min((s["scheduled"] for s in rows), default=0.0)
     return pd.DataFrame({
@@ -157,8 +157,9 @@ def served_workload(run_dir, time_scale):
         "output_len": np.asarray([s.get("output_len", 0) for s in rows], dtype=np.int64)})
 
 
-def summarize(run_dir, exp, df):
-    """summary.json's `frontdoor` (HTTP outcomes) and, for aiperf, `aiperf` keys."""
+def summarize(run_dir, exp, df, scale: Scale):
+    """summary.json's `frontdoor` (HTTP outcomes) and, for aiperf, `aiperf` keys; `scale`: the
+    run's, from its directory."""
     http = read_http(run_dir)
     out = {"frontdoor": {
         "http_requests": len(http),
@@ -170,7 +171,7 @@ def summarize(run_dir, exp, df):
         "overhead_emulated_ms_median": _overhead_ms(http, run_dir),
         "client_minus_testbed_ttft_ms": None}}
     if exp.workload.client == "aiperf":
-        out["aiperf"] = aiperf_summary(run_dir, exp, df)
+        out["aiperf"] = aiperf_summary(run_dir, exp, df, scale)
         out["frontdoor"]["client_minus_testbed_ttft_ms"] = out["aiperf"].get(
             "compare", {}).get("ttft_diff_ms_median")
     return out
@@ -185,15 +186,14 @@ def _overhead_ms(http, run_dir):
     return float(np.median(gaps) * 1e3) if gaps else None
 
 
-def compare(tool, ours, time_scale):
+def compare(tool, ours, scale: Scale):
     """A client's own per-request records beside the front door's, paired by id where the tool
     sent one (`our_id`: the front door's id of its X-Request-Id), else in start order (the
     front door numbers requests in arrival order).
 
     `tool`: DataFrame with `start` (Unix s), `ttft_s` (emulated s, NaN if none) and `ok`;
-    `ours`: requests.parquet rows. Times in the result are real-world ms (x scale.time), with
-    the emulated per-request difference beside them."""
-    scale = Scale(time=time_scale)
+    `ours`: requests.parquet rows. Times in the result are real-world ms (`scale`: the run's),
+    with the emulated per-request difference beside them."""
     t = tool.sort_values("start").reset_index(drop=True)
     o = ours.sort_values("send_time").reset_index(drop=True)
     if "our_id" in t and t.our_id.notna().all() and t.our_id.isin(ours.id).all():
@@ -234,7 +234,7 @@ def read_aiperf(run_dir):
     return pd.DataFrame(rows, columns=["start", "rid", "ttft_s", "e2el_s", "n_out", "ok"])
 
 
-def aiperf_summary(run_dir, exp, df):
+def aiperf_summary(run_dir, exp, df, scale: Scale):
     """aiperf's metrics beside ours: its aggregate TTFT (profile_export_aiperf.json, converted
     to real-world ms) and the per-request comparison; goodput from its records under our SLO."""
     d = pathlib.Path(run_dir) / "aiperf"
@@ -242,7 +242,6 @@ def aiperf_summary(run_dir, exp, df):
     if not agg_path.exists():
         return {"error": f"no {agg_path.name} (see logs/client.log)"}
     agg = json.loads(agg_path.read_text())
-    scale = Scale.of(exp)
     ttft = agg.get("time_to_first_token") or {}       # emulated ms
     out = {"request_count": (agg.get("request_count") or {}).get("avg"),
            "errors": (agg.get("error_summary") or []),
@@ -251,7 +250,7 @@ def aiperf_summary(run_dir, exp, df):
     tool = read_aiperf(run_dir)
     ids = {h.get("client_request_id"): h["id"] for h in read_http(run_dir)}
     tool["our_id"] = tool.rid.map(ids)       # aiperf's X-Request-Id as the front door saw it
-    out["compare"] = compare(tool, df, scale.time)
+    out["compare"] = compare(tool, df, scale)
     slo = exp.slo.objectives_ms()
     if slo and len(tool):
         good = tool.ok.copy()

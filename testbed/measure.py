@@ -2,11 +2,12 @@
 
 `CounterSampler` polls the WAN model's kernel counters (`Wan.stats()`: bytes and packets sent by
 each router egress interface, queue backlog, drops, link state, and the configured link rate in
-force, `*_link_gbps`, for comparison) at `hz` (default 20 Hz) in a
-thread and writes `timeseries.csv`. Rates are differences of kernel byte counters, never what the
-workers say they sent. Real-world columns are converted back with the run's `Scale`
-(`real_rate`, `real_s`). `read_s` is how long the counter read took and `<dir>_artifact`
-flags a rate above what the link carries (`testbed.fidelity`).
+force) at `hz` (default 20 Hz) in a thread and writes `timeseries.csv`. Rates are differences of
+kernel byte counters, never what the workers say they sent. Each rate is written twice: emulated
+(`*_rate_bps`, `*_link_bps`: what the workers compare with their own byte counts, so they convert
+nothing) and real-world (`*_egress_gbps`, `*_link_gbps`: what analysis and plots show), converted
+back with the run's `Scale` (`real_rate`, `real_s`). `read_s` is how long the counter read took and
+`<dir>_artifact` flags a rate above what the link carries (`testbed.fidelity`).
 
 `EventLog` appends timestamped rows to `events.csv` (link changes, worker deaths, phases).
 """
@@ -49,11 +50,13 @@ class CounterSampler:
     COLUMNS = ["time", "t_s", "t_real_s"] + [
         f"{d}_{k}" for d in DIRECTIONS for k in (
             "tx_bytes", "tx_packets", "rate_bps", "egress_gbps", "backlog_bytes",
-            "backlog_packets", "drops", "up", "link_gbps")] + [
+            "backlog_packets", "drops", "up", "link_bps", "link_gbps")] + [
         "read_s"] + [f"{d}_artifact" for d in DIRECTIONS]     # testbed.fidelity
 
     def __init__(self, wan, path, scale, hz=20.0):
-        """`scale`: the run's `testbed.scale.Scale` (real-world columns are converted back)."""
+        """`scale`: the run's `testbed.scale.Scale` (real-world columns are converted back).
+        Columns: `*_rate_bps` and `*_link_bps` emulated bit/s, `*_egress_gbps` and `*_link_gbps`
+        real-world Gbit/s."""
         self.wan = wan
         self.path = path
         self.period = 1.0 / hz
@@ -88,6 +91,7 @@ class CounterSampler:
             row += [s["tx_bytes"], s["tx_packets"], f"{rate:.1f}",
                     f"{self.scale.real_rate(rate) / 1e9:.6f}", s["backlog_bytes"],
                     s.get("backlog_packets", 0), s["drops"], int(bool(s["up"])),
+                    f"{s.get('rate_bps', 0):.1f}",
                     f"{self.scale.real_rate(s.get('rate_bps', 0)) / 1e9:.6f}"]
         row += [f"{read_s:.6f}"] + [int(self._artifact(prev, now, read_s, stats, d))
                                     for d in DIRECTIONS]

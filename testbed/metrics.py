@@ -409,7 +409,7 @@ def analyse(run_dir) -> dict:
     workload = rundir.workload(rd)
     if exp.workload.client != "builtin":     # what the front door received (testbed/loadgen.py)
         from testbed import loadgen
-        workload = loadgen.served_workload(rd.path, scale.time)
+        workload = loadgen.served_workload(rd.path, scale)
     sent, done = read_records(rd.records)
     df = build_requests(workload, sent, done, scale)
     df["slo_ok"] = meets_slo(df, exp.slo.objectives_ms())
@@ -435,10 +435,10 @@ def analyse(run_dir) -> dict:
     summary.update(guards)
     summary["warnings"] = _warnings(summary, run.metadata, reasons, guard_warnings)
     from testbed import faults     # accounting, recovery per injected fault
-    summary.update(faults.analyse(rd.path, exp, df))
+    summary.update(faults.analyse(rd.path, exp, df, scale))
     if exp.workload.client != "builtin":
         from testbed import loadgen
-        summary.update(loadgen.summarize(rd.path, exp, df))
+        summary.update(loadgen.summarize(rd.path, exp, df, scale))
     rd.summary.write_text(json.dumps(summary, indent=1))
     return summary
 

@@ -12,7 +12,6 @@ read only the run directory afterwards. Nothing here imports Mininet.
 
 import contextlib
 import datetime
-import json
 import os
 import pathlib
 import platform
@@ -24,11 +23,12 @@ import time
 
 import yaml
 
-from testbed import (__version__, config, deploy, fidelity, kvwire, lifecycle, loadgen, metrics,
+from testbed import (__version__, config, deploy, fidelity, lifecycle, loadgen, metrics,
                      ownership, plot, rundir)
 from testbed.backend import open_backend
 from testbed.errors import ConfigError, PrivilegeError, RunInterrupted, WorkerError
 from testbed.measure import CounterSampler, EventLog
+from testbed.net.tcp import CC_ENV
 from testbed.workload import generate
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -191,7 +191,7 @@ class Run:
 
     def _spawn(self, name, module, extra=(), host=None):
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        env[kvwire.CC_ENV] = self.congestion_control()
+        env[CC_ENV] = self.congestion_control()
         argv = [sys.executable, "-m", module, "--runtime", str(self.dir / "runtime.json"),
                 "--name", name, *extra]
         self.procs[name] = self.backend.spawn(host or name, argv,

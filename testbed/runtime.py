@@ -126,14 +126,6 @@ class CacheRuntime:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class WanRuntime:
-    """What workers need of the WAN: converting the kernel counters' link rate in force
-    (timeseries.csv `kv_link_gbps`, real-world Gbit/s) to emulated bit/s, the one factor."""
-
-    link_real_gbps_to_bps: float = 1e9
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
 class FrontdoorRuntime:
     port: int = 8000
     max_context: int = 0
@@ -155,7 +147,6 @@ class WorkerRuntime:
     decode: DecodeRuntime = dataclasses.field(default_factory=DecodeRuntime)
     scheduler: SchedulerRuntime = dataclasses.field(default_factory=SchedulerRuntime)
     cache: CacheRuntime = dataclasses.field(default_factory=CacheRuntime)
-    wan: WanRuntime = dataclasses.field(default_factory=WanRuntime)
     frontdoor: FrontdoorRuntime = dataclasses.field(default_factory=FrontdoorRuntime)
     kv_deadline_s: float = 300.0
     token_flush_s: float = 0.05

@@ -6,8 +6,9 @@ byte count b as b x bytes, a link rate r as r x bytes x time (the same fraction 
 a `time`-times shorter second), an arrival rate λ as λ x time. Every ratio of transfer time to
 compute time is preserved; reports convert back with the inverse methods.
 
-`tokens` (torch engine only) divides prompt lengths so a tiny model can replay long traces; it
-is not a unit conversion of the emulator's clocks or links and has no inverse here.
+`tokens` (torch engine only) divides prompt lengths so a tiny model can replay long traces
+(`model_tokens`); it is not a unit conversion of the emulator's clocks or links and has no
+inverse here.
 
 Naming convention used with it: a value suffixed `_s`, `_bytes` or `_bps` in `runtime.json`,
 the workers and the run directory is *emulated* unless it says `real`; every table a user
@@ -89,6 +90,11 @@ class Scale:
 
     def real_rate(self, emulated_rate):
         return emulated_rate / self.rate_factor
+
+    # -- prompt lengths (torch engine)
+    def model_tokens(self, trace_tokens):
+        """Model tokens (unrounded) of `trace_tokens` tokens of a trace: trace / tokens."""
+        return trace_tokens / self.tokens
 
     # -- event rates (requests per second)
     def emulated_per_s(self, real_per_s):

@@ -107,3 +107,32 @@ def test_reads_the_last_complete_row(tmp_path):
     p.write_text("time,kv_rate_bps\n1.0,10\n2.0,20\n3.0,")
     assert read_last_row(p) == {"time": "2.0", "kv_rate_bps": "20"}
     assert read_last_row(tmp_path / "missing.csv") is None
+
+
+def test_controller_reads_the_link_rate_emulated_from_the_sampler(tmp_path):
+    """The sampler writes the link rate in force both ways: `kv_link_bps` emulated (what the
+    controller compares with byte counts, unconverted) and `kv_link_gbps` real-world."""
+    from testbed.measure import CounterSampler
+    from testbed.scale import Scale
+    from workers.adaptive import ThresholdController
+
+    class StubWan:
+        def stats(self):
+            return {d: {"tx_bytes": 1000, "tx_packets": 1, "backlog_bytes": 0, "drops": 0,
+                        "up": True, "rate_bps": 2e8} for d in ("kv", "request")}
+
+    path = tmp_path / "timeseries.csv"
+    sampler = CounterSampler(StubWan(), path, Scale(time=10, bytes=1e-3))
+    sampler.start()
+    sampler.stop()
+    row = read_last_row(path)
+    assert float(row["kv_link_bps"]) == 2e8
+    assert float(row["kv_link_gbps"]) == 2e8 / (10 * 1e-3) / 1e9     # 20 Gbit/s real-world
+
+    class Router:
+        threshold = 10_000
+    ctl = ThresholdController(Router(), CFG, tmp_path, None)
+    try:
+        assert ctl.link() == (1000, 2e8)
+    finally:
+        ctl.out.close()

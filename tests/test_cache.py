@@ -13,8 +13,7 @@ import pytest
 from testbed import profile as profiles
 from testbed.config import load_experiment
 from testbed.errors import ConfigError
-from testbed.runtime import (CacheRuntime, InstanceRuntime, SchedulerRuntime, WanRuntime,
-                             WorkerRuntime)
+from testbed.runtime import CacheRuntime, InstanceRuntime, SchedulerRuntime, WorkerRuntime
 from testbed.scale import Scale
 from workers.cache_core import KIND_KV, KIND_STATE, BlockSizes, BlockStore, snapshot_blocks
 from workers.placement import CacheView, choose_cluster, estimated_ttft, link_state
@@ -137,12 +136,12 @@ def test_estimated_ttft_trades_queue_against_cache():
 
 def test_link_state_from_kernel_counters(tmp_path):
     ts = tmp_path / "timeseries.csv"
-    ts.write_text("time,kv_tx_bytes,kv_link_gbps\n1.0,0,100\n")
-    util, bps, last = link_state(ts, None, 1e7)       # 100 Gbit real -> 1 Gbit/s emulated
+    ts.write_text("time,kv_tx_bytes,kv_link_bps\n1.0,0,1e9\n")
+    util, bps, last = link_state(ts, None)
     assert util is None and bps == 1e9 and last == (1.0, 0)
     with open(ts, "a") as f:
-        f.write("1.5,31250000,100\n")                  # 250 Mbit in 0.5 s on 1 Gbit/s
-    util, bps, last = link_state(ts, last, 1e7)
+        f.write("1.5,31250000,1e9\n")                  # 250 Mbit in 0.5 s on 1 Gbit/s
+    util, bps, last = link_state(ts, last)
     assert util == pytest.approx(0.5) and last == (1.5, 31250000)
 
 
@@ -210,7 +209,7 @@ def test_pool_serves_real_bytes_over_tcp(tmp_path):
     from testbed.proto import testbed_pb2_grpc as pbg
     from workers import cache_wire, common
     from workers.cachepool import CachePoolService
-    from testbed import kvwire
+    from workers import kvwire
 
     async def main():
         insts = {n: InstanceRuntime(name=n, role="cachepool", dc=dc, ip="127.0.0.1",
@@ -273,8 +272,7 @@ def _placer(tmp_path, view, fetch_s_per_byte=None):
                        scheduler=SchedulerRuntime(placement="cache_aware"),
                        cache=CacheRuntime(enabled=True, block=512,
                                           s_kv_real=tuple(prof.kv_size.coeffs),
-                                          transfer="always", headroom=0.5),
-                       wan=WanRuntime(link_real_gbps_to_bps=1e7))
+                                          transfer="always", headroom=0.5))
     pl = placement.CachePlacer(rt, router, lambda i, l, c: prof.t_prefill_cached(
         i.accelerator, l, c) / 10, logging.getLogger("t"))
     pl.fetch_s_per_byte = fetch_s_per_byte

@@ -13,7 +13,7 @@ import uuid
 import pytest
 
 from testbed.errors import NetworkError
-from testbed.net import shaping
+from testbed.net import delayline
 
 MAX_DELAY_US = 3_600_000_000   # delayline.c MAX_DELAY_US
 CLIP_SD = 100                  # delayline.c JITTER_CLIP_SD
@@ -23,8 +23,8 @@ pytestmark = pytest.mark.skipif(not shutil.which("gcc"), reason="gcc missing (Ma
 
 def _build(tmp_path, *flags):
     out = tmp_path / "tb-delayline"
-    r = subprocess.run(["gcc", *shaping.DELAYLINE_CFLAGS, "-Werror", *flags, "-o", str(out),
-                        str(shaping.DELAYLINE_SRC), *shaping.DELAYLINE_LIBS],
+    r = subprocess.run(["gcc", *delayline.DELAYLINE_CFLAGS, "-Werror", *flags, "-o", str(out),
+                        str(delayline.DELAYLINE_SRC), *delayline.DELAYLINE_LIBS],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     return out
@@ -105,9 +105,9 @@ def test_bad_arguments_exit_2_before_touching_nfqueue(sanitized, args):
 @pytest.fixture
 def private_dir():
     """A scratch directory inside the real cache's parent chain (root-owned, 0755 when root)."""
-    base = (shaping.ROOT_CACHE if os.geteuid() == 0 else
-            shaping.pathlib.Path(os.environ.get("XDG_CACHE_HOME")
-                                 or shaping.pathlib.Path.home() / ".cache") / "prfaas-testbed")
+    base = (delayline.ROOT_CACHE if os.geteuid() == 0 else
+            delayline.pathlib.Path(os.environ.get("XDG_CACHE_HOME")
+                                 or delayline.pathlib.Path.home() / ".cache") / "prfaas-testbed")
     d = base / f"test-{uuid.uuid4().hex[:8]}"
     base.mkdir(mode=0o755, parents=True, exist_ok=True)
     try:
@@ -117,45 +117,45 @@ def private_dir():
 
 
 def test_default_cache_is_private_and_recorded():
-    binary = shaping.delayline_binary()
+    binary = delayline.delayline_binary()
     if os.geteuid() == 0:
-        assert binary.parent == shaping.ROOT_CACHE    # never the repository or a user's cache
+        assert binary.parent == delayline.ROOT_CACHE    # never the repository or a user's cache
     st = binary.stat()
     assert st.st_uid == os.geteuid() and not st.st_mode & 0o022
     assert not binary.parent.stat().st_mode & 0o022
     record = binary.with_name(binary.name + ".sha256").read_text().split()
     assert record[0] == "source" and binary.name.endswith(record[1][:16])
-    assert record[2:] == ["binary", shaping._sha256(binary)]
+    assert record[2:] == ["binary", delayline._sha256(binary)]
 
 
 def test_cache_under_a_world_writable_directory_is_refused(tmp_path):
     os.chmod(tmp_path, 0o777)
     with pytest.raises(NetworkError, match="writable by group or others"):
-        shaping.delayline_binary(cache_dir=tmp_path / "cache")
+        delayline.delayline_binary(cache_dir=tmp_path / "cache")
 
 
 def test_a_changed_binary_is_rebuilt_and_a_writable_one_refused(private_dir):
-    first = shaping.delayline_binary(cache_dir=private_dir)
+    first = delayline.delayline_binary(cache_dir=private_dir)
     good = first.read_bytes()
     with open(first, "ab") as f:
         f.write(b"tampered")
-    assert shaping.delayline_binary(cache_dir=private_dir).read_bytes() == good
+    assert delayline.delayline_binary(cache_dir=private_dir).read_bytes() == good
     os.chmod(first, 0o775)
     with pytest.raises(NetworkError, match="writable by it alone"):
-        shaping.delayline_binary(cache_dir=private_dir)
+        delayline.delayline_binary(cache_dir=private_dir)
 
 
 def test_a_symlinked_cache_is_refused(private_dir, tmp_path):
     private_dir.mkdir(mode=0o755)
     (private_dir / "link").symlink_to(private_dir)
     with pytest.raises(NetworkError, match="not a directory"):
-        shaping.delayline_binary(cache_dir=private_dir / "link")
+        delayline.delayline_binary(cache_dir=private_dir / "link")
 
 
 def test_a_changed_source_compiles_anew(private_dir, tmp_path, monkeypatch):
-    before = shaping.delayline_binary(cache_dir=private_dir)
+    before = delayline.delayline_binary(cache_dir=private_dir)
     src = tmp_path / "delayline.c"
-    src.write_text(shaping.DELAYLINE_SRC.read_text() + "\n/* changed */\n")
-    monkeypatch.setattr(shaping, "DELAYLINE_SRC", src)
-    after = shaping.delayline_binary(cache_dir=private_dir)
+    src.write_text(delayline.DELAYLINE_SRC.read_text() + "\n/* changed */\n")
+    monkeypatch.setattr(delayline, "DELAYLINE_SRC", src)
+    after = delayline.delayline_binary(cache_dir=private_dir)
     assert after != before and after.exists() and before.exists()

@@ -61,3 +61,27 @@ def test_a_slowed_decode_engine_stays_slow_after_a_request_frees_its_memory(tmp_
     eng.reserve(need)
     eng.free(need)
     assert eng.clock_factor == 3.0 and eng.reserved == 0.0
+
+
+def test_workers_find_engine_capabilities_by_protocol(tmp_path):
+    """The decode worker paces and admits by memory for a PacedDecodeEngine, hands frames to an
+    AssemblingDecodeEngine; the prefill worker reads `frames_checksummed` (no getattr probing)."""
+    import logging
+
+    from conftest import SMALL_EXPERIMENT
+    from testbed import config, deploy
+    from workers.decode import DecodeService
+    from workers.prefill import PrefillService, TorchPrefill
+
+    p = tmp_path / "exp.yaml"
+    p.write_text(SMALL_EXPERIMENT)
+    (exp,) = config.load_experiment(p)
+    rt = deploy.compile(exp).runtime
+    eng = ProfileDecodeEngine(rt, rt.instance("ld0"))
+    assert isinstance(eng, engine.DecodeEngine)
+    svc = DecodeService(rt, "ld0", eng, logging.getLogger("t"))
+    assert svc.paced and not svc.assembling
+    pre = ProfilePrefillEngine(rt, rt.instance("rp0"))
+    assert isinstance(pre, engine.PrefillEngine)
+    assert PrefillService(rt, "rp0", pre, logging.getLogger("t")).frame_crc
+    assert TorchPrefill.frames_checksummed and engine.PrefillEngine in TorchPrefill.__mro__

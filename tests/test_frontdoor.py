@@ -307,16 +307,15 @@ def test_served_workload_and_compare(tmp_path):
                                                            "max_tokens": 4, "stream": True})
             await r.text()
     _run(tmp_path, stub, fn)
-    wl = loadgen.served_workload(tmp_path, 10.0)
+    wl = loadgen.served_workload(tmp_path, Scale(10.0))
     assert wl.id.tolist() == [0, 1] and wl.input_len.tolist() == [3, 7]
     assert wl.output_len.tolist() == [4, 4] and wl.arrival_s.iloc[0] == 0.0
     from testbed.metrics import build_requests, read_records
-    from testbed.scale import Scale
     sent, done = read_records(tmp_path / "requests.jsonl")
     ours = build_requests(wl, sent, done, Scale(10.0))
     tool = pd.DataFrame({"start": ours.send_time - 0.001,
                          "ttft_s": (ours.first_token - ours.send_time) + 0.002, "ok": True})
-    c = loadgen.compare(tool, ours, 10.0)
+    c = loadgen.compare(tool, ours, Scale(10.0))
     assert c["completed"] == c["completed_testbed"] == c["paired"] == 2
     assert c["ttft_diff_ms_median"] == pytest.approx(20.0)
     assert c["ttft_diff_emulated_ms_median"] == pytest.approx(2.0)
@@ -332,12 +331,11 @@ def test_aiperf_exports_are_read_and_compared(tmp_path, monkeypatch):
     exp = config.load_experiment(TINY, ["workload.client=aiperf", "scale.time=1",
                                         "slo.ttft=30ms"])[0]
     from testbed.metrics import build_requests, read_records
-    from testbed.scale import Scale
     sent, done = read_records(run / "requests.jsonl")
-    df = build_requests(loadgen.served_workload(run, 1.0), sent, done, Scale(1.0))
+    df = build_requests(loadgen.served_workload(run, Scale(1.0)), sent, done, Scale(1.0))
     tool = loadgen.read_aiperf(run)
     assert len(tool) == 3 and tool.ok.all()
-    s = loadgen.summarize(run, exp, df)
+    s = loadgen.summarize(run, exp, df, Scale(1.0))
     assert s["frontdoor"]["outcomes"] == {"ok": 3}
     a = s["aiperf"]
     assert a["request_count"] == 3 and a["errors"] == []

@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 
 from test_run_root import ROOT, TINY, leftovers, tb_cmd
-from testbed import loadgen
+from testbed import loadgen, rundir
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -55,7 +55,7 @@ def test_command_client_through_the_front_door(tmp_path):
     ours = df[df.error != "client disconnected"]
     assert (ours.status == "ok").sum() == 12 == summary["completed"]
     assert sorted(ours.input_len) == sorted(pd.read_parquet(out / "workload.parquet").input_len)
-    c = loadgen.compare(tool, ours, summary["scale"]["time"])
+    c = loadgen.compare(tool, ours, rundir.scale(out))
     assert c["paired"] == 12 and c["completed"] == c["completed_testbed"] == 12
     # Each request's times are causal across the three records (one host
     # clock): the client sends, the front door receives and submits, the decode worker's first

@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from testbed import kvwire
+from workers import kvwire
 
 
 def _free_port():

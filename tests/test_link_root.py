@@ -15,15 +15,17 @@ import time
 import pytest
 
 from testbed import lifecycle
-from testbed.net import probe, shaping, timers
+from testbed.net import probe, timers
 from testbed.net.pair import routed_pair
+from testbed.net.linkmodel import check_params
+from testbed.net.wan import probe_backend
 from testbed.scale import Scale
 
 pytestmark = pytest.mark.root
 
 
 def _params(**kw):
-    d = shaping.check_params({"rate": 50e6, **kw}, "test")
+    d = check_params({"rate": 50e6, **kw}, "test")
     return {"kv": d, "request": d}
 
 
@@ -239,7 +241,7 @@ def test_delay_line_refuses_bad_control_lines_and_stops_on_sigterm(link_factory)
 
 
 def _netem_skip():
-    backend, reason = shaping.probe_backend()
+    backend, reason = probe_backend()
     if backend != "netem":
         pytest.skip(f"netem backend unavailable: {reason}")
 

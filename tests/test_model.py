@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from testbed.scale import Scale
 from workers.model import state_wire
 from workers.model.config import HybridConfig
 from workers.model.hybrid import (HybridModel, RequestState, analytical_layer_bytes,
@@ -372,12 +373,14 @@ def test_request_tokens_share_prefix_blocks_and_scale_by_block():
     from workers.model.prefix import model_block, model_tokens
 
     a = request_tokens({"id": 1, "input_len": 1200, "prefix_blocks": [5, 6, 7]}, 1024,
-                       tokens_scale=8, block=512)
+                       scale=Scale(tokens=8), block=512)
     b = request_tokens({"id": 2, "input_len": 1100, "prefix_blocks": [5, 6, 9]}, 1024,
-                       tokens_scale=8, block=512)
-    assert model_block(512, 8) == 64 and len(a) == model_tokens(1200, 512, 8) == 150
+                       scale=Scale(tokens=8), block=512)
+    assert model_block(512, Scale(tokens=8)) == 64
+    assert len(a) == model_tokens(1200, 512, Scale(tokens=8)) == 150
     assert torch.equal(a[:128], b[:128]) and not torch.equal(a[128:137], b[128:137])
-    assert model_block(512, 100) == 5 and model_tokens(1024, 512, 100) == 10
+    assert model_block(512, Scale(tokens=100)) == 5
+    assert model_tokens(1024, 512, Scale(tokens=100)) == 10
 
 
 def _engine_prefill(pre, req, **kw):
@@ -395,7 +398,7 @@ def test_engine_prefix_prefill_ship_and_decode_equal_forward_full(ship):
 
     cfg = HybridConfig(seed=6, **SMALL)
     # Trace blocks of 128 tokens, scale 4: model blocks of 32 tokens.
-    pre = TorchPrefillEngine(cfg, "cpu", chunk_bytes=4096, tokens_scale=4, block=128)
+    pre = TorchPrefillEngine(cfg, "cpu", chunk_bytes=4096, scale=Scale(tokens=4), block=128)
     pool = {}
     first = {"id": 1, "input_len": 500, "prefix_blocks": [21, 22, 23, 24]}
     t0, _ = _engine_prefill(pre, first, on_block=lambda b: pool.__setitem__(b.key, b.to_bytes()))
@@ -414,7 +417,7 @@ def test_engine_prefix_prefill_ship_and_decode_equal_forward_full(ship):
     sent = sum(len(f) for f in frames)
     assert (sent < t["state_bytes"] - 96 * mla_bytes_per_token + 4096) == (ship == "suffix")
     out = [t["first_token"]] + [dec.step([2])[2] for _ in range(4)]
-    toks = request_tokens(req, cfg.vocab, tokens_scale=4, block=128).tolist()
+    toks = request_tokens(req, cfg.vocab, scale=Scale(tokens=4), block=128).tolist()
     assert dec.model.forward_full(toks + out[:-1])[len(toks) - 1:].argmax(-1).tolist() == out
     if ship == "suffix":      # no prefix on the decode side: refused, with the reason
         bare = TorchDecodeEngine(cfg, "cpu")

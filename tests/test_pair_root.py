@@ -36,8 +36,8 @@ def test_veth_pair_carries_packets_and_is_removed(tmp_path):
 
 
 def test_routed_pair_forwards_through_the_router(tmp_path):
-    from testbed.net import shaping
-    d = shaping.check_params({"rate": 50e6, "delay": 0.002}, "test")
+    from testbed.net.linkmodel import check_params
+    d = check_params({"rate": 50e6, "delay": 0.002}, "test")
     reg = lifecycle.Registry(f"q{os.getpid()}", kind="test", state_dir=tmp_path)
     try:
         with pair.routed_pair({"kv": d, "request": d}, backend="userspace",

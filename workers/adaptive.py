@@ -140,9 +140,8 @@ class Control:
 class ThresholdController:
     """Drives a `Control` from the run's measurements and sets `router.threshold`."""
 
-    def __init__(self, router, cfg, wan, run_dir, log):
+    def __init__(self, router, cfg, run_dir, log):
         self.router, self.cfg, self.log = router, cfg, log
-        self.link_real_gbps_to_bps = wan.link_real_gbps_to_bps    # testbed.runtime.WanRuntime
         self.timeseries = pathlib.Path(run_dir) / "timeseries.csv"
         self.law = Control(router.threshold, cfg)
         self.last_eval = 0.0
@@ -151,11 +150,11 @@ class ThresholdController:
         self.w.writerow(COLUMNS)
 
     def link(self):
-        """(cumulative KV egress bytes, link rate in force in emulated bit/s), timeseries.csv."""
+        """(cumulative KV egress bytes, link rate in force in emulated bit/s), timeseries.csv
+        (`kv_link_bps`: emulated, as the byte counter, so nothing is converted here)."""
         row = read_last_row(self.timeseries)
         try:
-            return (int(row["kv_tx_bytes"]),
-                    float(row["kv_link_gbps"]) * self.link_real_gbps_to_bps)
+            return int(row["kv_tx_bytes"]), float(row["kv_link_bps"])
         except (TypeError, KeyError, ValueError):
             return None, None
 

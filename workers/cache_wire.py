@@ -1,6 +1,6 @@
 """Prefix blocks on the wire: kvwire frames between pools and workers, and the pool's address.
 
-Block bytes travel over plain TCP like KV (testbed/kvwire.py), on each cache-capable process's
+Block bytes travel over plain TCP like KV (workers/kvwire.py), on each cache-capable process's
 block socket (`CACHE_PORT`): a frame's request id is the block id and its seq the part (0: MLA
 KV, 1: KDA snapshot after the block). A fetch ends with a frame of seq 2 whose id is the
 fetch's tag: frames of one connection arrive in order, so when the tag's frame is in, every
@@ -13,10 +13,9 @@ import os
 
 import grpc
 
-from testbed import kvwire
 from testbed.proto import testbed_pb2 as pb
 from testbed.proto import testbed_pb2_grpc as pbg
-from workers import common
+from workers import common, kvwire
 from workers.cache_core import KIND_KV, KIND_STATE  # noqa: F401  (re-exported)
 
 CACHE_PORT = 50053

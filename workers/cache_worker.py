@@ -14,8 +14,7 @@ write the whole blocks that came over the WAN into the local pool (KV only: no s
 import asyncio
 import time
 
-from testbed import kvwire
-from workers import cache_wire
+from workers import cache_wire, kvwire
 from workers.cache_core import KIND_KV, KIND_STATE, BlockSizes, snapshot_blocks
 from workers.engine_profile import _payload
 

@@ -21,8 +21,7 @@ import json
 
 from testbed.proto import testbed_pb2 as pb
 from testbed.proto import testbed_pb2_grpc as pbg
-from testbed import kvwire
-from workers import cache_wire, common
+from workers import cache_wire, common, kvwire
 from workers.cache_core import BlockStore
 
 

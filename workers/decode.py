@@ -14,10 +14,10 @@ import collections
 import time
 
 
-from testbed import kvwire
 from testbed.proto import testbed_pb2 as pb
 from testbed.proto import testbed_pb2_grpc as pbg
-from workers import common, control
+from workers import common, control, kvwire
+from workers.engine import AssemblingDecodeEngine, DecodeEngine, PacedDecodeEngine
 
 
 class Slot:
@@ -48,7 +48,7 @@ class Slot:
 
 
 class DecodeService(pbg.DecodeServicer):
-    def __init__(self, rt, name, engine, log):
+    def __init__(self, rt, name, engine: DecodeEngine, log):
         self.rt, self.name, self.engine, self.log = rt, name, engine, log
         self.slots = {}
         self.waiting = collections.deque()
@@ -59,16 +59,13 @@ class DecodeService(pbg.DecodeServicer):
         self.flush_s = rt.token_flush_s
         self.orphan_s = rt.kv_deadline_s
         self.has_work = asyncio.Event()
-        self.receive = getattr(engine, "receive", None)   # the torch engine assembles state
-        self.engine_error = getattr(engine, "error", lambda rid: None)
-        # A computing engine steps in a thread (the loop keeps receiving KV meanwhile) and
-        # emits, at each step, the token fed in: the first is the one prefill predicted.
-        self.emit_step = getattr(engine, "aemit_step", None)
+        # The torch engine assembles the shipped state from the KV frames, steps in a thread
+        # (the loop keeps receiving KV meanwhile) and emits, at each step, the token fed in:
+        # the first is the one prefill predicted.
+        self.assembling = isinstance(engine, AssemblingDecodeEngine)
         # Step time and decode memory: the profile engine models them (T_step(B, C), KV
         # capacity); an engine that computes for real takes its own time and memory.
-        self.step_seconds = getattr(engine, "step_seconds", lambda batch, ctx: engine.step_s)
-        self.kv_need = getattr(engine, "kv_need", lambda input_len, output_len: 0.0)
-        self.fits = getattr(engine, "fits", lambda need: True)
+        self.paced = isinstance(engine, PacedDecodeEngine)
         # Exactly-once admission: a re-dispatched request's KV may come from several prefill
         # attempts (at-least-once prefill). The slot follows the newest attempt until its KV is
         # complete; frames of any other attempt, or for a request already served, are discarded
@@ -93,15 +90,15 @@ class DecodeService(pbg.DecodeServicer):
             if slot.kv_bytes:         # a newer attempt supersedes a partial transfer
                 self._discard(rid, slot.attempt, 0, slot.kv_bytes)
                 slot.kv_bytes, slot.kv_first = 0, 0.0
-                if self.receive is not None:
+                if self.assembling:
                     self.engine.release(rid)
             slot.attempt = attempt
         if not slot.kv_first:
             slot.kv_first = t_first
         slot.kv_bytes += len(payload)
         slot.kv_last = t_last
-        if self.receive is not None:
-            self.receive(rid, seq, flags, payload)
+        if self.assembling:
+            self.engine.receive(rid, seq, flags, payload)
         if flags & kvwire.FLAG_ABORT:
             slot.kv_error = "KV transfer aborted by the sender"
             slot.kv_done.set()
@@ -145,7 +142,8 @@ class DecodeService(pbg.DecodeServicer):
         slot.claimed = True
         slot.output_len = max(1, req.output_len)
         slot.input_len = req.input_len
-        slot.kv_need = self.kv_need(req.input_len, slot.output_len)
+        slot.kv_need = (self.engine.kv_need(req.input_len, slot.output_len) if self.paced
+                        else 0.0)
         prefix = None
         if self.cache is not None and req.decode_cached_len > 0:
             prefix = asyncio.ensure_future(self.cache.safely(
@@ -163,7 +161,7 @@ class DecodeService(pbg.DecodeServicer):
                 yield self._final(slot, "failed", f"{self.name}: KV not complete after "
                                   f"{dreq.kv_deadline_s:.3g}s (emulated); received {got}")
                 return
-            error = slot.kv_error or (self.engine_error(req.id) or "")
+            error = slot.kv_error or ((self.assembling and self.engine.error(req.id)) or "")
             if not error:
                 try:
                     self.engine.admit(req.id, slot)
@@ -220,7 +218,7 @@ class DecodeService(pbg.DecodeServicer):
             if slot.finished:
                 self.waiting.popleft()
                 continue
-            if not self.fits(slot.kv_need):
+            if self.paced and not self.engine.fits(slot.kv_need):
                 break
             self.waiting.popleft()
             slot.reserved = slot.kv_need
@@ -242,15 +240,17 @@ class DecodeService(pbg.DecodeServicer):
                     self._reap_orphans()
                 next_tick = time.monotonic()
                 continue
-            step_s = self.step_seconds(len(self.batch),
-                                       sum(s.input_len + len(s.times) for s in self.batch))
-            next_tick += step_s * getattr(self.engine, "clock_factor", 1.0)
+            step_s = (self.engine.step_seconds(
+                len(self.batch), sum(s.input_len + len(s.times) for s in self.batch))
+                if self.paced else self.engine.step_s)
+            next_tick += step_s * self.engine.clock_factor
             delay = next_tick - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
             t_step = time.monotonic()
             ids = [s.rid for s in self.batch]
-            tokens = await self.emit_step(ids) if self.emit_step else self.engine.step(ids)
+            tokens = (await self.engine.aemit_step(ids) if self.assembling
+                      else self.engine.step(ids))
             now = time.time()
             self.busy_s += max(step_s, time.monotonic() - t_step)
             keep = []
@@ -288,7 +288,7 @@ class DecodeService(pbg.DecodeServicer):
                 self.engine.release(rid)
 
 
-def make_engine(rt, inst):
+def make_engine(rt, inst) -> DecodeEngine:
     if rt.engine == "torch":
         from workers.engine_torch import TorchDecodeEngine
         return TorchDecodeEngine(rt.torch, rt.device, bs_max=rt.decode.bs_max,
@@ -305,7 +305,7 @@ async def main():
         from workers.cache_worker import DecodeCache
         service.cache = await DecodeCache(rt, inst, log).start()
     kvwire.keep_receive_memory()   # receive buffers reuse freed heap, not fresh pages
-    frame_buffer = getattr(service.engine, "frame_buffer", None)
+    frame_buffer = service.engine.frame_buffer if service.assembling else None
     kv_server = await kvwire.serve(
         inst.ip, inst.kv_port, service.on_frame, service.on_kv_error,
         payload_buffer=frame_buffer and (lambda wire, *a: frame_buffer(wire & control.RID_MASK, *a)))

@@ -14,10 +14,9 @@ import time
 
 import grpc
 
-from testbed import kvwire
 from testbed.proto import testbed_pb2 as pb
 from testbed.proto import testbed_pb2_grpc as pbg
-from workers import common, control, decode, prefill
+from workers import common, control, decode, kvwire, prefill
 
 DRAIN_POLL_S = 0.01
 

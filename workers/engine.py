@@ -4,7 +4,8 @@ A worker (`workers/prefill.py`, `workers/decode.py`) does the serving: queues, K
 continuous batching, health. The engine does the model's work, emulated from a profile
 (`workers/engine_profile.py`) or real (`workers/engine_torch.py`). These Protocols are that
 contract; the engines declare them as bases so a reader (and a type checker) sees which
-capabilities each one has instead of finding them by probing attributes:
+capabilities each one has, and the workers ask `isinstance(engine, PacedDecodeEngine)` /
+`AssemblingDecodeEngine` instead of probing attributes:
 
 - `PrefillEngine`: every prefill engine (`ProfilePrefillEngine`; the torch engine behind
   `workers.prefill.TorchPrefill`, which adapts `TorchPrefillEngine.prefill`'s sender form).
@@ -30,6 +31,9 @@ Emit = Callable[[int, Any, bool], None]     # emit(seq, payload, last): one piec
 class PrefillEngine(Protocol):
     """Prefill one request, handing its KV to `emit` piece by piece as prefill progresses."""
 
+    frames_checksummed: bool    # the KV pieces carry their own checksums (no kvwire crc32)
+    clock_factor: float         # 1: profiled speed; the `slow` fault sets it (workers/control.py)
+
     async def prefill(self, request: Any, emit: Emit) -> dict:
         """Run (or emulate) the prefill; returns at least {"kv_bytes": bytes handed to emit}."""
         ...
@@ -41,6 +45,7 @@ class DecodeEngine(Protocol):
 
     bs_max: int                 # the largest batch a step may hold
     step_s: float               # emulated seconds of a step when it has no model of its own
+    clock_factor: float         # 1: profiled speed; the `slow` fault sets it (workers/control.py)
 
     def admit(self, request_id: int, state: Any = None) -> None:
         """A request whose KV is complete joins the engine (the worker batches it next)."""

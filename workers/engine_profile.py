@@ -29,6 +29,8 @@ def _payload(n):
 
 
 class ProfilePrefillEngine(PrefillEngine):
+    frames_checksummed = False      # emulated KV bytes: the kvwire frame's crc32 checks them
+
     def __init__(self, rt, inst):
         self.profile = profiles.load(rt.profile)
         self.accelerator = inst.accelerator

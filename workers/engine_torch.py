@@ -9,9 +9,9 @@ the state and runs continuous-batching decode steps over requests of any lengths
 
 Prompts: a request carries lengths, not text, so its tokens are drawn from seeded generators:
 per prefix block from the block's id (`prefix_blocks`, the trace's hash_ids), so requests that
-share a prefix share its tokens, the rest from (seed, request id). `tokens_scale` divides the
-length (a trace of 100K-token prompts on a tiny model), block-aligned: a cache block of
-`block` trace tokens is `prefix.model_block(block, tokens_scale)` model tokens.
+share a prefix share its tokens, the rest from (seed, request id). The run's `scale.tokens` divides
+the length (a trace of 100K-token prompts on a tiny model), block-aligned: a cache block of
+`block` trace tokens is `prefix.model_block(block, scale)` model tokens.
 
 Prefix cache: `prefill(request, send_layer, prefix_state=..., cached_len=P)` continues from the
 cached state of the first P trace tokens (P a multiple of `block`): it computes only the model
@@ -37,6 +37,7 @@ import time
 
 import torch
 
+from testbed.scale import Scale
 from testbed.workload.spec import BLOCK_TOKENS
 from workers.engine import AssemblingDecodeEngine
 from workers.model.config import HybridConfig
@@ -59,7 +60,7 @@ def _config(cfg):
     return cfg if isinstance(cfg, HybridConfig) else HybridConfig.from_dict(dict(cfg or {}))
 
 
-def request_tokens(request, vocab, seed=0, tokens_scale=1.0, block=BLOCK_TOKENS):
+def request_tokens(request, vocab, seed=0, scale: Scale = Scale(), block=BLOCK_TOKENS):
     """The request's whole prompt as model token ids: its own `tokens`, else
     `model_tokens(input_len)` seeded ones -- block j of the request's `prefix_blocks` drawn from
     (seed, that block id), so a shared prefix is the same tokens in every request that has it;
@@ -67,8 +68,8 @@ def request_tokens(request, vocab, seed=0, tokens_scale=1.0, block=BLOCK_TOKENS)
     toks = _field(request, "tokens")
     if toks is not None and len(toks):
         return torch.as_tensor(list(toks), dtype=torch.long)
-    n = model_tokens(int(_field(request, "input_len", 0)), block, tokens_scale)
-    mb = model_block(block, tokens_scale)
+    n = model_tokens(int(_field(request, "input_len", 0)), block, scale)
+    mb = model_block(block, scale)
     parts = []
     for h in list(_field(request, "prefix_blocks", None) or [])[:-(-n // mb)]:
         g = torch.Generator().manual_seed((seed * 1_000_003 + 2 * int(h) + 1) % (1 << 63))
@@ -94,19 +95,19 @@ class TorchPrefillEngine:
     """Prefill on the real model, streaming each layer's state as it becomes final."""
 
     def __init__(self, cfg=None, device="auto", chunk_bytes=DEFAULT_CHUNK_BYTES, seed=0,
-                 tokens_scale=1.0, threads=None, block=BLOCK_TOKENS, ship="full",
+                 scale: Scale = Scale(), threads=None, block=BLOCK_TOKENS, ship="full",
                  snapshot_every=1):
         self.cfg = _config(cfg)
         if ship not in SHIP_MODES:
             raise ValueError(f"ship: expected one of {SHIP_MODES}, got {ship!r}")
         self.block, self.ship, self.snapshot_every = int(block), ship, int(snapshot_every)
-        self.model_block = model_block(self.block, tokens_scale)
+        self.model_block = model_block(self.block, scale)
         if threads:
             torch.set_num_threads(threads)
         self.model = HybridModel(self.cfg, device)
         self.device = self.model.device
         self.chunk_bytes = chunk_bytes
-        self.seed, self.tokens_scale = seed, tokens_scale
+        self.seed, self.scale = seed, scale
         # One compute thread: an instance prefills one request at a time.
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefill")
 
@@ -121,7 +122,7 @@ class TorchPrefillEngine:
         logits need a forward pass. `prefix_state`: a `PrefixState` of exactly that many model
         tokens, or the pool's blocks (`BlockState`s or their bytes) from block 0 on.
         """
-        tokens = request_tokens(request, self.cfg.vocab, self.seed, self.tokens_scale, self.block)
+        tokens = request_tokens(request, self.cfg.vocab, self.seed, self.scale, self.block)
         cached = int(_field(request, "cached_len", 0) or 0) if cached_len is None else int(cached_len)
         if cached < 0 or cached % self.block:
             raise PrefixError(f"cached_len {cached} is not a multiple of the block "
@@ -266,6 +267,7 @@ class TorchDecodeEngine(AssemblingDecodeEngine):
         self.device = self.model.device
         self.bs_max = bs_max
         self.step_s = step_s             # no emulated pacing: the computation is the step
+        self.clock_factor = 1.0          # scales step_s, which is 0: the slow fault cannot
         self.assemblers = {}
         self.errors = {}
         self.live = {}                   # rid -> [RequestState, next input token]

@@ -86,13 +86,14 @@ def estimated_ttft(queue_s, prefill_s, transfer_s=0.0):
     return queue_s + prefill_s + transfer_s
 
 
-def link_state(timeseries, last, link_real_gbps_to_bps):
+def link_state(timeseries, last):
     """(utilisation or None, emulated link bit/s or None, new `last`) from the kernel counters'
-    last row and the previous reading `last` = (time, kv_tx_bytes)."""
+    last row (`kv_link_bps`, emulated like the byte counter) and the previous reading `last` =
+    (time, kv_tx_bytes)."""
     row = read_last_row(timeseries)
     try:
         now = (float(row["time"]), int(row["kv_tx_bytes"]))
-        link_bps = float(row["kv_link_gbps"]) * link_real_gbps_to_bps
+        link_bps = float(row["kv_link_bps"])
     except (TypeError, KeyError, ValueError):
         return None, None, last
     if last is None or now[0] <= last[0] or link_bps <= 0:
@@ -109,7 +110,6 @@ class CachePlacer:
         c = rt.cache
         self.cfg, self.router, self.prefill_s, self.log = c, router, prefill_s, log
         self.placement = rt.scheduler.placement
-        self.link_real_gbps_to_bps = rt.wan.link_real_gbps_to_bps
         self.block = c.block
         self.pools = cache_wire.PoolClient()
         self.addr = {dc: cache_wire.pool_addr(rt, dc) for dc in ("local", "prfaas")}
@@ -126,8 +126,7 @@ class CachePlacer:
         now = time.monotonic()
         if now - self._checked >= self.MIN_WINDOW_S:
             self._checked = now
-            util, bps, self._last = link_state(self.timeseries, self._last,
-                                               self.link_real_gbps_to_bps)
+            util, bps, self._last = link_state(self.timeseries, self._last)
             if bps is not None:
                 self.link = (util, bps)
         return self.link

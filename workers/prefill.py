@@ -10,20 +10,19 @@ instance takes the next request as soon as compute ends, and the transfer finish
 import asyncio
 import time
 
-
-from testbed import kvwire
 from testbed.proto import testbed_pb2 as pb
 from testbed.proto import testbed_pb2_grpc as pbg
-from workers import common, control
+from workers import common, control, kvwire
+from workers.engine import PrefillEngine
 
 
 class PrefillService(pbg.PrefillServicer):
-    def __init__(self, rt, name, engine, log):
+    def __init__(self, rt, name, engine: PrefillEngine, log):
         self.rt, self.name, self.engine, self.log = rt, name, engine, log
         self.lock = asyncio.Lock()          # FIFO: asyncio.Lock wakes waiters in order
         self.pool = kvwire.SenderPool()
         # State frames carry their own crc32s (per tensor, per header): no frame checksum.
-        self.frame_crc = not getattr(engine, "frames_checksummed", False)
+        self.frame_crc = not engine.frames_checksummed
         self.waiting = 0
         self.active = 0
         self.busy_s = 0.0
@@ -111,22 +110,23 @@ class PrefillService(pbg.PrefillServicer):
                               active=self.active, busy_s=self.busy_s)
 
 
-class TorchPrefill:
+class TorchPrefill(PrefillEngine):
     """The torch engine behind the profile engine's `prefill(request, emit)` form."""
 
     frames_checksummed = True      # state_wire frames: crc32 per tensor and per header
+    clock_factor = 1.0             # the computation takes its own time: the slow fault cannot
 
     def __init__(self, rt):
         from workers.engine_torch import TorchPrefillEngine
         self.engine = TorchPrefillEngine(rt.torch, rt.device, seed=rt.seed,
-                                         tokens_scale=rt.scale.tokens, threads=1)
+                                         scale=rt.scale, threads=1)
 
     async def prefill(self, request, emit):
         from workers.engine_torch import emit_sender
         return await self.engine.prefill(request, emit_sender(emit))
 
 
-def make_engine(rt, inst):
+def make_engine(rt, inst) -> PrefillEngine:
     if rt.engine == "torch":
         return TorchPrefill(rt)
     from workers.engine_profile import ProfilePrefillEngine

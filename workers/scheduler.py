@@ -103,7 +103,7 @@ async def main():
         tasks.append(asyncio.create_task(service.health.loop()))
     if rt.scheduler.adaptive is not None:
         from workers.adaptive import ThresholdController
-        ctl = ThresholdController(service.router, rt.scheduler.adaptive, rt.wan, rt.dir, log)
+        ctl = ThresholdController(service.router, rt.scheduler.adaptive, rt.dir, log)
         service.on_request.append(lambda req: ctl.on_request())
         tasks.append(asyncio.create_task(ctl.run()))
     if rt.scheduler.roles is not None:

@@ -3,13 +3,13 @@
 `start()` builds the two-datacenter network (`testbed.net.build.Network`: Linux bridges, a WAN
 router whose two egress interfaces carry the deployment's emulated link model), `spawn()` runs a
 process inside an instance's host (its network namespace), the shaper is the router's
-`testbed.net.shaping.Wan`, and `probe()` measures the WAN between the two probe hosts. The
+`testbed.net.wan.Wan`, and `probe()` measures the WAN between the two probe hosts. The
 network registers its own teardown with the run's registry as it is built.
 """
 
 import os
 
-from testbed import kvwire
+from testbed.net.tcp import CC_ENV
 
 
 def _mininet_version():
@@ -58,7 +58,7 @@ class MininetBackend:
         from testbed.net.probe import measure_link
 
         paths = self.net.netns_path
-        os.environ[kvwire.CC_ENV] = congestion_control      # the probe's TCP sender
+        os.environ[CC_ENV] = congestion_control      # the probe's TCP sender
         return measure_link(paths["probe_remote"], paths["probe_local"],
                             self.net.ip("probe_local"),
                             configured=self.deployment.links["kv"].params())

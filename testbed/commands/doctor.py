@@ -7,6 +7,7 @@ they exist, so a killed doctor leaves nothing that `testbed clean` cannot remove
 """
 
 import contextlib
+import errno
 import importlib
 import os
 import shutil
@@ -23,17 +24,17 @@ def register(sub):
 
 
 def _qdisc_available(ns, idx, kind):
-    from pyroute2.netlink.exceptions import NetlinkError
-    from testbed.net import shaping
-    shaping._register_fifo_plugins()
+    from testbed.errors import NetworkError
+    from testbed.net import netlink
+    netlink.register_fifo_plugins()
     extra = {"tbf": {"rate": "1mbit", "burst": 10000, "limit": 10000}}.get(
         kind, {"limit": 1000} if "fifo" in kind else {})
     try:
-        ns.tc("add", kind, index=idx, handle=0x10000, **extra)
-    except NetlinkError as e:
-        if e.code == 2:
+        netlink.call(f"qdisc {kind}", ns.tc, "add", kind, index=idx, handle=0x10000, **extra)
+    except NetworkError as e:
+        if e.errno == errno.ENOENT:
             return False, "not in this kernel (ENOENT)"
-        return False, os.strerror(e.code)
+        return False, os.strerror(e.errno)
     except Exception as e:   # pyroute2 could not encode the request: not a kernel answer
         return False, f"not tried ({e})"
     with contextlib.suppress(Exception):
@@ -43,7 +44,7 @@ def _qdisc_available(ns, idx, kind):
 
 def _nfqueue_available(ns_path, registry):
     from testbed import lifecycle
-    from testbed.net.shaping import delayline_binary
+    from testbed.net.delayline import delayline_binary
     try:
         binary = delayline_binary()
     except Exception as e:
@@ -79,7 +80,7 @@ def main(args):
         rows.append(("NetfilterQueue (python)", False, str(e)))
     if root:
         rows += _kernel_rows()
-        from testbed.net.shaping import probe_backend
+        from testbed.net.wan import probe_backend
         backend, reason = probe_backend()
     else:
         backend, reason = "userspace", "not root: could not probe the kernel"

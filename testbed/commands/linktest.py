@@ -1,6 +1,6 @@
 """`testbed linktest`: build one shaped WAN link alone and print configured vs measured.
 
-The link is the run's WAN in miniature, built by the same `testbed.net.shaping.Wan`
+The link is the run's WAN in miniature, built by the same `testbed.net.wan.Wan`
 (`testbed.net.pair.routed_pair`, which the root tests and `benchmarks/link_fidelity.py` use too):
 
     tb<id>s (PrfaaS side) --veth-- tb<id>r (router, shaping both egresses) --veth-- tb<id>d (local)
@@ -12,23 +12,25 @@ direction. Everything is recorded in a `Registry` and removed in `finally`, also
 import json
 import os
 
-from testbed import kvwire, units
+from testbed import units
 from testbed.errors import ConfigError, PrivilegeError
-from testbed.net import shaping
+from testbed.net.linkmodel import check_params
 from testbed.net.pair import routed_pair
 from testbed.net.probe import measure_link
+from testbed.net.tcp import CC_ENV
 
 
 def direction_params(rate, delay, jitter, loss, queue, jitter_dist="normal", loss_burst=None):
-    """One symmetric direction dict from command-line strings (units as in the YAML)."""
+    """One symmetric direction's checked `Link` from command-line strings (units as in the
+    YAML)."""
     from testbed.net.spec import _queue
     try:
         q = None if queue is None else _queue(queue)
     except ValueError as e:
         raise ConfigError(str(e), key="--queue") from None
-    return shaping.check_params({"rate": rate, "delay": delay, "jitter": jitter, "loss": loss,
-                                 "queue": q, "jitter_dist": jitter_dist,
-                                 "loss_burst": loss_burst}, "linktest")
+    return check_params({"rate": rate, "delay": delay, "jitter": jitter, "loss": loss,
+                         "queue": q, "jitter_dist": jitter_dist, "loss_burst": loss_burst},
+                        "linktest")
 
 
 def register(sub):
@@ -55,9 +57,10 @@ def main(args):
     d = direction_params(args.rate, args.delay, args.jitter, args.loss, args.queue,
                          loss_burst=args.loss_burst)
     if args.cc:
-        os.environ[kvwire.CC_ENV] = args.cc     # the probe's TCP sender uses it
+        os.environ[CC_ENV] = args.cc     # the probe's TCP sender uses it
     with routed_pair({"kv": d, "request": d}, backend=args.backend) as link:
-        result = measure_link(link.src, link.dst, link.dst_ip, d, duration_s=args.duration)
+        result = measure_link(link.src, link.dst, link.dst_ip, d.params(),
+                              duration_s=args.duration)
         backend, reason = link.wan.backend, link.wan.backend_reason
     cc = args.cc or open("/proc/sys/net/ipv4/tcp_congestion_control").read().strip()
     out = {"backend": backend, "backend_reason": reason, "congestion_control": cc, **result}

@@ -3,7 +3,7 @@
 `Network(deployment, registry)` creates the two-datacenter topology (`topologies.two_dc`) from
 the deployment's instances with Linux bridges and no controller, turns the WAN router into a
 router (IPv4 forwarding), and hands its two egress interfaces to the link model
-(`testbed.net.shaping.Wan`) with the deployment's emulated link parameters. Used by the Mininet
+(`testbed.net.wan.Wan`) with the deployment's emulated link parameters. Used by the Mininet
 backend (`testbed.backend.mininet`). Every node's shell PID and
 every bridge is recorded in the run's `Registry` as it is created, so a killed run can be cleaned
 up exactly (`testbed clean`); `stop()` tears down in reverse order.
@@ -97,7 +97,7 @@ class Network:
 
     def _per_frame_if_lossy(self):
         """With loss configured (now or by a scheduled change), hosts send single frames."""
-        from testbed.net.shaping import disable_offloads
+        from testbed.net.ns import disable_offloads
 
         self.per_frame = self.deployment.per_frame
         if not self.per_frame:
@@ -111,12 +111,12 @@ class Network:
                     disable_offloads(f"/proc/{node.pid}/ns/net", intf.name)
 
     def _shape(self, router):
-        from testbed.net.shaping import Wan
+        from testbed.net.wan import Wan
 
         dep = self.deployment
         self.wan = Wan(netns_path=f"/proc/{router.pid}/ns/net",
                        ifaces=dict(self.topo.router_intfs),
-                       params={d: link.params() for d, link in dep.links.items()},
+                       links=dict(dep.links),
                        backend=dep.shaping_backend, seed=dep.seed,
                        registry=self.registry, events=self.events)
         self.wan.start()

@@ -42,3 +42,13 @@ def sysctl(ns: str, *settings: str) -> None:
     r = ns_run(ns, ["sysctl", "-qw", *settings], capture_output=True, text=True)
     if r.returncode != 0:
         raise NetworkError(f"sysctl {' '.join(settings)} in {ns}: {r.stderr.strip()}")
+
+
+def disable_offloads(ns: str, ifname: str) -> None:
+    """`ethtool -K ifname tso off gso off` inside `ns`: the host sends single frames, so loss
+    hits frames, not 64 KiB bursts (`testbed.net.linkmodel.needs_per_frame_packets`)."""
+    r = ns_run(ns, ["ethtool", "-K", ifname, "tso", "off", "gso", "off"], capture_output=True,
+               text=True)
+    if r.returncode != 0:
+        raise NetworkError(f"turning segmentation offload off on {ifname}: "
+                           f"{r.stderr.strip() or r.returncode}")

@@ -6,7 +6,7 @@ benchmarks that need only a link build it here, the one place that does:
 - `veth_pair()`: two namespaces joined by one veth (`testbed selfcheck`, the KV transfer
   benchmark): a plain, unshaped path that still crosses the kernel's network stack.
 - `routed_pair(params)`: the run's WAN in miniature, `src -- router -- dst`, with the same
-  `testbed.net.shaping.Wan` on the router's two egresses (`testbed linktest`, the link
+  `testbed.net.wan.Wan` on the router's two egresses (`testbed linktest`, the link
   fidelity benchmark, the link root tests). `src -> dst` is the `kv` direction.
 
 Every namespace is recorded in a `testbed.lifecycle.Registry` before it is created and removed
@@ -23,13 +23,14 @@ import dataclasses
 import secrets
 
 from testbed import lifecycle
-from testbed.net import shaping
-from testbed.net.ns import ns_path, sysctl
+from testbed.net.linkmodel import needs_per_frame_packets
+from testbed.net.netlink import call as _netlink
+from testbed.net.ns import disable_offloads, ns_path, sysctl
+from testbed.net.wan import Wan
+
 VETH_ADDRESSES = ("10.254.77.1", "10.254.77.2")     # veth_pair's two ends
 ROUTED_SUBNETS = ("10.201.1", "10.201.2")           # routed_pair's src side, dst side
 PREFIXLEN = 24
-
-_netlink = shaping._netlink_call     # the netlink-error wrapper: NetworkError with the errno
 
 
 # ---------------------------------------------------------------- kernel objects
@@ -137,14 +138,15 @@ class RoutedPair:
     router: str
     dst_ip: str
     src_ip: str
-    wan: shaping.Wan
+    wan: Wan
     names: tuple
 
 
 @contextlib.contextmanager
 def routed_pair(params, backend="userspace", registry=None, seed=0):
     """Build src - router - dst namespaces with `Wan(params)` on the router; yield a
-    `RoutedPair`. params: {"kv": {...}, "request": {...}} emulated-direction dicts.
+    `RoutedPair`. params: {"kv": Link, "request": Link}, emulated and checked
+    (`testbed.net.linkmodel.check_params`).
 
     With no `registry`, one is made and closed on exit (everything removed)."""
     with _registry(registry, "linktest") as reg:
@@ -166,11 +168,11 @@ def routed_pair(params, backend="userspace", registry=None, seed=0):
             # default caps the window below that (measured 0.80-0.86 of the rate at 1G, 20 ms)
             sysctl(end, "net.ipv4.tcp_rmem=4096 131072 67108864",
                    "net.ipv4.tcp_wmem=4096 16384 67108864")
-        if shaping.needs_per_frame_packets(params):
+        if needs_per_frame_packets(params):
             for end in (src, dst):
-                shaping.disable_offloads(path[end], f"{end}0")
-        wan = shaping.Wan(path[router], {"kv": f"{router}b", "request": f"{router}a"}, params,
-                          backend=backend, seed=seed, registry=reg)
+                disable_offloads(path[end], f"{end}0")
+        wan = Wan(path[router], {"kv": f"{router}b", "request": f"{router}a"}, params,
+                  backend=backend, seed=seed, registry=reg)
         wan.start()
         yield RoutedPair(src=path[src], dst=path[dst], router=path[router], dst_ip=f"{d_net}.2",
                          src_ip=f"{s_net}.2", wan=wan, names=names)

@@ -216,7 +216,7 @@ def _tcp_source(ip, port, duration_s):
     end). The rate is their least-squares slope: delivered grows in steps (one per ACK, one
     HTB burst at a time), and two end points alone misread a 1 s window at 10 Mbit/s by
     up to 0.3%."""
-    from testbed.kvwire import set_congestion_control
+    from testbed.net.tcp import set_congestion_control
     s = socket.socket()
     set_congestion_control(s)              # $TESTBED_TCP_CC, as the KV senders of a run
     s.settimeout(5)

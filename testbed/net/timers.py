@@ -106,16 +106,16 @@ def apply(ns_path, timers):
     returns the routes changed ('dst/len'). Raises NetworkError naming the route and errno."""
     if not timers.active:
         return []
-    from testbed.net.shaping import _netlink_call, _open_netns
+    from testbed.net import netlink
 
     changed = []
-    with _open_netns(ns_path) as ns:
-        routes = _netlink_call(f"listing routes in {ns_path}", ns.get_routes,
+    with netlink.open_netns(ns_path) as ns:
+        routes = netlink.call(f"listing routes in {ns_path}", ns.get_routes,
                                family=socket.AF_INET, table=MAIN_TABLE)
         for r in routes:
             kw = _route_key(r)
             name = f"{kw['dst']}/{kw['dst_len']}"
-            _netlink_call(f"rto_min/quickack on route {name} in {ns_path}", ns.route,
+            netlink.call(f"rto_min/quickack on route {name} in {ns_path}", ns.route,
                           "replace", metrics=timers.metrics(), **kw)
             changed.append(name)
     return changed

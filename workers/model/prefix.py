@@ -21,8 +21,8 @@ refuses (`PrefixError`) a last block without a KDA snapshot. The decode side of 
 transfer uses the MLA part only (`join_suffix`).
 
 Blocks after `scale.tokens`: a trace block of `B` tokens (Mooncake `hash_ids`, `cache.block`)
-is `model_block(B, s)` = round(B / s) model tokens, at least 1, and a request of n trace tokens
-has `model_tokens(n, B, s)` model tokens: its whole blocks exactly, its partial last block in
+is `model_block(B, scale)` = round(B / scale.tokens) model tokens (`Scale.model_tokens`), at
+least 1, and a request of n trace tokens has `model_tokens(n, B, scale)` model tokens: its whole blocks exactly, its partial last block in
 proportion. So a cached prefix of k trace blocks is exactly k model blocks and every block
 boundary of the trace is one of the model (where KDA snapshots sit); when s does not divide B
 the model's cached share differs from the trace's by the rounding of B / s.
@@ -33,6 +33,7 @@ import dataclasses
 import torch
 
 from testbed.errors import TestbedError
+from testbed.scale import Scale
 from workers.model.hybrid import RequestState
 from workers.model.state_wire import (BLOCK_MAGIC, DEFAULT_CHUNK_BYTES, LayerAssembler,
                                       StateWireError, encode_layer, encode_record, pack,
@@ -45,16 +46,16 @@ class PrefixError(TestbedError):
     """A cached prefix that cannot be used as asked (no KDA snapshot there, wrong blocks)."""
 
 
-def model_block(block, tokens_scale=1.0):
-    """Model tokens per cache block of `block` trace tokens."""
-    return max(1, round(block / tokens_scale))
+def model_block(block, scale: Scale = Scale()):
+    """Model tokens per cache block of `block` trace tokens (the run's `scale.tokens`)."""
+    return max(1, round(scale.model_tokens(block)))
 
 
-def model_tokens(n, block, tokens_scale=1.0):
+def model_tokens(n, block, scale: Scale = Scale()):
     """Model tokens of a request of `n` trace tokens: whole blocks exactly, the rest in
     proportion, at least one token."""
     full, rest = divmod(int(n), int(block))
-    mb = model_block(block, tokens_scale)
+    mb = model_block(block, scale)
     return max(1, full * mb + round(rest * mb / block))
 
 

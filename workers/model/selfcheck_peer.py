@@ -5,7 +5,7 @@
 
 Both read `D/request.json` (model config, device, prompt, number of new tokens, chunk size),
 written by `testbed/commands/selfcheck.py`, which starts them in two network namespaces. The
-decode peer listens with `testbed.kvwire.serve` and writes `D/ready` (its port) once it does.
+decode peer listens with `workers.kvwire.serve` and writes `D/ready` (its port) once it does.
 The prefill peer prefills on its own model instance and sends each layer's state frames
 (`state_wire.encode_layer`) over one kvwire connection *while the next layers compute* (the
 prefill runs in a thread, the sender in the event loop); a last frame (FLAG_LAST) carries the
@@ -24,7 +24,7 @@ import time
 import numpy as np
 import torch
 
-from testbed import kvwire
+from workers import kvwire
 from workers.model.config import HybridConfig
 from workers.model.hybrid import HybridModel, RequestState
 from workers.model.prefix import PrefixState, blocks_of

@@ -2,7 +2,7 @@
 
 Transport-agnostic: `encode_layer` returns a list of frames (bytes or memoryview) and the
 receiver feeds each frame's payload to a `LayerAssembler` in the order it was produced. The
-spine's KV data socket (`testbed/kvwire.py`) carries one frame per kvwire frame.
+spine's KV data socket (`workers/kvwire.py`) carries one frame per kvwire frame.
 
     header frame = 'PKVL' | version u8 | 0 u8 | json length u32 | crc32(json) u32 | json
     json         = {layer, n_layers, kind, chunk_bytes,

@@ -39,6 +39,8 @@ import socket
 import struct
 import time
 
+from testbed.net.tcp import set_congestion_control
+
 try:    # zlib-ng's crc32 is the same CRC-32, vectorized: ~50 GB/s here against zlib's ~4
     from zlib_ng.zlib_ng import crc32
 except ImportError:
@@ -359,21 +361,6 @@ def _after(parts, n):
     if rest and n:
         rest[0] = memoryview(rest[0])[n:]
     return rest
-
-
-CC_ENV = "TESTBED_TCP_CC"
-
-
-def set_congestion_control(sock, name=None):
-    """Use TCP congestion control `name` (default: $TESTBED_TCP_CC) on this socket.
-
-    Per socket, because a namespace's default can only be set to what the machine allows
-    (`tcp_allowed_congestion_control`); a root process may pick any available algorithm for its
-    own sockets. The runner sets the variable from `network.congestion_control`.
-    """
-    name = name or os.environ.get(CC_ENV)
-    if name:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, name.encode())
 
 
 class SenderPool:

@@ -1,0 +1,176 @@
+"""The WAN link model: one direction's parameters, checked once, and the arithmetic of the
+queues that carry it. Pure: no kernel objects, no processes (unit-tested without root).
+
+Place in the architecture: `testbed.deploy.compile` turns the experiment's real-world `network:`
+section into one emulated `Link` per direction through `check_params`, the one checker; the
+shaper (`testbed.net.wan.Wan`) accepts only `Link`s and builds them as
+
+    random loss (independent, or in bursts from a Gilbert chain when `loss_burst` is set)
+    -> delay line (delay + jitter, FIFO unless `reorder`)
+    -> bottleneck: an HTB class at `rate` whose child is a drop-tail queue of `queue` bytes
+       or packets (default one bandwidth-delay product).
+
+HTB's burst is computed from the rate (`htb_burst_bytes`): pyroute2's default (rate/HZ + MTU)
+is far too small above 1 Gbit/s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from testbed import units
+from testbed.errors import ConfigError
+
+DIRECTIONS = ("kv", "request")
+FRAME_BYTES = 1514          # Ethernet frame of a full-MTU packet, what the qdiscs count
+BURST_S = 0.001             # HTB burst = 1 ms of line rate (enough for the 10 Gbit/s ceiling here)
+MIN_BURST_BYTES = 2 * FRAME_BYTES
+# The default queue never drops below 96 KiB: senders with TSO hand the router 64 KiB GSO
+# bursts at once (veth does not pace them), and a queue smaller than one burst drops all of it
+# (measured: 12 KiB at 1 Gbit/s, 0 ms gave 0.3% of the rate; 96 KiB gave 95%).
+MIN_QUEUE_BYTES = 96 * 1024
+SETTABLE = ("rate", "delay", "jitter", "loss", "loss_burst", "up", "queue")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Link:
+    """One WAN direction as the shaper runs it (emulated), made by `check_params` only."""
+
+    rate_bps: float
+    delay_s: float = 0.0
+    jitter_s: float = 0.0
+    jitter_dist: str = "normal"
+    reorder: bool = False
+    loss: float = 0.0
+    loss_burst: float | None = None      # packets: not scaled
+    queue: dict | None = None            # {"bytes": emulated} or {"packets": n}; None: one BDP
+    up: bool = True
+
+    def params(self) -> dict:
+        """The shaper's keyword form (the keys of `Wan.set` and of scheduled changes)."""
+        return {"rate": self.rate_bps, "delay": self.delay_s, "jitter": self.jitter_s,
+                "loss": self.loss, "loss_burst": self.loss_burst,
+                "queue": dict(self.queue) if self.queue else None, "up": self.up,
+                "jitter_dist": self.jitter_dist, "reorder": self.reorder}
+
+    def changed(self, direction: str, **changes) -> Link:
+        """This link with `changes` (the shaper's keys) applied, checked like any other."""
+        return check_params({**self.params(), **changes}, direction)
+
+
+# ---------------------------------------------------------------- checking
+
+def check_params(p: dict, direction: str = "wan") -> Link:
+    """The checked `Link` of one direction's emulated parameters in the shaper's keys (`rate`,
+    `delay`, ...; numbers or unit strings such as '50Mbit'). The one checker of a link.
+
+    Raises ConfigError naming the key; fills `jitter_dist`, `reorder`, `up`, `queue` defaults.
+    """
+    out = {"delay": 0.0, "jitter": 0.0, "loss": 0.0, "queue": None, "up": True,
+           "jitter_dist": "normal", "reorder": False, "loss_burst": None}
+    out.update(p or {})
+    key = f"network.wan.{direction}"
+    if "rate" not in out or out["rate"] is None:
+        raise ConfigError("expected a rate in bit/s", key=f"{key}.rate")
+    for name, parse in (("rate", units.rate_bps), ("delay", units.duration_s),
+                        ("jitter", units.duration_s), ("loss", units.probability)):
+        try:
+            out[name] = float(parse(out[name]))
+        except (TypeError, ValueError) as e:
+            raise ConfigError(str(e), key=f"{key}.{name}") from None
+    if out["rate"] < 8e3:
+        raise ConfigError(f"expected a rate of at least 8 kbit/s, got {out['rate']:g}",
+                          key=f"{key}.rate")
+    if out["delay"] < 0 or out["jitter"] < 0:
+        raise ConfigError("expected a delay and jitter of at least 0", key=key)
+    q = out["queue"]
+    if q is not None and not (isinstance(q, dict) and len(q) == 1
+                              and next(iter(q)) in ("bytes", "packets")
+                              and int(next(iter(q.values()))) >= 1):
+        raise ConfigError(f"expected {{'bytes': N}} or {{'packets': N}}, got {q!r}",
+                          key=f"{key}.queue")
+    if out["jitter_dist"] not in ("normal", "pareto", "uniform"):
+        raise ConfigError(f"expected normal, pareto or uniform, got {out['jitter_dist']!r}",
+                          key=f"{key}.jitter_dist")
+    if out["loss_burst"] is not None:
+        try:
+            out["loss_burst"] = float(units.number(out["loss_burst"]))
+        except (TypeError, ValueError) as e:
+            raise ConfigError(str(e), key=f"{key}.loss_burst") from None
+        if out["loss_burst"] < 1:
+            raise ConfigError(f"expected a mean burst of at least 1 packet, got "
+                              f"{out['loss_burst']:g}", key=f"{key}.loss_burst")
+        if out["loss"] > 0 and (out["loss"] >= 1
+                                or gilbert(out["loss"], out["loss_burst"])[0] > 1):
+            raise ConfigError(f"loss {out['loss']:g} with bursts of {out['loss_burst']:g} "
+                              f"packets needs a good->bad probability above 1; use longer bursts",
+                              key=f"{key}.loss_burst")
+    return Link(rate_bps=out["rate"], delay_s=out["delay"], jitter_s=out["jitter"],
+                jitter_dist=out["jitter_dist"], reorder=bool(out["reorder"]), loss=out["loss"],
+                loss_burst=out["loss_burst"], queue=dict(q) if q else None, up=bool(out["up"]))
+
+
+# ---------------------------------------------------------------- queue arithmetic
+
+def htb_burst_bytes(rate_bps):
+    """HTB burst (= cburst) in bytes for `rate_bps`: 1 ms of line rate, at least two frames."""
+    return int(max(rate_bps / 8 * BURST_S, MIN_BURST_BYTES))
+
+
+def htb_quantum_bytes(rate_bps):
+    """DRR quantum of the one HTB class: rate/r2q clamped to what HTB accepts without warning."""
+    return int(min(max(rate_bps / 8 / 10, FRAME_BYTES), 200_000))
+
+
+def default_queue_bytes(rate_bps, rtt_s):
+    """One bandwidth-delay product (rate x round-trip propagation delay), at least 96 KiB."""
+    return int(max(rate_bps / 8 * rtt_s, MIN_QUEUE_BYTES))
+
+
+def queue_limit(queue, rate_bps, rtt_s):
+    """('bfifo', bytes) or ('pfifo', packets) for a queue spec ({'bytes'|'packets': n} or None)."""
+    if queue is None:
+        return "bfifo", default_queue_bytes(rate_bps, rtt_s)
+    if "packets" in queue:
+        return "pfifo", int(queue["packets"])
+    return "bfifo", int(queue["bytes"])
+
+
+def queue_packets(queue, rate_bps, rtt_s):
+    """The queue limit expressed in full-size packets (netem's `limit` and delay-line sizing)."""
+    kind, n = queue_limit(queue, rate_bps, rtt_s)
+    return n if kind == "pfifo" else max(1, math.ceil(n / FRAME_BYTES))
+
+
+def gilbert(loss, burst):
+    """(p_gb, p_bg) of a Gilbert chain (good state never drops, bad state always does) whose
+    stationary loss is `loss` and whose loss bursts last `burst` packets on average.
+
+    Bursts are geometric: each bad packet stays bad with 1 - p_bg, so the mean is 1 / p_bg; the
+    bad state's share is p_gb / (p_gb + p_bg) = loss."""
+    p_bg = 1.0 / burst
+    return loss * p_bg / (1.0 - loss), p_bg
+
+
+def burst_loss(link: Link) -> bool:
+    """True when `link` asks for Gilbert burst loss (a loss_burst and a loss above 0)."""
+    return link.loss_burst is not None and link.loss > 0
+
+
+def needs_delayline(link: Link) -> bool:
+    """True when the userspace backend needs the delay line: delay, jitter or burst loss."""
+    return link.delay_s > 0 or link.jitter_s > 0 or burst_loss(link)
+
+
+def needs_per_frame_packets(links: dict) -> bool:
+    """True when loss is configured in any direction (`links`: direction -> Link): loss must
+    hit single frames.
+
+    Senders with TSO/GSO hand the router 64 KiB bursts that the loss rule (and the delay line)
+    see as one packet; dropping a whole burst is one loss event for TCP where a real link drops
+    single frames, so TCP under loss would look far better than it is. With loss configured the
+    builders turn segmentation offload off on the end hosts (`ns.disable_offloads`), at the price
+    of per-frame work in the delay line (about 0.6 Gbit/s at most here instead of ~1).
+    """
+    return any(lk.loss or lk.loss_burst for lk in links.values())

@@ -1,0 +1,40 @@
+"""Netlink through pyroute2: the one place a kernel's refusal becomes a `NetworkError`.
+
+Every module that makes kernel objects (the WAN shaper `wan.py`, the namespace pairs
+`pair.py`, `testbed doctor`) sends its requests through `call`, so a refusal is raised the same
+way everywhere: a `NetworkError` naming what was asked and carrying the errno
+(`NetworkError.errno`, pyroute2's `NetlinkError.code`), never pyroute2's own exception.
+pyroute2 is imported when first used: `import testbed.net.netlink` costs nothing.
+"""
+
+from __future__ import annotations
+
+import errno as errno_mod
+import os
+
+from testbed.errors import NetworkError
+
+
+def call(what: str, fn, *args, **kwargs):
+    """Run one pyroute2 request; a NetlinkError becomes a NetworkError naming `what` and the
+    errno."""
+    from pyroute2.netlink.exceptions import NetlinkError
+    try:
+        return fn(*args, **kwargs)
+    except NetlinkError as e:
+        raise NetworkError(f"{what}: {os.strerror(e.code)}", errno=e.code) from None
+
+
+def open_netns(path: str):
+    """A pyroute2 `NetNS` on the namespace file `path`; NetworkError (ENOENT) when it is gone."""
+    from pyroute2 import NetNS
+    if not os.path.exists(path):
+        raise NetworkError(f"network namespace {path} does not exist", errno=errno_mod.ENOENT)
+    return NetNS(path)
+
+
+def register_fifo_plugins() -> None:
+    """pyroute2 0.9.7 knows 'pfifo' but not 'bfifo'; for an unknown kind it silently sets the
+    parent to root (so a 'bfifo' child replaced the root qdisc). Both use struct tc_fifo_qopt."""
+    from pyroute2.netlink.rtnl.tcmsg import plugins, sched_pfifo
+    plugins.setdefault("bfifo", sched_pfifo)
