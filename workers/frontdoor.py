@@ -36,6 +36,7 @@ import collections
 import dataclasses
 import hashlib
 import json
+import pathlib
 import signal
 import time
 
@@ -182,7 +183,7 @@ class FrontDoor:
     """The HTTP handlers; `stub` is the scheduler's (anything with a `Submit` stream call)."""
 
     def __init__(self, stub, model, max_context, requests_path, http_path, timeout_s=None,
-                 first_id=0):
+                 first_id=0, first_request_path=None):
         self.stub, self.model, self.max_context = stub, model, max_context
         self.rec, self.http = Recorder(requests_path), Recorder(http_path)
         self.timeout_s = timeout_s
@@ -192,6 +193,9 @@ class FrontDoor:
         self.active = set()                      # handler tasks with a Submit in flight
         self.stopping = False
         self.created = int(time.time())
+        # Where to say when the first completion request arrived: an external tool's arrival 0
+        # for the runner, which starts the link schedule and faults from it (testbed/run.py).
+        self.first_request_path = first_request_path
 
     def app(self):
         app = web.Application(client_max_size=MAX_BODY_BYTES)
@@ -220,8 +224,16 @@ class FrontDoor:
         row.update(outcome=outcome, http_status=status, error=error, end=time.time())
         self.http.write(row)
 
+    def _mark_first(self, arrival):
+        path, self.first_request_path = self.first_request_path, None
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(f"{arrival:.6f}")
+        tmp.rename(path)         # the runner never reads a partial time
+
     async def serve(self, request, chat):
         arrival = time.time()
+        if self.first_request_path is not None:
+            self._mark_first(arrival)
         row = {"ev": "http", "id": None, "arrival": arrival, "endpoint": request.path,
                "first_token": None, "last_token": None, "n_tokens": 0,
                # a client's own id for the request (aiperf sends both), to pair records exactly
@@ -372,7 +384,9 @@ async def main_async(args):
                                         options=common.grpc_options())
     await asyncio.wait_for(channel.channel_ready(), 10.0)
     door = FrontDoor(pbg.SchedulerStub(channel), fd.model, fd.max_context, args.out,
-                     args.http_log, rt.request_timeout_s)
+                     args.http_log, rt.request_timeout_s,
+                     first_request_path=args.first_request_file and pathlib.Path(
+                         args.first_request_file))
     host = rt.instance(args.host).ip
     runner = await serve(door, host, fd.port)
     common.mark_ready(rt, args.name)
@@ -396,6 +410,8 @@ def main():
     p.add_argument("--host", default="client", help="the instance whose address it serves on")
     p.add_argument("--out", required=True, help="requests.jsonl to append to")
     p.add_argument("--http-log", required=True, help="frontdoor.jsonl to append to")
+    p.add_argument("--first-request-file",
+                   help="written (Unix time) when the first completion request arrives")
     args = p.parse_args()
     common.die_with_orchestrator()
     asyncio.run(main_async(args))
