@@ -349,6 +349,11 @@ def test_aiperf_exports_are_read_and_compared(tmp_path, monkeypatch):
     assert c["paired"] == c["completed"] == c["completed_testbed"] == 3
     # aiperf's clock starts before the request is written, so its TTFT is never below ours
     assert c["ttft_diff_ms_median"] > 0
+    # ... and the difference splits into four causal legs, every request paired by its id
+    legs = c["gap_legs_emulated_ms"]
+    assert legs["paired"] == 3
+    assert all(legs[k]["median"] >= 0 for k in ("client_send", "frontdoor_in", "frontdoor_out",
+                                               "client_receive"))
     good = int((tool.ttft_s * 1e3 <= 30).sum())
     span = (tool.start + tool.e2el_s).max() - tool.start.min()
     assert a["request_goodput"] == pytest.approx(good / span)

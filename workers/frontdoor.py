@@ -257,7 +257,7 @@ class FrontDoor:
         finally:
             self.active.discard(task)
 
-    def _chunk(self, cid, chat, text=None, finish=None, first=False):
+    def _chunk(self, cid, chat, text=None, finish=None, first=False, created=None):
         if chat:
             delta = {} if text is None else {"content": text}
             if first:
@@ -267,8 +267,8 @@ class FrontDoor:
         else:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
             obj = "text_completion"
-        return {"id": cid, "object": obj, "created": int(time.time()), "model": self.model,
-                "choices": [choice]}
+        return {"id": cid, "object": obj, "created": created or int(time.time()),
+                "model": self.model, "choices": [choice]}
 
     def _usage(self, p, n):
         return {"prompt_tokens": p.prompt_tokens, "completion_tokens": n,
@@ -288,6 +288,11 @@ class FrontDoor:
                         "output_len": p.max_tokens})
         track = Tracker(req, send)
         resp, error, n_out = None, None, 0
+        # Every token's event is the same bytes (one `created` per completion, as OpenAI's), so
+        # they are encoded once, not once per token on the event loop that serves every stream.
+        created = int(send)
+        first_event = _sse(self._chunk(cid, chat, TOKEN_TEXT, first=True, created=created))
+        token_event = _sse(self._chunk(cid, chat, TOKEN_TEXT, created=created))
         call = self.stub.Submit(req, timeout=self.timeout_s)
         try:
             async for chunk in call:
@@ -302,9 +307,8 @@ class FrontDoor:
                 now = time.time()        # handed to the HTTP connection (the write may
                 row["first_token"] = row["first_token"] or now   # return after the client
                 row["last_token"] = now                         # has read it)
-                await resp.write(b"".join(
-                    _sse(self._chunk(cid, chat, TOKEN_TEXT, first=(n_out == 0 and i == 0)))
-                    for i in range(n)))
+                await resp.write(first_event + token_event * (n - 1) if n_out == 0
+                                 else token_event * n)
                 n_out += n
         except grpc.aio.AioRpcError as e:
             error = f"scheduler: {e.code().name}: {e.details()}"
@@ -341,10 +345,10 @@ class FrontDoor:
                 "id": cid, "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": self.model, "choices": [choice],
                 "usage": self._usage(p, n_out)})
-        tail = _sse(self._chunk(cid, chat, finish="length"))
+        tail = _sse(self._chunk(cid, chat, finish="length", created=created))
         if p.include_usage:
             tail += _sse({"id": cid, "object": "chat.completion.chunk" if chat else
-                          "text_completion", "created": int(time.time()), "model": self.model,
+                          "text_completion", "created": created, "model": self.model,
                           "choices": [], "usage": self._usage(p, n_out)})
         await resp.write(tail + b"data: [DONE]\n\n")
         await resp.write_eof()
