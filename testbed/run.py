@@ -187,7 +187,11 @@ class Run:
             self.meta["wan_counters"] = counters
             rundir.write_metadata(d, self.meta)
             events.close()
-        summary = metrics.analyse(d)
+        if self.hold is not None and not loadgen.read_http(d):
+            # `up` that served nothing: no records to analyse (metrics needs one request)
+            summary = {"label": exp.label, "requests": 0, "run_dir": str(d)}
+        else:
+            summary = metrics.analyse(d)
         if interrupted:
             raise RunInterrupted(f"interrupted; what was measured is in {d}")
         if error is not None:

@@ -120,3 +120,22 @@ def test_up_serves_through_the_loopback_forward_and_tears_down(tmp_path):
     http = [json.loads(x) for x in (out / "frontdoor.jsonl").read_text().splitlines()]
     assert sorted(h["client_request_id"] for h in http if h["ev"] == "http") == ["t0", "t1", "t2"]
     assert sorted(h["prompt_tokens"] for h in http if h["ev"] == "http") == PROMPTS
+
+
+def test_up_that_served_nothing_tears_down_cleanly(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen(tb_cmd("up", str(TINY), "--out", str(out), "--no-probe"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        q = _lines(proc.stdout)
+        _wait_for_line(q, r"^up: ", UP_TIMEOUT_S)
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    assert rc == 0, proc.stderr.read()[-3000:]
+    assert leftovers(out) == []
+    meta = json.loads((out / "metadata.json").read_text())
+    assert meta["forward"]["connections"] == 0 and meta["teardown_errors"] == []

@@ -49,8 +49,10 @@ def main(args):
     top, summaries = run.execute(args.file, args.overrides, out=args.out,
                                  probe=not args.no_probe, progress=False,
                                  hold=run.Hold(port=args.port, announce=announce))
-    print()
-    print(metrics.table(summaries))
+    served = [s for s in summaries if s.get("requests")]
+    if served:
+        print()
+        print(metrics.table(served))
     for s in summaries:
         fd = s.get("frontdoor") or {}
         print(f"front door: {fd.get('http_requests', 0)} HTTP requests, {fd.get('outcomes')}",
