@@ -128,9 +128,6 @@ class Run:
         self.exp, self.dir = exp, pathlib.Path(run_dir)
         self.probe, self.cli, self.progress = probe, cli, progress
         self.hold = hold
-        if (exp.workload.client == "none") != (hold is not None):
-            raise ConfigError("workload.client none (no load generator) is what `testbed up` "
-                              "runs; `testbed run` needs a client", key="workload.client")
         self.deployment = deploy.compile(exp)
         self.rt = self.deployment.runtime
         self.backend = None
@@ -417,6 +414,9 @@ def execute(path, overrides=(), out=None, probe=True, cli=False, progress=True, 
     if hold is not None and len(runs) > 1:
         raise ConfigError(f"testbed up holds one deployment; this file expands to {len(runs)} "
                           "runs (variants/sweep): pick one with --set", path=str(path))
+    if hold is None and any(exp.workload.client == "none" for exp in runs):
+        raise ConfigError("client none (no load generator) is what `testbed up` runs; "
+                          "`testbed run` needs a client", path=str(path), key="workload.client")
     if out:
         check_out(out)
     if os.geteuid() != 0:

@@ -357,3 +357,13 @@ def test_aiperf_exports_are_read_and_compared(tmp_path, monkeypatch):
     good = int((tool.ttft_s * 1e3 <= 30).sum())
     span = (tool.start + tool.e2el_s).max() - tool.start.min()
     assert a["request_goodput"] == pytest.approx(good / span)
+
+
+def test_run_refuses_client_none_before_building_anything(tmp_path):
+    """`client: none` is `testbed up`'s; `testbed run` says so (exit 2) and makes nothing."""
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "testbed.cli", "run", str(TINY), "--out", str(out),
+                        "--set", "workload.client=none"], capture_output=True, text=True,
+                       cwd=ROOT)
+    assert r.returncode == 2 and "testbed up" in r.stderr and "workload.client" in r.stderr
+    assert not out.exists()
