@@ -109,6 +109,10 @@ def test_up_serves_through_the_loopback_forward_and_tears_down(tmp_path):
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=2)
     assert meta["forward"]["connections"] == len(PROMPTS)
+    # Arrival 0 (link schedule, faults) is when the deployment was up, after the workers.
+    assert meta["client_start_at"] == meta_up["started_at"]
+    events = (out / "events.csv").read_text()
+    assert events.index("workers_ready") < events.index(",up,") < events.index("hold_ended")
     assert meta["teardown_errors"] == []
     # The records of what arrived are analysed again from the directory alone.
     r = subprocess.run(tb_cmd("analyse", str(out)), capture_output=True, text=True,
