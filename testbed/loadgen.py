@@ -168,6 +168,10 @@ def summarize(run_dir, exp, df):
         # What the front door itself adds to a client's TTFT: arrival (headers read) to the
         # Submit, and first token received to handed to the connection (emulated ms, median).
         "overhead_emulated_ms_median": _overhead_ms(http, run_dir),
+        # The front door's event loop lateness (emulated ms): how long a request that arrives
+        # while it serves other streams waits before its handler runs.
+        "loop_lag_emulated_ms": next((o.get("loop_lag_ms") for o in _jsonl(
+            pathlib.Path(run_dir) / "frontdoor.jsonl") if o.get("ev") == "summary"), None),
         "client_minus_testbed_ttft_ms": None}}
     if exp.workload.client == "aiperf":
         out["aiperf"] = aiperf_summary(run_dir, exp, df)

@@ -367,3 +367,21 @@ def test_run_refuses_client_none_before_building_anything(tmp_path):
                        cwd=ROOT)
     assert r.returncode == 2 and "testbed up" in r.stderr and "workload.client" in r.stderr
     assert not out.exists()
+
+
+def test_event_loop_lateness_is_sampled_into_the_summary(tmp_path):
+    """A handler that blocks the loop for 30 ms shows as lateness of at least ~20 ms (a lower
+    bound only: the loop cannot wake the sampler while it is blocked)."""
+    async def main():
+        door = FrontDoor(FakeStub(), MODEL, 1000, tmp_path / "requests.jsonl",
+                         tmp_path / "frontdoor.jsonl")
+        lag = asyncio.create_task(door.watch_lag())
+        await asyncio.sleep(0.05)
+        time.sleep(0.03)                 # the loop is busy, as with many streams at once
+        await asyncio.sleep(0.05)
+        lag.cancel()
+        door.close()
+    asyncio.run(main())
+    summary = [r for r in _rows(tmp_path / "frontdoor.jsonl") if r["ev"] == "summary"][0]
+    lag = summary["loop_lag_ms"]
+    assert lag["samples"] >= 3 and lag["max"] >= 15 and lag["p50"] <= lag["p99"] <= lag["max"]

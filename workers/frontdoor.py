@@ -52,6 +52,7 @@ DEFAULT_MAX_TOKENS = 16       # OpenAI's completions default
 BLOCK_TOKENS = 512            # prefix block size (testbed.workload.spec.BLOCK_TOKENS)
 TOKEN_TEXT = " tok"           # the text of every output token (one token under the rule)
 MAX_BODY_BYTES = 64 << 20     # a 128Ki-token prompt of long words fits
+LAG_PERIOD_S = 0.01           # how often the event loop's lateness is sampled
 
 
 class HttpError(Exception):
@@ -175,6 +176,11 @@ def parse(raw, chat, model, max_context):
                   block_ids(tokens))
 
 
+def _quantile_ms(sorted_s, q):
+    """The q-quantile (nearest rank) of sorted seconds, in ms."""
+    return round(sorted_s[min(len(sorted_s) - 1, int(q * len(sorted_s)))] * 1e3, 3)
+
+
 def _sse(obj):
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
@@ -196,6 +202,7 @@ class FrontDoor:
         # Where to say when the first completion request arrived: an external tool's arrival 0
         # for the runner, which starts the link schedule and faults from it (testbed/run.py).
         self.first_request_path = first_request_path
+        self.lag_s = []             # event loop lateness samples (watch_lag)
 
     def app(self):
         app = web.Application(client_max_size=MAX_BODY_BYTES)
@@ -355,6 +362,24 @@ class FrontDoor:
         self._log(row, "ok", 200)
         return resp
 
+    async def watch_lag(self):
+        """Sample the event loop's lateness (a sleep's overshoot) until cancelled: a request
+        that arrives while the loop is busy with other streams waits about that long before
+        its handler runs (summary row `loop_lag_ms`)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            t = loop.time()
+            await asyncio.sleep(LAG_PERIOD_S)
+            self.lag_s.append(loop.time() - t - LAG_PERIOD_S)
+
+    def _lag_summary(self):
+        if not self.lag_s:
+            return None
+        lag = sorted(self.lag_s)
+        return {"samples": len(lag), **{f"p{round(q * 100)}": _quantile_ms(lag, q)
+                                         for q in (0.5, 0.9, 0.99)},
+                "max": _quantile_ms(lag, 1.0)}
+
     async def stop(self):
         """Cancel what is still in flight (recorded as ended by the run), close the records."""
         self.stopping = True
@@ -367,7 +392,8 @@ class FrontDoor:
         self.rec.write({"ev": "finished", "time": time.time()})
         self.rec.close()
         self.http.write({"ev": "summary", "time": time.time(), "outcomes": dict(self.counts),
-                         "http_status": {str(k): v for k, v in self.codes.items()}})
+                         "http_status": {str(k): v for k, v in self.codes.items()},
+                         "loop_lag_ms": self._lag_summary()})
         self.http.close()
 
 
@@ -393,6 +419,7 @@ async def main_async(args):
                          args.first_request_file))
     host = rt.instance(args.host).ip
     runner = await serve(door, host, fd.port)
+    lag = asyncio.create_task(door.watch_lag())
     common.mark_ready(rt, args.name)
     log.info("front door on http://%s:%s/v1 (model %s)", host, fd.port, fd.model)
     stop = asyncio.Event()
@@ -400,6 +427,7 @@ async def main_async(args):
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    lag.cancel()
     await door.stop()
     await runner.cleanup()
     door.close()
