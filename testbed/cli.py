@@ -13,7 +13,7 @@ from testbed import __version__
 from testbed.errors import TestbedError, one_line
 
 # Verbs in the order `--help` lists them.
-VERBS = ["run", "clean", "workload", "plan", "models", "linktest", "doctor", "selfcheck", "analyse",
+VERBS = ["run", "up", "clean", "workload", "plan", "models", "linktest", "doctor", "selfcheck", "analyse",
          "plot", "report", "keys"]
 
 

@@ -169,6 +169,10 @@ def summarize(run_dir, exp, df, scale: Scale):
         # What the front door itself adds to a client's TTFT: arrival (headers read) to the
         # Submit, and first token received to handed to the connection (emulated ms, median).
         "overhead_emulated_ms_median": _overhead_ms(http, run_dir),
+        # The front door's event loop lateness (emulated ms): how long a request that arrives
+        # while it serves other streams waits before its handler runs.
+        "loop_lag_emulated_ms": next((o.get("loop_lag_ms") for o in _jsonl(
+            pathlib.Path(run_dir) / "frontdoor.jsonl") if o.get("ev") == "summary"), None),
         "client_minus_testbed_ttft_ms": None}}
     if exp.workload.client == "aiperf":
         out["aiperf"] = aiperf_summary(run_dir, exp, df, scale)
@@ -216,6 +220,30 @@ def compare(tool, ours, scale: Scale):
             "send_before_submit_ms_median": pct(-start_gap * 1e3, 50)}
 
 
+def gap_legs(tool, http, ours):
+    """Where a client's TTFT differs from the testbed's, per request (paired by the client's
+    request id), in emulated ms, median and p90 of each leg; their sum is the difference:
+
+    - `client_send`: the client's request start to the front door's arrival (headers read);
+    - `frontdoor_in`: arrival to Submit (body read, parsed, tokenised);
+    - `frontdoor_out`: first token at the front door (gRPC) to handed to the connection;
+    - `client_receive`: handed to the connection to the client's first token.
+
+    `tool`: `start`, `ttft_s` (emulated s), `ok`, `our_id`; `http`: frontdoor.jsonl rows;
+    `ours`: requests.parquet rows."""
+    h = pd.DataFrame([r for r in http if r["outcome"] == "ok" and r["first_token"]],
+                     columns=["id", "arrival", "first_token"])
+    m = (tool[tool.ok & tool.our_id.notna()].assign(id=lambda t: t.our_id.astype(int))
+         .merge(h.rename(columns={"first_token": "handed"}), on="id")
+         .merge(ours[ours.status == "ok"][["id", "send_time", "first_token"]], on="id"))
+    legs = {"client_send": m.arrival - m.start, "frontdoor_in": m.send_time - m.arrival,
+            "frontdoor_out": m.handed - m.first_token,
+            "client_receive": m.start + m.ttft_s - m.handed}
+    return {"paired": int(len(m)), **{
+        k: {"median": float(np.median(v) * 1e3), "p90": float(np.percentile(v, 90) * 1e3)}
+        for k, v in legs.items() if len(v)}}
+
+
 def read_aiperf(run_dir):
     """aiperf's per-request records (profile_export.jsonl, profiling phase) as `compare` wants."""
     rows = []
@@ -248,9 +276,11 @@ def aiperf_summary(run_dir, exp, df, scale: Scale):
            "reported_ttft_ms": {k: scale.real_s(ttft[k]) for k in ("avg", "p50", "p90", "p99")
                                 if ttft.get(k) is not None}}
     tool = read_aiperf(run_dir)
-    ids = {h.get("client_request_id"): h["id"] for h in read_http(run_dir)}
+    http = read_http(run_dir)
+    ids = {h.get("client_request_id"): h["id"] for h in http}
     tool["our_id"] = tool.rid.map(ids)       # aiperf's X-Request-Id as the front door saw it
     out["compare"] = compare(tool, df, scale)
+    out["compare"]["gap_legs_emulated_ms"] = gap_legs(tool, http, df)
     slo = exp.slo.objectives_ms()
     if slo and len(tool):
         good = tool.ok.copy()

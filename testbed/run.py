@@ -6,11 +6,16 @@ the resolved config, the request list, deployment.json and runtime.json (the wor
 and shapes the WAN), start the workers on their instances and wait (bounded) for each to report
 ready, probe the WAN as built, sample the kernel counters, start the open-loop client, the link
 schedule and the faults from the same instant, show progress, then tear everything down in
-reverse order, also on Ctrl-C or when a worker dies. Analysis (`metrics`) and figures (`plot`)
+reverse order, also on Ctrl-C or when a worker dies. With an external client (`workload.client:
+command | aiperf`) arrival 0 is the tool's: the link schedule and faults start when its first
+request reaches the front door (minus that request's trace time), not when the tool is started.
+`Hold` (`testbed up`) runs no load generator: the front door is forwarded to the root
+namespace's loopback (testbed/net/forward.py) and the run lasts until Ctrl-C/SIGTERM. Analysis (`metrics`) and figures (`plot`)
 read only the run directory afterwards. Nothing here imports Mininet.
 """
 
 import contextlib
+import dataclasses
 import datetime
 import os
 import pathlib
@@ -33,6 +38,8 @@ from testbed.workload import generate
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 30.0
+# An external tool's start-up (aiperf: about 20 s on a loaded 2-core machine) before it sends.
+CLIENT_FIRST_REQUEST_TIMEOUT_S = 120.0
 BACKEND = "mininet"
 
 
@@ -105,12 +112,22 @@ class Progress:
             self.bar.close()
 
 
-class Run:
-    """One expanded run: build, start, drive, tear down. `execute()` returns the run dir."""
+@dataclasses.dataclass(frozen=True)
+class Hold:
+    """`testbed up`: no load generator; the front door forwarded to 127.0.0.1:`port` (0: a free
+    port) until Ctrl-C/SIGTERM. `announce(info)` is called once it is up (the addresses)."""
+    port: int = 0
+    announce: object = print
 
-    def __init__(self, exp, run_dir, probe=True, cli=False, progress=True):
+
+class Run:
+    """One expanded run: build, start, drive (or hold), tear down. `execute()` returns the
+    summary."""
+
+    def __init__(self, exp, run_dir, probe=True, cli=False, progress=True, hold=None):
         self.exp, self.dir = exp, pathlib.Path(run_dir)
         self.probe, self.cli, self.progress = probe, cli, progress
+        self.hold = hold
         self.deployment = deploy.compile(exp)
         self.rt = self.deployment.runtime
         self.backend = None
@@ -131,7 +148,7 @@ class Run:
                      "versions": _versions(), "argv": sys.argv, "start_time": time.time(),
                      "scale": dep.scale.to_dict(), "requests": len(workload),
                      "backend": BACKEND}
-        registry = lifecycle.Registry(secrets.token_hex(2))
+        registry = self.registry = lifecycle.Registry(secrets.token_hex(2))
         events = EventLog(d / "events.csv")
         self.meta["run_id"] = registry.run_id
         interrupted, error = False, None
@@ -149,7 +166,10 @@ class Run:
             sampler = CounterSampler(self.backend.shaper, d / "timeseries.csv", dep.scale).start()
             tcp_before = self.backend.tcp_counters()
             try:
-                self._drive(workload, events)
+                if self.hold is not None:
+                    self._hold(workload, events)
+                else:
+                    self._drive(workload, events)
             finally:
                 counters = sampler.stop()
                 self.meta["tcp_counters"] = fidelity.counter_delta(
@@ -167,7 +187,11 @@ class Run:
             self.meta["wan_counters"] = counters
             rundir.write_metadata(d, self.meta)
             events.close()
-        summary = metrics.analyse(d)
+        if self.hold is not None and not loadgen.read_http(d):
+            # `up` that served nothing: no records to analyse (metrics needs one request)
+            summary = {"label": exp.label, "requests": 0, "run_dir": str(d)}
+        else:
+            summary = metrics.analyse(d)
         if interrupted:
             raise RunInterrupted(f"interrupted; what was measured is in {d}")
         if error is not None:
@@ -220,7 +244,8 @@ class Run:
         if self.exp.workload.client != "builtin":     # an external client's front door
             self._spawn("frontdoor", "workers.frontdoor", host="client", extra=[
                 "--out", str(self.dir / "requests.jsonl"),
-                "--http-log", str(self.dir / "frontdoor.jsonl")])
+                "--http-log", str(self.dir / "frontdoor.jsonl"),
+                "--first-request-file", str(self.dir / "ready" / "first_request")])
         self._wait_ready(list(self.procs))
         events("workers_ready", count=len(self.procs))
 
@@ -262,20 +287,17 @@ class Run:
             self._wait_ready(["client"])
         # Arrival 0 is chosen once the client is ready, so the client's start-up time (seconds
         # on a loaded machine) never shifts the arrivals against link changes and faults.
-        start_at = time.time() + 0.1
         if builtin:
+            start_at = time.time() + 0.1
             tmp = start_file.with_suffix(".tmp")
             tmp.write_text(f"{start_at:.6f}")
             tmp.rename(start_file)
         else:       # command or aiperf through the front door (ready with the workers)
-            loadgen.start_client(self, workload)
+            start_at = self._external_arrival_zero(workload, events)
         self.meta["client_start_at"] = start_at
         events("client_started", requests=len(workload))
         progress = Progress(records, len(workload), self.exp.label, self.progress)
-        from testbed import faults
-        schedule = self._link_schedule(events, progress.write).start(start_at)
-        injector = faults.Injector(self.deployment.fault_actions, self.dir, lambda: self.procs,
-                                   lambda n: self._respawn(events, n), events).start(start_at)
+        schedule, injector = self._start_schedules(start_at, events, progress.write)
         last_arrival = float(workload.arrival_s.max()) if len(workload) else 0.0
         bound = (start_at + self.deployment.scale.emulated_s(last_arrival)
                  + self.rt.drain_timeout_s + 30.0)
@@ -284,12 +306,7 @@ class Run:
         try:
             while client.poll() is None:
                 progress.poll()
-                for name, p in list(self.procs.items()):
-                    if name != "client" and p not in dead and p.poll() is not None:
-                        dead.add(p)
-                        events("worker_died", name=name, code=p.returncode)
-                        progress.write(f"warning: {name} exited with code {p.returncode}; "
-                                       f"its requests fail (see logs/{name}.log)")
+                self._check_workers(dead, events, progress.write)
                 if time.time() > bound:
                     events("client_timeout")
                     progress.write("warning: the run outlived its bound; stopping the client")
@@ -299,19 +316,111 @@ class Run:
                 time.sleep(0.1)
             progress.poll()
         finally:
-            injector.stop()
-            schedule.stop()
+            self._stop_schedules(schedule, injector)
             progress.close()
-            self.meta["link_schedule_errors"] = [
-                {"at_s": t, "direction": d or "both", "changes": c, "error": e}
-                for t, d, c, e in schedule.errors]
         events("client_finished", code=client.returncode)
         self.meta["dead_workers"] = sorted(n for n, p in self.procs.items() if p in dead)
 
+    def _start_schedules(self, start_at, events, warn):
+        """The link schedule and the faults, both timed from arrival 0 = `start_at`."""
+        from testbed import faults
+        schedule = self._link_schedule(events, warn).start(start_at)
+        injector = faults.Injector(self.deployment.fault_actions, self.dir, lambda: self.procs,
+                                   lambda n: self._respawn(events, n), events).start(start_at)
+        return schedule, injector
 
-def execute(path, overrides=(), out=None, probe=True, cli=False, progress=True):
-    """Run every variant of an experiment file; returns (top run dir, list of summaries)."""
+    def _stop_schedules(self, schedule, injector):
+        injector.stop()
+        schedule.stop()
+        self.meta["link_schedule_errors"] = [
+            {"at_s": t, "direction": d or "both", "changes": c, "error": e}
+            for t, d, c, e in schedule.errors]
+
+    def _check_workers(self, dead, events, warn):
+        """Record (once each) the workers that exited; the client is watched by its caller."""
+        for name, p in list(self.procs.items()):
+            if name != "client" and p not in dead and p.poll() is not None:
+                dead.add(p)
+                events("worker_died", name=name, code=p.returncode)
+                warn(f"warning: {name} exited with code {p.returncode}; "
+                     f"its requests fail (see logs/{name}.log)")
+
+    def _external_arrival_zero(self, workload, events):
+        """Start the external tool and wait (bounded) for its first request at the front door.
+
+        The tool's start-up (aiperf: seconds) must not shift its requests against link changes
+        and faults, so arrival 0 is the tool's own: the first request's arrival at the front
+        door minus that request's time in the trace (a fixed-schedule replay sends it that long
+        after its own start). If no request comes (the tool exited, or the bound passed),
+        arrival 0 is the tool's start. The measured start-up offset goes to metadata.json."""
+        first_file = self.dir / "ready" / "first_request"
+        spawned = time.time()
+        client = loadgen.start_client(self, workload)
+        deadline = time.monotonic() + CLIENT_FIRST_REQUEST_TIMEOUT_S
+        self.meta["client_spawned_at"] = spawned
+        while not first_file.exists():
+            if client.poll() is not None or time.monotonic() > deadline:
+                events("client_no_first_request", code=client.poll())
+                self.meta["client_start_offset_s"] = None
+                return spawned
+            time.sleep(0.005)     # the tool's start-up: seconds; 5 ms is the anchor's grain
+        first = float(first_file.read_text())
+        trace_first_s = (self.deployment.scale.emulated_s(float(workload.arrival_s.min()))
+                         if len(workload) else 0.0)
+        start_at = first - trace_first_s
+        self.meta["client_first_request_at"] = first
+        self.meta["client_start_offset_s"] = start_at - spawned
+        events("client_first_request", offset_s=round(start_at - spawned, 6))
+        return start_at
+
+    def _hold(self, workload, events):
+        """`testbed up`: the front door forwarded to the root namespace's loopback; the link
+        schedule and faults start now; the run lasts until Ctrl-C/SIGTERM (KeyboardInterrupt,
+        the normal end here), watching the workers meanwhile."""
+        fd_ip, fd_port = self.rt.instance("client").ip, self.rt.frontdoor.port
+        fwd = self.backend.forward("client", fd_port, self.hold.port)
+        host, port = fwd.address
+        start_at = time.time()
+        self.meta["client_start_at"] = start_at
+        self.meta["forward"] = {"listen": f"{host}:{port}", "target": f"{fd_ip}:{fd_port}"}
+        info = {"url": f"http://{host}:{port}", "frontdoor_url": loadgen.url(self.rt),
+                "model": self.rt.frontdoor.model, "run_dir": str(self.dir),
+                "trace": str(loadgen.write_trace(self.dir, workload,
+                                                 self.deployment.scale)),
+                "started_at": start_at}
+        (self.dir / "up.json").write_text(json.dumps(info, indent=1))
+        schedule, injector = self._start_schedules(start_at, events, _warn)
+        events("up", listen=f"{host}:{port}")
+        dead = set()
+        try:
+            self.hold.announce(info)
+            while True:
+                self._check_workers(dead, events, _warn)
+                time.sleep(0.2)
+        except KeyboardInterrupt:
+            events("hold_ended")
+        finally:
+            self._stop_schedules(schedule, injector)
+        self.meta["forward"]["connections"] = fwd.connections
+        self.meta["dead_workers"] = sorted(n for n, p in self.procs.items() if p in dead)
+
+
+def _warn(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def execute(path, overrides=(), out=None, probe=True, cli=False, progress=True, hold=None):
+    """Run every variant of an experiment file; returns (top run dir, list of summaries).
+    With `hold` (`testbed up`): the one run, no load generator, until Ctrl-C/SIGTERM."""
+    if hold is not None:
+        overrides = [*overrides, "workload.client=none", "workload.command=null"]
     runs = config.load_experiment(path, overrides)
+    if hold is not None and len(runs) > 1:
+        raise ConfigError(f"testbed up holds one deployment; this file expands to {len(runs)} "
+                          "runs (variants/sweep): pick one with --set", path=str(path))
+    if hold is None and any(exp.workload.client == "none" for exp in runs):
+        raise ConfigError("client none (no load generator) is what `testbed up` runs; "
+                          "`testbed run` needs a client", path=str(path), key="workload.client")
     if out:
         check_out(out)
     if os.geteuid() != 0:
@@ -323,7 +432,8 @@ def execute(path, overrides=(), out=None, probe=True, cli=False, progress=True):
     try:
         for exp in runs:
             run_dir = top / exp.label if len(runs) > 1 else top   # a safe name (config.validate)
-            summaries.append(Run(exp, run_dir, probe=probe, cli=cli, progress=progress).execute())
+            summaries.append(Run(exp, run_dir, probe=probe, cli=cli, progress=progress,
+                                 hold=hold).execute())
         if len(runs) > 1:
             metrics.write_sweep(top, summaries)
             if any(exp.faults for exp in runs):

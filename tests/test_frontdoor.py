@@ -347,6 +347,39 @@ def test_aiperf_exports_are_read_and_compared(tmp_path, monkeypatch):
     assert c["paired"] == c["completed"] == c["completed_testbed"] == 3
     # aiperf's clock starts before the request is written, so its TTFT is never below ours
     assert c["ttft_diff_ms_median"] > 0
+    # ... and the difference splits into four causal legs, every request paired by its id
+    legs = c["gap_legs_emulated_ms"]
+    assert legs["paired"] == 3
+    assert all(legs[k]["median"] >= 0 for k in ("client_send", "frontdoor_in", "frontdoor_out",
+                                               "client_receive"))
     good = int((tool.ttft_s * 1e3 <= 30).sum())
     span = (tool.start + tool.e2el_s).max() - tool.start.min()
     assert a["request_goodput"] == pytest.approx(good / span)
+
+
+def test_run_refuses_client_none_before_building_anything(tmp_path):
+    """`client: none` is `testbed up`'s; `testbed run` says so (exit 2) and makes nothing."""
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "testbed.cli", "run", str(TINY), "--out", str(out),
+                        "--set", "workload.client=none"], capture_output=True, text=True,
+                       cwd=ROOT)
+    assert r.returncode == 2 and "testbed up" in r.stderr and "workload.client" in r.stderr
+    assert not out.exists()
+
+
+def test_event_loop_lateness_is_sampled_into_the_summary(tmp_path):
+    """A handler that blocks the loop for 30 ms shows as lateness of at least ~20 ms (a lower
+    bound only: the loop cannot wake the sampler while it is blocked)."""
+    async def main():
+        door = FrontDoor(FakeStub(), MODEL, 1000, tmp_path / "requests.jsonl",
+                         tmp_path / "frontdoor.jsonl")
+        lag = asyncio.create_task(door.watch_lag())
+        await asyncio.sleep(0.05)
+        time.sleep(0.03)                 # the loop is busy, as with many streams at once
+        await asyncio.sleep(0.05)
+        lag.cancel()
+        door.close()
+    asyncio.run(main())
+    summary = [r for r in _rows(tmp_path / "frontdoor.jsonl") if r["ev"] == "summary"][0]
+    lag = summary["loop_lag_ms"]
+    assert lag["samples"] >= 3 and lag["max"] >= 15 and lag["p50"] <= lag["p99"] <= lag["max"]

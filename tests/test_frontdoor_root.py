@@ -16,6 +16,7 @@ import pytest
 
 from test_run_root import ROOT, TINY, leftovers, tb_cmd
 from testbed import loadgen, rundir
+from testbed.scale import Scale
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -75,4 +76,15 @@ def test_command_client_through_the_front_door(tmp_path):
     assert (o.input_len.to_numpy() == [x["prompt_tokens"] for x in h.to_dict("records")]).all()
     fd = summary["frontdoor"]
     assert fd["overhead_emulated_ms_median"] >= 0 and fd["client_minus_testbed_ttft_ms"] is None
+    # Arrival 0 is the tool's own: the first request's arrival at the front door (minus its time
+    # in the trace), measured after the tool's start-up, which is on record.
+    meta = json.loads((out / "metadata.json").read_text())
+    first = min(x["arrival"] for x in http)
+    assert abs(meta["client_first_request_at"] - first) < 1e-5
+    wl = pd.read_parquet(out / "workload.parquet")
+    trace_first = Scale(time=summary["scale"]["time"]).emulated_s(wl.arrival_s.min())
+    assert abs(meta["client_start_at"] - (first - trace_first)) < 1e-5
+    assert meta["client_start_offset_s"] == pytest.approx(
+        meta["client_start_at"] - meta["client_spawned_at"])
+    assert meta["client_spawned_at"] < first
     assert leftovers(out) == []

@@ -36,6 +36,7 @@ import collections
 import dataclasses
 import hashlib
 import json
+import pathlib
 import signal
 import time
 
@@ -51,6 +52,7 @@ DEFAULT_MAX_TOKENS = 16       # OpenAI's completions default
 BLOCK_TOKENS = 512            # prefix block size (testbed.workload.spec.BLOCK_TOKENS)
 TOKEN_TEXT = " tok"           # the text of every output token (one token under the rule)
 MAX_BODY_BYTES = 64 << 20     # a 128Ki-token prompt of long words fits
+LAG_PERIOD_S = 0.01           # how often the event loop's lateness is sampled
 
 
 class HttpError(Exception):
@@ -174,6 +176,11 @@ def parse(raw, chat, model, max_context):
                   block_ids(tokens))
 
 
+def _quantile_ms(sorted_s, q):
+    """The q-quantile (nearest rank) of sorted seconds, in ms."""
+    return round(sorted_s[min(len(sorted_s) - 1, int(q * len(sorted_s)))] * 1e3, 3)
+
+
 def _sse(obj):
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
@@ -182,7 +189,7 @@ class FrontDoor:
     """The HTTP handlers; `stub` is the scheduler's (anything with a `Submit` stream call)."""
 
     def __init__(self, stub, model, max_context, requests_path, http_path, timeout_s=None,
-                 first_id=0):
+                 first_id=0, first_request_path=None):
         self.stub, self.model, self.max_context = stub, model, max_context
         self.rec, self.http = Recorder(requests_path), Recorder(http_path)
         self.timeout_s = timeout_s
@@ -192,6 +199,10 @@ class FrontDoor:
         self.active = set()                      # handler tasks with a Submit in flight
         self.stopping = False
         self.created = int(time.time())
+        # Where to say when the first completion request arrived: an external tool's arrival 0
+        # for the runner, which starts the link schedule and faults from it (testbed/run.py).
+        self.first_request_path = first_request_path
+        self.lag_s = []             # event loop lateness samples (watch_lag)
 
     def app(self):
         app = web.Application(client_max_size=MAX_BODY_BYTES)
@@ -220,8 +231,16 @@ class FrontDoor:
         row.update(outcome=outcome, http_status=status, error=error, end=time.time())
         self.http.write(row)
 
+    def _mark_first(self, arrival):
+        path, self.first_request_path = self.first_request_path, None
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(f"{arrival:.6f}")
+        tmp.rename(path)         # the runner never reads a partial time
+
     async def serve(self, request, chat):
         arrival = time.time()
+        if self.first_request_path is not None:
+            self._mark_first(arrival)
         row = {"ev": "http", "id": None, "arrival": arrival, "endpoint": request.path,
                "first_token": None, "last_token": None, "n_tokens": 0,
                # a client's own id for the request (aiperf sends both), to pair records exactly
@@ -245,7 +264,7 @@ class FrontDoor:
         finally:
             self.active.discard(task)
 
-    def _chunk(self, cid, chat, text=None, finish=None, first=False):
+    def _chunk(self, cid, chat, text=None, finish=None, first=False, created=None):
         if chat:
             delta = {} if text is None else {"content": text}
             if first:
@@ -255,8 +274,8 @@ class FrontDoor:
         else:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
             obj = "text_completion"
-        return {"id": cid, "object": obj, "created": int(time.time()), "model": self.model,
-                "choices": [choice]}
+        return {"id": cid, "object": obj, "created": created or int(time.time()),
+                "model": self.model, "choices": [choice]}
 
     def _usage(self, p, n):
         return {"prompt_tokens": p.prompt_tokens, "completion_tokens": n,
@@ -276,6 +295,11 @@ class FrontDoor:
                         "output_len": p.max_tokens})
         track = Tracker(req, send)
         resp, error, n_out = None, None, 0
+        # Every token's event is the same bytes (one `created` per completion, as OpenAI's), so
+        # they are encoded once, not once per token on the event loop that serves every stream.
+        created = int(send)
+        first_event = _sse(self._chunk(cid, chat, TOKEN_TEXT, first=True, created=created))
+        token_event = _sse(self._chunk(cid, chat, TOKEN_TEXT, created=created))
         call = self.stub.Submit(req, timeout=self.timeout_s)
         try:
             async for chunk in call:
@@ -290,9 +314,8 @@ class FrontDoor:
                 now = time.time()        # handed to the HTTP connection (the write may
                 row["first_token"] = row["first_token"] or now   # return after the client
                 row["last_token"] = now                         # has read it)
-                await resp.write(b"".join(
-                    _sse(self._chunk(cid, chat, TOKEN_TEXT, first=(n_out == 0 and i == 0)))
-                    for i in range(n)))
+                await resp.write(first_event + token_event * (n - 1) if n_out == 0
+                                 else token_event * n)
                 n_out += n
         except grpc.aio.AioRpcError as e:
             error = f"scheduler: {e.code().name}: {e.details()}"
@@ -329,15 +352,33 @@ class FrontDoor:
                 "id": cid, "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": self.model, "choices": [choice],
                 "usage": self._usage(p, n_out)})
-        tail = _sse(self._chunk(cid, chat, finish="length"))
+        tail = _sse(self._chunk(cid, chat, finish="length", created=created))
         if p.include_usage:
             tail += _sse({"id": cid, "object": "chat.completion.chunk" if chat else
-                          "text_completion", "created": int(time.time()), "model": self.model,
+                          "text_completion", "created": created, "model": self.model,
                           "choices": [], "usage": self._usage(p, n_out)})
         await resp.write(tail + b"data: [DONE]\n\n")
         await resp.write_eof()
         self._log(row, "ok", 200)
         return resp
+
+    async def watch_lag(self):
+        """Sample the event loop's lateness (a sleep's overshoot) until cancelled: a request
+        that arrives while the loop is busy with other streams waits about that long before
+        its handler runs (summary row `loop_lag_ms`)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            t = loop.time()
+            await asyncio.sleep(LAG_PERIOD_S)
+            self.lag_s.append(loop.time() - t - LAG_PERIOD_S)
+
+    def _lag_summary(self):
+        if not self.lag_s:
+            return None
+        lag = sorted(self.lag_s)
+        return {"samples": len(lag), **{f"p{round(q * 100)}": _quantile_ms(lag, q)
+                                         for q in (0.5, 0.9, 0.99)},
+                "max": _quantile_ms(lag, 1.0)}
 
     async def stop(self):
         """Cancel what is still in flight (recorded as ended by the run), close the records."""
@@ -351,7 +392,8 @@ class FrontDoor:
         self.rec.write({"ev": "finished", "time": time.time()})
         self.rec.close()
         self.http.write({"ev": "summary", "time": time.time(), "outcomes": dict(self.counts),
-                         "http_status": {str(k): v for k, v in self.codes.items()}})
+                         "http_status": {str(k): v for k, v in self.codes.items()},
+                         "loop_lag_ms": self._lag_summary()})
         self.http.close()
 
 
@@ -372,9 +414,12 @@ async def main_async(args):
                                         options=common.grpc_options())
     await asyncio.wait_for(channel.channel_ready(), 10.0)
     door = FrontDoor(pbg.SchedulerStub(channel), fd.model, fd.max_context, args.out,
-                     args.http_log, rt.request_timeout_s)
+                     args.http_log, rt.request_timeout_s,
+                     first_request_path=args.first_request_file and pathlib.Path(
+                         args.first_request_file))
     host = rt.instance(args.host).ip
     runner = await serve(door, host, fd.port)
+    lag = asyncio.create_task(door.watch_lag())
     common.mark_ready(rt, args.name)
     log.info("front door on http://%s:%s/v1 (model %s)", host, fd.port, fd.model)
     stop = asyncio.Event()
@@ -382,6 +427,7 @@ async def main_async(args):
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    lag.cancel()
     await door.stop()
     await runner.cleanup()
     door.close()
@@ -396,6 +442,8 @@ def main():
     p.add_argument("--host", default="client", help="the instance whose address it serves on")
     p.add_argument("--out", required=True, help="requests.jsonl to append to")
     p.add_argument("--http-log", required=True, help="frontdoor.jsonl to append to")
+    p.add_argument("--first-request-file",
+                   help="written (Unix time) when the first completion request arrives")
     args = p.parse_args()
     common.die_with_orchestrator()
     asyncio.run(main_async(args))

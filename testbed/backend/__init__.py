@@ -18,6 +18,9 @@ runner (testbed/run.py) what it drives:
 - `probe(congestion_control)`: the WAN measured as built (link_fidelity);
 - `tcp_counters()`: each host's kernel TCP counters now ({host: {TCPTimeouts, TCPLossProbes,
   RetransSegs}}; `testbed.fidelity`), read before and after the requests;
+- `forward(host, port, listen_port)`: a TCP relay from 127.0.0.1:`listen_port` of the machine
+  running the testbed (0: a free port) to `host`'s `port`, torn down with the registry; its
+  `address` is what it listens on (`testbed up`);
 - `cli()`: an interactive shell on the running system, where the backend has one;
 - `stop()`: tear down (also registered with the registry by `start`).
 
@@ -46,6 +49,8 @@ class Backend(Protocol):
     def probe(self, congestion_control) -> dict: ...
 
     def tcp_counters(self) -> dict: ...
+
+    def forward(self, host, port, listen_port=0): ...
 
     def cli(self) -> None: ...
 

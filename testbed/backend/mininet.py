@@ -68,6 +68,16 @@ class MininetBackend:
         from testbed.fidelity import host_tcp_counters
         return host_tcp_counters(self.net.netns_path)
 
+    def forward(self, host, port, listen_port=0):
+        """127.0.0.1:`listen_port` in the root namespace relayed to `host`'s address:`port`
+        inside its namespace (testbed/net/forward.py); stopped with the run's registry."""
+        from testbed.net.forward import Forward
+
+        fwd = Forward(self.net.netns_path[host], (self.net.ip(host), port),
+                      port=listen_port).start()
+        self.registry.on_close(fwd.stop, "forward")
+        return fwd
+
     def cli(self):
         self.net.cli()
 

@@ -190,10 +190,12 @@ class PhaseSpec:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class WorkloadSpec:
-    client: str = spec(choice("builtin", "command", "aiperf"), "builtin",
+    client: str = spec(choice("builtin", "command", "aiperf", "none"), "builtin",
                        "builtin: the testbed's gRPC client sends the workload | command: "
                        "`workload.command` drives the OpenAI front door | aiperf: aiperf "
-                       "replays the workload against it (docs/frontdoor.md)")
+                       "replays the workload against it | none: no load generator, the front "
+                       "door serves whatever arrives (what `testbed up` runs; "
+                       "docs/frontdoor.md)")
     command: str = spec(optional(_command), None,
                         "client command: a command line run in the client host, split like a "
                         "shell but not run by one; {url} (front door base URL, "
