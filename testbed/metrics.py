@@ -71,7 +71,9 @@ def build_requests(workload: pd.DataFrame, sent: dict, done: dict,
         if s is not None:
             row["lateness_s"] = s.get("lateness_s")
         rows.append(row)
-    df = pd.DataFrame(rows)
+    # (no rows: `testbed up` that served nothing; the columns still exist)
+    df = pd.DataFrame(rows, columns=None if rows else [
+        "id", "arrival_s", "input_len", "output_len", "status"])
     for col in ("send_time", "first_token", "last_token", "prefill_queued", "prefill_start",
                 "prefill_end", "send_start", "send_end", "kv_recv_start", "kv_recv_end",
                 "decode_join", "lateness_s", "kv_bytes", "kv_bytes_sent", "n_tokens",

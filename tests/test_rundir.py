@@ -165,3 +165,17 @@ def test_no_hand_conversion_outside_scale():
     found = [(str(p.relative_to(ROOT)), m.group()) for p in files
              for m in [HAND_CONVERSION.search(_code(p))] if m]
     assert not found, found
+
+
+def test_a_run_that_served_no_request_analyses_to_an_empty_summary(tmp_path):
+    """`testbed up` with nobody sending: an empty workload and no records still analyse."""
+    import pandas as pd
+
+    d = tmp_path / "prfaas"
+    shutil.copytree(FIXTURE / "prfaas", d)
+    wl = pd.read_parquet(d / "workload.parquet")
+    wl.iloc[:0].to_parquet(d / "workload.parquet", index=False)
+    (d / "requests.jsonl").write_text("")
+    s = metrics.analyse(d)
+    assert s["completed"] == 0 and s["failed"] == 0
+    assert len(pd.read_parquet(d / "requests.parquet")) == 0
