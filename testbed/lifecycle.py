@@ -146,6 +146,22 @@ def kill_recorded(pid, start, grace_s=2.0):
     return True
 
 
+def terminate_all(procs, grace_s=3.0):
+    """SIGTERM every running process of `procs` (Popen-like handles, in the order given), then
+    SIGKILL those still running after `grace_s` in all."""
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        with contextlib.suppress(ProcessLookupError):
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in live:
+        try:
+            p.wait(timeout=max(0.05, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=2)
+
+
 class Registry:
     """Record of one run's kernel objects and processes; see the module docstring."""
 
@@ -237,6 +253,13 @@ def _undo(state):
         for name in reversed(state.get("netns", [])):
             with contextlib.suppress(Exception):
                 netns.remove(name)
+
+
+def undo_file(path):
+    """Undo the record in one state file and remove the file (a guard's job once the owner
+    died; `cleanup_all` does the same for a whole directory)."""
+    _undo(read_state(path))
+    pathlib.Path(path).unlink(missing_ok=True)
 
 
 class CorruptState(Exception):
