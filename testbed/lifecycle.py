@@ -300,8 +300,9 @@ def owner_alive(state):
     return _alive(owner, start)
 
 
-def cleanup_all(state_dir=None, include_live=False):
-    """Undo every recorded run whose owner is gone (or all, with include_live).
+def cleanup_all(state_dir=None, include_live=False, kind=None):
+    """Undo every recorded run whose owner is gone (or all, with include_live); only records
+    of `kind` (a Registry's kind, e.g. ray-agent) when given.
 
     Returns (report lines, corrupt lines): a state file that cannot be read is left in place and
     reported (its path and what is wrong), so nothing is forgotten silently.
@@ -313,6 +314,8 @@ def cleanup_all(state_dir=None, include_live=False):
             state = read_state(f)
         except CorruptState as e:
             corrupt.append(f"{f}: corrupt state file, left in place: {e}")
+            continue
+        if kind is not None and state.get("kind") != kind:
             continue
         if not include_live and owner_alive(state) and state.get("owner_pid") != os.getpid():
             report.append(f"{state.get('run_id')}: still running (pid {state['owner_pid']}), "

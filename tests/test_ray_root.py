@@ -201,3 +201,56 @@ def test_tiny_run_on_ray_namespace_hosts(ray_hosts, tmp_path):
                        text=True).stdout
         assert " 10.1." not in addrs and " 10.2." not in addrs, addrs
     assert not list(lifecycle.STATE_DIR.glob(f"ray-{meta['run_id']}-*.json"))
+
+
+def _leftovers(hosts, run_dir):
+    """Shaping state on the namespace hosts and worker processes of the run still present."""
+    found = []
+    for h in hosts.values():
+        if "htb" in ns_run(h, ["tc", "qdisc", "show", "dev", f"{h}0"], capture_output=True,
+                           text=True).stdout:
+            found.append(f"{h}: htb qdisc")
+        rules = ns_run(h, ["iptables-save"], capture_output=True, text=True).stdout
+        found += [f"{h}: {ln}" for ln in rules.splitlines() if "TBWAN" in ln or "NFQUEUE" in ln]
+        addrs = ns_run(h, ["ip", "-4", "-o", "addr", "show"], capture_output=True,
+                       text=True).stdout
+        found += [f"{h}: address {ln.split()[3]}" for ln in addrs.splitlines()
+                  if " 10.1." in ln or " 10.2." in ln]
+    for p in pathlib.Path("/proc").iterdir():
+        if p.name.isdigit():
+            with contextlib.suppress(OSError):
+                cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                if str(run_dir) in cmd or "tb-delayline" in cmd and any(
+                        h in cmd for h in hosts.values()):
+                    found.append(f"pid {p.name}: {cmd[:80]}")
+    return found
+
+
+def test_sigkilled_orchestrator_then_clean_leaves_nothing(ray_hosts, tmp_path):
+    hosts, head = ray_hosts
+    out = tmp_path / "run"
+    log = open(tmp_path / "orchestrator.log", "wb")
+    orch = subprocess.Popen(
+        ["nsenter", f"--net={ns_path(hosts['local'])}", sys.executable, "-m", "testbed.cli",
+         "run", str(TINY), "--backend", "ray", "--address", head, "--out", str(out),
+         "--no-progress", "--no-probe", "--set", "requests=400"],
+        stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=_ray_env())
+    log.close()
+    records = out / "requests.jsonl"
+    deadline = time.monotonic() + 180
+    while not (records.exists() and records.read_text().count('"ev":"done"') >= 10):
+        assert orch.poll() is None, (tmp_path / "orchestrator.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "no 10 requests done within 180 s"
+        time.sleep(0.2)
+    assert _leftovers(hosts, out)            # the run is shaping and running: something to undo
+    orch.kill()
+    orch.wait()
+    r = ns_run(hosts["local"], [sys.executable, "-m", "testbed.cli", "clean", "--backend", "ray",
+                                "--address", head], capture_output=True, text=True, cwd=ROOT,
+               env=_ray_env(), timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    deadline = time.monotonic() + 30     # Ray ends the dead driver's actors; their guards undo
+    while _leftovers(hosts, out) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _leftovers(hosts, out) == []
+    assert not list(lifecycle.STATE_DIR.glob("ray-*.json"))

@@ -41,17 +41,31 @@ class Launcher:
 
     def __init__(self):
         self.procs = {}
+        self.gpus = {}       # key -> the GPU id it was given
 
-    def spawn(self, key, argv, log_path, env=None):
-        """Start `argv` with output to `log_path` (its directory made if missing); its PID."""
+    def spawn(self, key, argv, log_path, env=None, gpu=False):
+        """Start `argv` with output to `log_path` (its directory made if missing); its PID.
+        `gpu`: give it one of the GPUs Ray assigned to this actor (CUDA_VISIBLE_DEVICES)."""
         log_path = pathlib.Path(log_path)
         log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ if env is None else env)
+        if gpu:
+            env["CUDA_VISIBLE_DEVICES"] = self._free_gpu(key)
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                                     env=lifecycle.orchestrator_env(env),
                                     preexec_fn=lifecycle.die_with_parent())
         self.procs[key] = proc
         return proc.pid
+
+    def _free_gpu(self, key):
+        import ray
+        held = {g for k, g in self.gpus.items() if self.procs[k].poll() is None}
+        free = [str(g) for g in ray.get_gpu_ids() if str(g) not in held]
+        if not free:
+            raise NetworkError(f"{key}: no GPU left among those Ray assigned to this launcher")
+        self.gpus[key] = free[0]
+        return free[0]
 
     def returncodes(self):
         """{key: exit code or None while running} of every process started here."""
@@ -114,6 +128,8 @@ class ShapingAgent:
     the host that carries it}) and `peer` (a host of the other datacenter: the egress interface
     is the one its route leaves through)."""
 
+    KIND = "ray-agent"      # of its lifecycle record
+
     def __init__(self, run_id, tag):
         self.run_id, self.tag = run_id, tag
         self.registry = None
@@ -138,7 +154,7 @@ class ShapingAgent:
         if os.geteuid() != 0:
             raise NetworkError("the shaping agent changes qdiscs, routes and iptables and needs "
                                "root: start the Ray node as root (docs/cluster.md)")
-        self.registry = lifecycle.Registry(f"ray-{self.run_id}-{self.tag}", kind="ray-agent")
+        self.registry = lifecycle.Registry(f"ray-{self.run_id}-{self.tag}", kind=self.KIND)
         self._start_guard()
         path = own_netns_path()
         with IPRoute() as ns:     # this namespace: NetNS would fork (see hostshape)
@@ -197,6 +213,12 @@ class ShapingAgent:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.guard.wait(timeout=2 * GUARD_INTERVAL_S + 1)
         return errors
+
+
+def clean_host():
+    """`testbed clean --backend ray` on one host: undo the shaping agents' records whose agent
+    is gone; (report lines, corrupt lines)."""
+    return lifecycle.cleanup_all(kind=ShapingAgent.KIND)
 
 
 def guard(state_path):

@@ -131,6 +131,19 @@ def preflight(spec, deployment):
     return place(deployment, spec.cpus, labelled_nodes(ray.nodes()))
 
 
+def clean(address):
+    """Undo, on every alive node of the cluster at `address`, what shaping agents that died
+    without stopping left (their state files); [(node IP, report lines, corrupt lines)]."""
+    ray = connect(address)
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    task = ray.remote(agents.clean_host)
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    refs = [task.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
+        n["NodeID"], soft=False)).remote() for n in nodes]
+    return [(n["NodeManagerAddress"], *r)
+            for n, r in zip(nodes, ray.get(refs, timeout=READY_TIMEOUT_S))]
+
+
 # ---------------------------------------------------------------- the runner's handles
 
 class RemoteProcess:
@@ -277,8 +290,10 @@ class RayBackend:
         node = self.placement[host]
         self._count += 1
         key = f"{host}#{self._count}"
+        gpu = request(self.deployment.instance(host), self.deployment.runtime,
+                      self.spec.cpus)[1] > 0
         pid = self.ray.get(self.launchers[node].spawn.remote(key, list(map(str, argv)),
-                                                             str(log_path), env))
+                                                             str(log_path), env, gpu))
         return RemoteProcess(self, node, key, pid)
 
     def returncode(self, node, key):
