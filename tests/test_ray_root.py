@@ -176,7 +176,7 @@ def test_tiny_run_on_ray_namespace_hosts(ray_hosts, tmp_path):
     out = tmp_path / "run"
     r = ns_run(hosts["local"], [sys.executable, "-m", "testbed.cli", "run", str(TINY),
                                 "--backend", "ray", "--address", head, "--out", str(out),
-                                "--no-progress", "--no-probe"],
+                                "--no-progress"],
                capture_output=True, text=True, timeout=400, cwd=ROOT, env=_ray_env())
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     df = pd.read_parquet(out / "requests.parquet")
@@ -190,6 +190,9 @@ def test_tiny_run_on_ray_namespace_hosts(ray_hosts, tmp_path):
     sent = remote.kv_bytes_sent.sum()
     counted = summary["wan_bytes_measured"]
     assert sent <= counted <= 1.15 * sent, (sent, counted)
+    # The run measured the link the agents shaped, between the two namespace hosts.
+    measured = meta["link_fidelity"]["measured"]
+    assert measured["rtt_p50_ms"] > 0 and measured["goodput_bps"] > 0, meta["link_fidelity"]
     placed = meta["topology"]["placement"]
     assert placed["rp0"] == f"{FABRIC['prfaas']}.2" and placed["ld0"] == f"{FABRIC['local']}.2"
     # The agents undid everything: no HTB root, no state file, no alias address.
@@ -254,3 +257,6 @@ def test_sigkilled_orchestrator_then_clean_leaves_nothing(ray_hosts, tmp_path):
         time.sleep(0.5)
     assert _leftovers(hosts, out) == []
     assert not list(lifecycle.STATE_DIR.glob("ray-*.json"))
+    for f in lifecycle.STATE_DIR.glob("*.json"):      # nor the orchestrator's own record
+        with contextlib.suppress(OSError, lifecycle.CorruptState):
+            assert lifecycle.read_state(f)["owner_pid"] != orch.pid, f

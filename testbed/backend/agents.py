@@ -107,6 +107,11 @@ def own_netns_path():
                        "(neither the host's nor one under /var/run/netns)")
 
 
+def boot_id():
+    """This machine's boot id: equal on two hosts only when they are one machine."""
+    return pathlib.Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+
+
 def _route_to(ns, ip):
     """(interface index, gateway or None) of this namespace's route to `ip`."""
     routes = shaping_call(f"route to {ip}", ns.route, "get", dst=ip)
@@ -164,7 +169,8 @@ class ShapingAgent:
             self._routes(ns, path, idx, addresses, routes)
         self.wan = HostWan(path, iface, direction, dst, params, backend=backend, seed=seed,
                            registry=self.registry).start()
-        return {"iface": iface, "netns": path, "backend": self.wan.backend,
+        return {"iface": iface, "netns": path, "boot_id": boot_id(),
+                "backend": self.wan.backend,
                 "reason": self.wan.backend_reason, "state": str(self.registry.path),
                 "installed": self.wan.describe(direction)}
 

@@ -31,6 +31,7 @@ environment at the same path (docs/cluster.md).
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
 import subprocess
 import time
@@ -261,7 +262,7 @@ class RayBackend:
             agent = self._pinned(agents.ShapingAgent, node, num_cpus=0).remote(
                 self.registry.run_id, f"{node.dc}{i}")
             self.agents[node.dc].append(agent)
-            mine = [inst.ip for inst in dep.instances if self.placement[inst.name] == node]
+            mine = self._addresses(node)
             routes = {inst.ip: self.placement[inst.name].ip for inst in dep.instances
                       if self.placement[inst.name] != node}
             peer = next(n.ip for n in self.nodes if n.dc == other)
@@ -329,8 +330,31 @@ class RayBackend:
                                      for d, link in self.deployment.links.items()}}}
 
     def probe(self, congestion_control):
-        return {"skipped": "the ray backend has no cross-host link probe yet "
-                           "(docs/cluster.md)"}
+        """The KV direction measured through the agents, from the PrfaaS host of the first
+        PrfaaS instance to the local host of the scheduler (link_fidelity); only where all
+        hosts are namespaces of this machine: the probe's one-way delays need one clock."""
+        from testbed import kvwire
+        from testbed.net.probe import measure_link
+
+        if any(i.get("boot_id") != agents.boot_id() for i in self.agent_info.values()):
+            return {"skipped": "hosts on other machines: the link probe needs one clock "
+                               "(docs/cluster.md)"}
+        dep = self.deployment
+        dst_node = self.placement["scheduler"]
+        # the host's first instance address: the source of what it sends to other hosts
+        # (the agent's routes), so the probe's UDP echoes come back from the address asked
+        dst_ip = self._addresses(dst_node)[0]
+        src = next((i for i in dep.instances if i.dc == "prfaas"), None)
+        src_node = self.placement[src.name] if src else next(
+            n for n in self.nodes if n.dc == "prfaas")
+        os.environ[kvwire.CC_ENV] = congestion_control      # the probe's TCP sender
+        return measure_link(self.agent_info[src_node.ip]["netns"],
+                            self.agent_info[dst_node.ip]["netns"], dst_ip,
+                            configured=dep.links["kv"].params())
+
+    def _addresses(self, node):
+        """The instance addresses placed on `node`, in the deployment's order."""
+        return [i.ip for i in self.deployment.instances if self.placement[i.name] == node]
 
     def cli(self):
         print("the ray backend has no interactive CLI; the workers are up, press Enter to "
