@@ -156,3 +156,14 @@ def test_ray_without_the_extra_is_refused_with_exit_2(tmp_path, small_experiment
     with pytest.raises(ConfigError, match=r"pip install -e '\.\[cluster\]'") as e:
         config.load_experiment(f, ["backend.kind=ray"])
     assert e.value.exit_code == 2
+
+
+def test_no_ray_head_at_the_address_is_exit_2_before_anything(tmp_path):
+    pytest.importorskip("ray")
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "testbed.cli", "run",
+                        str(agents.REPO / "tests" / "data" / "tiny.yaml"), "--backend", "ray",
+                        "--address", "127.0.0.1:1", "--out", str(out)],
+                       capture_output=True, text=True, timeout=60, cwd=agents.REPO)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "backend.address" in r.stderr and not out.exists()

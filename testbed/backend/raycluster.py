@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import socket
 import subprocess
 import time
 
@@ -43,6 +44,7 @@ LABEL = "dc"
 DATACENTERS = ("prfaas", "local")
 DIRECTION_OF = {"prfaas": "kv", "local": "request"}   # the direction a DC's hosts send
 READY_TIMEOUT_S = 60.0
+CONNECT_TIMEOUT_S = 5.0
 STATUS_TTL_S = 0.05
 NAMESPACE = "prfaas-testbed"
 
@@ -56,6 +58,7 @@ def connect(address):
         raise ConfigError("the ray backend needs Ray: pip install -e '.[cluster]'",
                           key="backend.kind") from None
     if not ray.is_initialized():
+        _check_reachable(address)
         try:
             ray.init(address=address, namespace=NAMESPACE, log_to_driver=False,
                      logging_level="ERROR", configure_logging=True)
@@ -64,6 +67,18 @@ def connect(address):
                               f"{str(e).splitlines()[0] if str(e) else ''})",
                               key="backend.address") from None
     return ray
+
+
+def _check_reachable(address, timeout_s=CONNECT_TIMEOUT_S):
+    """A bounded TCP connect to the head's GCS port: ray.init itself retries for minutes."""
+    if address == "auto":
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ConfigError(f"no Ray head answers at {address} within {timeout_s:g}s "
+                          f"({e.strerror or e})", key="backend.address") from None
 
 
 # ---------------------------------------------------------------- placement (pure)
