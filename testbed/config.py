@@ -331,6 +331,37 @@ class SloSpec:
                 if getattr(self, k) is not None}
 
 
+def _ray_address(value):
+    """`host:port` of a Ray cluster's head (GCS), or `auto` (RAY_ADDRESS or a local cluster)."""
+    v = string(value)
+    if v == "auto":
+        return v
+    host, sep, port = v.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected HOST:PORT of the Ray head (e.g. 10.0.0.1:6379) or auto, "
+                         f"got {v!r}")
+    return v
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BackendSpec:
+    """Where the deployment runs (testbed/backend/): one machine in Mininet hosts, or the hosts
+    of a Ray cluster, placed by their `dc` node label (docs/cluster.md)."""
+    kind: str = spec(choice("mininet", "ray"), "mininet",
+                     "mininet: every instance in a Mininet host on this machine | ray: the hosts "
+                     "of a Ray cluster labelled dc=prfaas / dc=local, the WAN shaped on their "
+                     "NICs by a shaping agent per host (needs the [cluster] extra)")
+    address: str = spec(_ray_address, "auto", "ray: HOST:PORT of the Ray head, or auto")
+    cpus: float = spec(at_most(positive(units.number), 1024, "1024"), 1.0,
+                       "ray: logical CPUs requested per instance (prefill and decode on CUDA ask "
+                       "for one GPU instead)")
+
+    def check(self):
+        if self.kind == "ray" and importlib.util.find_spec("ray") is None:
+            raise ValueError("kind: ray needs Ray, which is not installed: pip install "
+                             "-e '.[cluster]'")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Experiment:
     name: str = spec(path_component, doc="experiment name; results go to results/<name>/ (one "
@@ -355,6 +386,9 @@ class Experiment:
                          "20s}, ...] (testbed/faults.py; keys below)")
     cache: CacheSpec = spec(section(CacheSpec), factory=CacheSpec,
                             doc="hybrid prefix cache pool (docs/cache.md)")
+    backend: BackendSpec = spec(section(BackendSpec), factory=BackendSpec,
+                                doc="where the deployment runs: mininet (one machine) or ray "
+                                    "(several hosts; docs/cluster.md)")
     label: str = spec(optional(path_component), None,
                       "name of this run in tables and its directory (default: the policy)")
 

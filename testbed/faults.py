@@ -28,7 +28,6 @@ occurrences at `at`, `at + every`, ... (`at` defaults to `every`).
 import dataclasses
 import json
 import math
-import os
 import pathlib
 import random
 import signal
@@ -303,7 +302,7 @@ class Injector:
     def _signal(self, name, sig):
         p = self.procs().get(name)
         if p is not None and p.poll() is None:
-            os.kill(p.pid, sig)
+            p.send_signal(sig)      # a Popen or a backend's handle (another host's process)
 
     def _do(self, a, name):
         k, phase = a.kind, a.phase

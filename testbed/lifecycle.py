@@ -146,6 +146,22 @@ def kill_recorded(pid, start, grace_s=2.0):
     return True
 
 
+def terminate_all(procs, grace_s=3.0):
+    """SIGTERM every running process of `procs` (Popen-like handles, in the order given), then
+    SIGKILL those still running after `grace_s` in all."""
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        with contextlib.suppress(ProcessLookupError):
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in live:
+        try:
+            p.wait(timeout=max(0.05, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=2)
+
+
 class Registry:
     """Record of one run's kernel objects and processes; see the module docstring."""
 
@@ -239,6 +255,13 @@ def _undo(state):
                 netns.remove(name)
 
 
+def undo_file(path):
+    """Undo the record in one state file and remove the file (a guard's job once the owner
+    died; `cleanup_all` does the same for a whole directory)."""
+    _undo(read_state(path))
+    pathlib.Path(path).unlink(missing_ok=True)
+
+
 class CorruptState(Exception):
     """A state file that cannot be read as a run's record: reported, never deleted."""
 
@@ -277,8 +300,9 @@ def owner_alive(state):
     return _alive(owner, start)
 
 
-def cleanup_all(state_dir=None, include_live=False):
-    """Undo every recorded run whose owner is gone (or all, with include_live).
+def cleanup_all(state_dir=None, include_live=False, kind=None):
+    """Undo every recorded run whose owner is gone (or all, with include_live); only records
+    of `kind` (a Registry's kind, e.g. ray-agent) when given.
 
     Returns (report lines, corrupt lines): a state file that cannot be read is left in place and
     reported (its path and what is wrong), so nothing is forgotten silently.
@@ -290,6 +314,8 @@ def cleanup_all(state_dir=None, include_live=False):
             state = read_state(f)
         except CorruptState as e:
             corrupt.append(f"{f}: corrupt state file, left in place: {e}")
+            continue
+        if kind is not None and state.get("kind") != kind:
             continue
         if not include_live and owner_alive(state) and state.get("owner_pid") != os.getpid():
             report.append(f"{state.get('run_id')}: still running (pid {state['owner_pid']}), "

@@ -30,7 +30,7 @@ import yaml
 
 from testbed import (__version__, config, deploy, fidelity, lifecycle, loadgen, metrics,
                      ownership, plot, rundir)
-from testbed.backend import open_backend
+from testbed.backend import open_backend, preflight
 from testbed.errors import ConfigError, PrivilegeError, RunInterrupted, WorkerError
 from testbed.measure import CounterSampler, EventLog
 from testbed.net.tcp import CC_ENV
@@ -40,7 +40,6 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 30.0
 # An external tool's start-up (aiperf: about 20 s on a loaded 2-core machine) before it sends.
 CLIENT_FIRST_REQUEST_TIMEOUT_S = 120.0
-BACKEND = "mininet"
 
 
 def _system_cc():
@@ -147,14 +146,15 @@ class Run:
                      "kernel": platform.release(), "host": platform.node(),
                      "versions": _versions(), "argv": sys.argv, "start_time": time.time(),
                      "scale": dep.scale.to_dict(), "requests": len(workload),
-                     "backend": BACKEND}
+                     "backend": exp.backend.kind}
         registry = self.registry = lifecycle.Registry(secrets.token_hex(2))
         events = EventLog(d / "events.csv")
         self.meta["run_id"] = registry.run_id
         interrupted, error = False, None
         counters = {}
         try:
-            self.backend = open_backend(BACKEND, dep, registry, events).start()
+            self.backend = open_backend(exp.backend.kind, dep, registry, events,
+                                        exp.backend).start()
             self._describe_backend()
             self._start_workers(registry, events)
             if self.probe:
@@ -223,17 +223,7 @@ class Run:
 
     def _stop_processes(self):
         """SIGTERM every process of the run (client first), then SIGKILL what is left."""
-        live = [p for p in reversed(list(self.procs.values())) if p.poll() is None]
-        for p in live:
-            with contextlib.suppress(ProcessLookupError):
-                p.terminate()
-        deadline = time.monotonic() + 3.0
-        for p in live:
-            try:
-                p.wait(timeout=max(0.05, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(timeout=2)
+        lifecycle.terminate_all(reversed(list(self.procs.values())))
 
     def _start_workers(self, registry, events):
         # Registered after the backend's teardown, so it runs before it (reverse order).
@@ -423,8 +413,10 @@ def execute(path, overrides=(), out=None, probe=True, cli=False, progress=True, 
                           "`testbed run` needs a client", path=str(path), key="workload.client")
     if out:
         check_out(out)
-    if os.geteuid() != 0:
+    if any(exp.backend.kind == "mininet" for exp in runs) and os.geteuid() != 0:
         raise PrivilegeError("testbed run builds network namespaces and needs root: use sudo")
+    for exp in runs:
+        preflight(exp.backend, deploy.compile(exp))
     top = pathlib.Path(out) if out else default_out(runs[0].name)
     made = ownership.missing_ancestors(top)
     top.mkdir(parents=True, exist_ok=True)

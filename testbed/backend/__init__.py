@@ -24,14 +24,17 @@ runner (testbed/run.py) what it drives:
 - `cli()`: an interactive shell on the running system, where the backend has one;
 - `stop()`: tear down (also registered with the registry by `start`).
 
-Nothing above this package imports Mininet: `open_backend` imports the backend's module only
-when a run asks for it. `mininet` (testbed/backend/mininet.py) is today's only backend: one
-machine, a Mininet host per instance, the WAN shaped on a router host.
+Nothing above this package imports Mininet or Ray: `open_backend` imports the backend's module
+only when a run asks for it (`backend.kind` in the experiment). `mininet`
+(testbed/backend/mininet.py): one machine, a Mininet host per instance, the WAN shaped on a
+router host. `ray` (testbed/backend/raycluster.py): the hosts of a Ray cluster, instances placed
+by the hosts' `dc` label, the WAN shaped on each host's NIC by a shaping agent
+(testbed/backend/agents.py; docs/cluster.md).
 """
 
 from typing import Protocol
 
-BACKENDS = ("mininet",)
+BACKENDS = ("mininet", "ray")
 
 
 class Backend(Protocol):
@@ -57,9 +60,21 @@ class Backend(Protocol):
     def stop(self) -> None: ...
 
 
-def open_backend(name, deployment, registry, events):
-    """The backend `name` for one deployment (not started)."""
+def open_backend(name, deployment, registry, events, spec=None):
+    """The backend `name` for one deployment (not started); `spec`: the experiment's
+    `backend:` section (config.BackendSpec)."""
     if name == "mininet":
         from testbed.backend.mininet import MininetBackend
         return MininetBackend(deployment, registry, events)
+    if name == "ray":
+        from testbed.backend.raycluster import RayBackend
+        return RayBackend(deployment, registry, events, spec)
     raise ValueError(f"unknown backend {name!r}; expected one of {', '.join(BACKENDS)}")
+
+
+def preflight(spec, deployment):
+    """Check, before anything is made, that the backend can run `deployment` (ray: the extra
+    is installed, the cluster answers, the placement can be met); ConfigError otherwise."""
+    if spec.kind == "ray":
+        from testbed.backend.raycluster import preflight as ray_preflight
+        ray_preflight(spec, deployment)

@@ -18,6 +18,10 @@ def register(sub):
     p.add_argument("--cli", action="store_true",
                    help="open the Mininet CLI once the network and workers are up")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--backend", choices=("mininet", "ray"),
+                   help="where it runs (the experiment's backend.kind; docs/cluster.md)")
+    p.add_argument("--address", metavar="HOST:PORT",
+                   help="ray: the Ray head (the experiment's backend.address)")
     p.set_defaults(func=main)
 
 
@@ -25,7 +29,12 @@ def main(args):
     from testbed import run
 
     lifecycle.sigterm_unwinds()
-    top, summaries = run.execute(args.file, args.overrides, out=args.out,
+    overrides = list(args.overrides)
+    if args.backend:
+        overrides.append(f"backend.kind={args.backend}")
+    if args.address:
+        overrides.append(f"backend.address={args.address}")
+    top, summaries = run.execute(args.file, overrides, out=args.out,
                                  probe=not args.no_probe, cli=args.cli,
                                  progress=not args.no_progress and sys.stderr.isatty())
     print()

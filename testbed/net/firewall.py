@@ -37,18 +37,26 @@ class Firewall:
     def chain(direction):
         return f"TBWAN-{direction}"
 
+    def _jump(self, direction, iface):
+        """The filter rule sending the direction's packets through its chain (forwarded ones,
+        on a router; `testbed.net.hostshape.HostFirewall` matches locally sent ones)."""
+        return ["FORWARD", "-o", iface, "-j", self.chain(direction)]
+
+    def _queue(self, direction, iface, queue_num):
+        """The mangle rule sending the direction's packets to the delay line."""
+        return ["POSTROUTING", "-o", iface, "-j", "NFQUEUE", "--queue-num", str(queue_num)]
+
     def install(self, direction, iface):
         c = self.chain(direction)
         self._run(["iptables-restore", "-n"], stdin=f"*filter\n:{c} - [0:0]\nCOMMIT\n")
-        jump = ["FORWARD", "-o", iface, "-j", c]
+        jump = self._jump(direction, iface)
         if self._run(["iptables", "-C", *jump], check=False).returncode != 0:
             self._run(["iptables", "-A", *jump])   # not twice after a crashed run
         self.installed[direction] = iface
         if self.registry is not None:
             self.registry.add_undo_command(self._undo_argv("iptables", "-X", c))
             self.registry.add_undo_command(self._undo_argv("iptables", "-F", c))
-            self.registry.add_undo_command(
-                self._undo_argv("iptables", "-D", "FORWARD", "-o", iface, "-j", c))
+            self.registry.add_undo_command(self._undo_argv("iptables", "-D", *jump))
 
     def sync(self, direction, up, loss):
         """Rewrite the direction's chain: DROP all when down, else drop with probability `loss`
@@ -62,8 +70,7 @@ class Firewall:
         self._run(["iptables-restore", "-n"], stdin="*filter\n" + "\n".join(rules) + "\nCOMMIT\n")
 
     def queue_rule(self, direction, queue_num, on):
-        iface = self.installed[direction]
-        rule = ["POSTROUTING", "-o", iface, "-j", "NFQUEUE", "--queue-num", str(queue_num)]
+        rule = self._queue(direction, self.installed[direction], queue_num)
         exists = self._run(["iptables", "-t", "mangle", "-C", *rule], check=False).returncode == 0
         if on and not exists:
             self._run(["iptables", "-t", "mangle", "-A", *rule])
@@ -83,9 +90,9 @@ class Firewall:
     def remove(self):
         for direction, iface in list(self.installed.items()):
             c = self.chain(direction)
-            self._run(["iptables", "-t", "mangle", "-D", "POSTROUTING", "-o", iface, "-j",
-                       "NFQUEUE", "--queue-num", str(DIRECTIONS.index(direction))], check=False)
-            self._run(["iptables", "-D", "FORWARD", "-o", iface, "-j", c], check=False)
+            self._run(["iptables", "-t", "mangle", "-D",
+                       *self._queue(direction, iface, DIRECTIONS.index(direction))], check=False)
+            self._run(["iptables", "-D", *self._jump(direction, iface)], check=False)
             self._run(["iptables", "-F", c], check=False)
             self._run(["iptables", "-X", c], check=False)
             del self.installed[direction]

@@ -1,0 +1,404 @@
+"""The Ray backend: a deployment on the hosts of a Ray cluster, the WAN shaped on their NICs.
+
+    describe -> deploy (Deployment) -> backend: RayBackend (place, shape, spawn) -> analyse
+
+Hosts join the cluster with `ray start ... --labels dc=prfaas` or `dc=local` (docs/cluster.md).
+`start()`:
+
+1. connects to the cluster (`backend.address`) and places every instance of the deployment on
+   an alive node labelled with its datacenter (`place`: the node with the most free CPUs that
+   fits; one GPU per prefill/decode instance for the torch engine on CUDA, `backend.cpus` CPUs
+   otherwise). A datacenter without a node, or instances that do not fit, is a ConfigError
+   (exit 2) before anything starts (`preflight` runs the same check before the run directory
+   is made);
+2. starts a shaping agent (`agents.ShapingAgent`, zero CPUs) on every labelled node: the node
+   carries its instances' addresses (the deployment's 10.1/16, 10.2/16 plan) and routes to the
+   others', and shapes its datacenter's WAN direction on its egress interface for traffic to
+   the other datacenter only (`testbed.net.hostshape.HostWan`);
+3. starts a launcher (`agents.Launcher`) per node that runs instances, holding the instances'
+   CPUs and GPUs; `spawn()` starts a worker through it and returns a `RemoteProcess`, a
+   Popen-like handle whose poll/wait/terminate/kill/send_signal go to the launcher.
+
+`shaper` is a `ClusterShaper`: `set` reaches every agent (both directions' parameters are kept
+on each), `stats` sums the PrfaaS hosts' `kv` and the local hosts' `request` class counters.
+
+Paths: the runner gives workers the run directory's paths (runtime.json, logs, ready files,
+records); on this machine every host sees them. On real hosts the run directory must be on
+storage every host mounts at the same path, and every host needs the same checkout and Python
+environment at the same path (docs/cluster.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import time
+
+from testbed.backend import agents
+from testbed.errors import ConfigError, NetworkError
+
+LABEL = "dc"
+DATACENTERS = ("prfaas", "local")
+DIRECTION_OF = {"prfaas": "kv", "local": "request"}   # the direction a DC's hosts send
+READY_TIMEOUT_S = 60.0
+CONNECT_TIMEOUT_S = 5.0
+STATUS_TTL_S = 0.05
+NAMESPACE = "prfaas-testbed"
+
+
+def connect(address):
+    """`ray` connected to the cluster at `address` (HOST:PORT or auto); ConfigError (exit 2)
+    without the [cluster] extra or without a cluster there."""
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError("the ray backend needs Ray: pip install -e '.[cluster]'",
+                          key="backend.kind") from None
+    if not ray.is_initialized():
+        _check_reachable(address)
+        try:
+            ray.init(address=address, namespace=NAMESPACE, log_to_driver=False,
+                     logging_level="ERROR", configure_logging=True)
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            raise ConfigError(f"no Ray cluster at {address} ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''})",
+                              key="backend.address") from None
+    return ray
+
+
+def _check_reachable(address, timeout_s=CONNECT_TIMEOUT_S):
+    """A bounded TCP connect to the head's GCS port: ray.init itself retries for minutes."""
+    if address == "auto":
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ConfigError(f"no Ray head answers at {address} within {timeout_s:g}s "
+                          f"({e.strerror or e})", key="backend.address") from None
+
+
+# ---------------------------------------------------------------- placement (pure)
+
+@dataclasses.dataclass(frozen=True)
+class Node:
+    """An alive Ray node with a `dc` label."""
+
+    node_id: str
+    ip: str
+    dc: str
+    cpus: float
+    gpus: float
+
+
+def labelled_nodes(ray_nodes):
+    """`Node`s of `ray.nodes()` entries that are alive and carry a known `dc` label."""
+    out = []
+    for n in ray_nodes:
+        dc = (n.get("Labels") or {}).get(LABEL)
+        if n.get("Alive") and dc in DATACENTERS:
+            r = n.get("Resources") or {}
+            out.append(Node(n["NodeID"], n["NodeManagerAddress"], dc, float(r.get("CPU", 0)),
+                            float(r.get("GPU", 0))))
+    return sorted(out, key=lambda n: (n.dc, n.ip, n.node_id))
+
+
+def request(inst, runtime, cpus):
+    """(CPUs, GPUs) an instance asks for: a GPU for the torch engine's prefill and decode on
+    CUDA, `cpus` otherwise."""
+    if inst.role in ("prefill", "decode") and runtime.engine == "torch" \
+            and runtime.device == "cuda":
+        return 0.0, 1.0
+    return cpus, 0.0
+
+
+def place(deployment, cpus, nodes):
+    """{instance name: Node}; ConfigError naming what cannot be met."""
+    free = {n: [n.cpus, n.gpus] for n in nodes}
+    for dc in DATACENTERS:
+        if not any(n.dc == dc for n in nodes):
+            raise ConfigError(f"no alive Ray node labelled {LABEL}={dc} (ray start ... "
+                              f"--labels {LABEL}={dc}; docs/cluster.md)", key="backend")
+    out = {}
+    for inst in deployment.instances:
+        need_cpu, need_gpu = request(inst, deployment.runtime, cpus)
+        fits = [n for n in nodes if n.dc == inst.dc and free[n][0] >= need_cpu - 1e-9
+                and free[n][1] >= need_gpu - 1e-9]
+        if not fits:
+            total = [sum(free_n[i] for n, free_n in free.items() if n.dc == inst.dc)
+                     for i in (0, 1)]
+            raise ConfigError(f"placement cannot be met: {inst.name} (dc={inst.dc}) needs "
+                              f"{need_cpu:g} CPU and {need_gpu:g} GPU, the nodes labelled "
+                              f"{LABEL}={inst.dc} have {total[0]:g} CPU and {total[1]:g} GPU "
+                              f"left", key="backend")
+        best = max(fits, key=lambda n: (free[n][1] if need_gpu else free[n][0], n.ip))
+        free[best][0] -= need_cpu
+        free[best][1] -= need_gpu
+        out[inst.name] = best
+    return out
+
+
+def preflight(spec, deployment):
+    """Connect and place once, before the run directory is made (exit 2 on failure)."""
+    ray = connect(spec.address)
+    return place(deployment, spec.cpus, labelled_nodes(ray.nodes()))
+
+
+def clean(address):
+    """Undo, on every alive node of the cluster at `address`, what shaping agents that died
+    without stopping left (their state files); [(node IP, report lines, corrupt lines)]."""
+    ray = connect(address)
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    task = ray.remote(agents.clean_host)
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    refs = [task.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
+        n["NodeID"], soft=False)).remote() for n in nodes]
+    return [(n["NodeManagerAddress"], *r)
+            for n, r in zip(nodes, ray.get(refs, timeout=READY_TIMEOUT_S))]
+
+
+# ---------------------------------------------------------------- the runner's handles
+
+class RemoteProcess:
+    """A `subprocess.Popen`-like handle of a process its node's launcher started."""
+
+    def __init__(self, backend, node, key, pid):
+        self.backend, self.node, self.key, self.pid = backend, node, key, pid
+        self.returncode = None
+
+    def poll(self):
+        if self.returncode is None:
+            self.returncode = self.backend.returncode(self.node, self.key)
+        return self.returncode
+
+    def wait(self, timeout=None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.key, timeout)
+            time.sleep(STATUS_TTL_S)
+        return self.returncode
+
+    def send_signal(self, sig):
+        self.backend.signal(self.node, self.key, sig)
+
+    def terminate(self):
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
+
+
+class ClusterShaper:
+    """The WAN as the agents run it: `set` on every agent, `stats` summed per direction."""
+
+    def __init__(self, ray, agents_by_dc, backend, reason, events=None):
+        self.ray, self.agents, self.events = ray, agents_by_dc, events
+        self.backend, self.backend_reason = backend, reason
+
+    def set(self, direction=None, **changes):
+        t0 = time.monotonic()
+        self.ray.get([a.set.remote(direction, changes)
+                      for dc in DATACENTERS for a in self.agents[dc]])
+        took = time.monotonic() - t0
+        if self.events is not None:
+            self.events("wan_set", direction=direction or "both", apply_ms=round(took * 1e3, 3),
+                        **changes)
+        return took
+
+    def stats(self):
+        out = {}
+        for dc in DATACENTERS:
+            d = DIRECTION_OF[dc]
+            per_host = self.ray.get([a.stats.remote() for a in self.agents[dc]])
+            total = {k: sum(s[d][k] for s in per_host)
+                     for k in ("tx_bytes", "tx_packets", "backlog_bytes", "backlog_packets",
+                               "drops")}
+            total.update(up=per_host[0][d]["up"], rate_bps=per_host[0][d]["rate_bps"])
+            out[d] = total
+        return out
+
+
+# ---------------------------------------------------------------- the backend
+
+class RayBackend:
+    name = "ray"
+
+    def __init__(self, deployment, registry, events=None, spec=None):
+        self.deployment, self.registry, self.events, self.spec = (deployment, registry, events,
+                                                                  spec)
+        self.ray = None
+        self.placement = {}
+        self.nodes = []
+        self.agents = {dc: [] for dc in DATACENTERS}
+        self.agent_info = {}
+        self.launchers = {}
+        self.codes = {}
+        self._count = 0
+        self._shaper = None
+
+    def start(self):
+        self.ray = connect(self.spec.address)
+        self.nodes = labelled_nodes(self.ray.nodes())
+        self.placement = place(self.deployment, self.spec.cpus, self.nodes)
+        self.registry.on_close(self.stop, "ray backend")
+        self._start_agents()
+        self._start_launchers()
+        info = next(iter(self.agent_info.values()))
+        self._shaper = ClusterShaper(self.ray, self.agents, info["backend"], info["reason"],
+                                     self.events)
+        return self
+
+    def _pinned(self, cls, node, **options):
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        return self.ray.remote(cls).options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
+            **options)
+
+    def _ready(self, refs, what):
+        from ray.exceptions import GetTimeoutError
+        try:
+            return self.ray.get(refs, timeout=READY_TIMEOUT_S)
+        except GetTimeoutError:
+            raise ConfigError(f"placement not met within {READY_TIMEOUT_S:.0f}s: {what} did "
+                              f"not start (resources taken by another job?)",
+                              key="backend") from None
+
+    def _start_agents(self):
+        dep = self.deployment
+        params = {d: link.params() for d, link in dep.links.items()}
+        from testbed.deploy import DC_NET
+        refs = {}
+        for i, node in enumerate(self.nodes):
+            other = "local" if node.dc == "prfaas" else "prfaas"
+            agent = self._pinned(agents.ShapingAgent, node, num_cpus=0).remote(
+                self.registry.run_id, f"{node.dc}{i}")
+            self.agents[node.dc].append(agent)
+            mine = self._addresses(node)
+            routes = {inst.ip: self.placement[inst.name].ip for inst in dep.instances
+                      if self.placement[inst.name] != node}
+            peer = next(n.ip for n in self.nodes if n.dc == other)
+            refs[node] = agent.start.remote(
+                DIRECTION_OF[node.dc], f"{DC_NET[other]}.0.0/16", params, dep.shaping_backend,
+                dep.seed * 2 + i, mine, routes, peer)
+        try:
+            infos = self._ready(list(refs.values()), "a shaping agent")
+        except self.ray.exceptions.RayTaskError as e:
+            raise NetworkError(f"shaping agent failed: {str(e).strip().splitlines()[-1]}") \
+                from None
+        self.agent_info = {n.ip: info for n, info in zip(refs, infos)}
+
+    def _start_launchers(self):
+        rt = self.deployment.runtime
+        for node in dict.fromkeys(self.placement.values()):
+            need = [request(self.deployment.instance(name), rt, self.spec.cpus)
+                    for name, n in self.placement.items() if n == node]
+            self.launchers[node] = self._pinned(
+                agents.Launcher, node, num_cpus=sum(c for c, _ in need),
+                num_gpus=sum(g for _, g in need)).remote()
+        self._ready([launcher.returncodes.remote() for launcher in self.launchers.values()],
+                    "a launcher")
+
+    def spawn(self, host, argv, log_path, env=None):
+        node = self.placement[host]
+        self._count += 1
+        key = f"{host}#{self._count}"
+        gpu = request(self.deployment.instance(host), self.deployment.runtime,
+                      self.spec.cpus)[1] > 0
+        pid = self.ray.get(self.launchers[node].spawn.remote(key, list(map(str, argv)),
+                                                             str(log_path), env, gpu))
+        return RemoteProcess(self, node, key, pid)
+
+    def returncode(self, node, key):
+        stamp, codes = self.codes.get(node, (0.0, {}))
+        if time.monotonic() - stamp > STATUS_TTL_S or key not in codes:
+            codes = self.ray.get(self.launchers[node].returncodes.remote())
+            self.codes[node] = (time.monotonic(), codes)
+        return codes.get(key)
+
+    def signal(self, node, key, sig):
+        self.ray.get(self.launchers[node].signal.remote(key, int(sig)))
+
+    @property
+    def shaper(self):
+        return self._shaper
+
+    def describe(self):
+        info = next(iter(self.agent_info.values()), {})
+        return {
+            "backend": self.name, "versions": {"ray": self.ray.__version__},
+            "topology": {"class": "testbed.backend.raycluster.RayBackend",
+                         "address": self.spec.address,
+                         "nodes": {n.ip: {"dc": n.dc, "node_id": n.node_id, "cpus": n.cpus,
+                                          "gpus": n.gpus} for n in self.nodes},
+                         "ips": {i.name: i.ip for i in self.deployment.instances},
+                         "placement": {name: n.ip for name, n in self.placement.items()},
+                         "agents": self.agent_info},
+            "segmentation_offload": True,
+            "shaping": {"backend": info.get("backend"), "reason": info.get("reason", ""),
+                        "where": "each host's egress interface, traffic to the other "
+                                 "datacenter only",
+                        "emulated": {d: link.params()
+                                     for d, link in self.deployment.links.items()}}}
+
+    def probe(self, congestion_control):
+        """The KV direction measured through the agents, from the PrfaaS host of the first
+        PrfaaS instance to the local host of the scheduler (link_fidelity); only where all
+        hosts are namespaces of this machine: the probe's one-way delays need one clock."""
+        from testbed import kvwire
+        from testbed.net.probe import measure_link
+
+        if any(i.get("boot_id") != agents.boot_id() for i in self.agent_info.values()):
+            return {"skipped": "hosts on other machines: the link probe needs one clock "
+                               "(docs/cluster.md)"}
+        dep = self.deployment
+        dst_node = self.placement["scheduler"]
+        # the host's first instance address: the source of what it sends to other hosts
+        # (the agent's routes), so the probe's UDP echoes come back from the address asked
+        dst_ip = self._addresses(dst_node)[0]
+        src = next((i for i in dep.instances if i.dc == "prfaas"), None)
+        src_node = self.placement[src.name] if src else next(
+            n for n in self.nodes if n.dc == "prfaas")
+        os.environ[kvwire.CC_ENV] = congestion_control      # the probe's TCP sender
+        return measure_link(self.agent_info[src_node.ip]["netns"],
+                            self.agent_info[dst_node.ip]["netns"], dst_ip,
+                            configured=dep.links["kv"].params())
+
+    def _addresses(self, node):
+        """The instance addresses placed on `node`, in the deployment's order."""
+        return [i.ip for i in self.deployment.instances if self.placement[i.name] == node]
+
+    def cli(self):
+        print("the ray backend has no interactive CLI; the workers are up, press Enter to "
+              "start the requests")
+        input()
+
+    def stop(self):
+        """Launchers (their processes), then the agents (undo), then the actors themselves."""
+        if self.ray is None:
+            return
+        errors = []
+        for launcher in self.launchers.values():
+            try:
+                self.ray.get(launcher.stop.remote(), timeout=agents.STOP_GRACE_S + 5)
+            except Exception as e:   # the actor may be gone; its children die with it
+                errors.append(f"launcher: {e}")
+        for agent in [a for dc in DATACENTERS for a in self.agents[dc]]:
+            try:
+                errors += self.ray.get(agent.stop.remote(), timeout=30)
+            except Exception as e:   # its guard process undoes what it did
+                errors.append(f"shaping agent: {e}")
+        for actor in [*self.launchers.values(), *(a for dc in DATACENTERS
+                                                   for a in self.agents[dc])]:
+            try:
+                self.ray.kill(actor)
+            except Exception as e:
+                errors.append(f"killing an actor: {e}")
+        self.launchers.clear()
+        self.agents = {dc: [] for dc in DATACENTERS}
+        self.ray = None
+        if errors:
+            raise NetworkError("; ".join(errors))
