@@ -401,6 +401,25 @@ def _warnings(summary: dict, meta: dict, reasons: list[str], guards: list[str]) 
     return out
 
 
+def role_conversions(rd, scale: Scale) -> dict:
+    """The long timescale's role conversions (events.csv `role` rows, workers/roles.py): how
+    many finished and failed, each way, and the median drain and conversion time (real-world s)."""
+    from testbed.faults import read_events
+    done = [f for _, k, f in read_events(rd.events) if k == "role" and f.get("state") == "done"]
+    failed = [f for _, k, f in read_events(rd.events)
+              if k == "role" and f.get("state") == "failed"]
+
+    def median_real_s(key):
+        xs = [float(f[key]) for f in done if f.get(key) not in (None, "")]
+        return float(scale.real_s(np.median(xs))) if xs else None
+
+    return {"done": len(done), "failed": len(failed),
+            "to_decode": sum(f.get("to") == "decode" for f in done),
+            "to_prefill": sum(f.get("to") == "prefill" for f in done),
+            "drain_s_median": median_real_s("drain_s"),
+            "convert_s_median": median_real_s("convert_s")}
+
+
 def analyse(run_dir) -> dict:
     """A run directory's records -> requests.parquet, tokens.parquet, summary.json (returned).
 
@@ -428,6 +447,8 @@ def analyse(run_dir) -> dict:
     summary["not_sent"] = len(ids - set(sent) - set(done))
     from testbed.workload import summarize as workload_stats
     summary["workload"] = workload_stats(workload)
+    if exp.scheduler.roles.enabled:
+        summary["role_conversions"] = role_conversions(rd, scale)
     summary["run_dir"] = str(rd.path)
     pools = {dc: json.loads(p.read_text()) for dc, p in rd.cache_pools().items()}
     if pools:

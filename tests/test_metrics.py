@@ -161,3 +161,17 @@ def test_decode_model_full_batch_at_reference_is_t_decode():
     assert m.step_time(m.bs_max, m.bs_max * m.reference_context) == pytest.approx(m.step_s)
     assert m.step_time(1, 1000) < m.step_s < m.step_time(m.bs_max, m.bs_max * 128_000)
     assert m.constant().step_time(1, 0) == m.step_s
+
+
+def test_role_conversions_are_counted_from_events_in_real_world_seconds(tmp_path):
+    from testbed import rundir
+    from testbed.scale import Scale
+    (tmp_path / "events.csv").write_text(
+        "time,kind,detail\n"
+        "1.0,role,instance=lp0 state=draining from=prefill to=decode\n"
+        "2.0,role,instance=lp0 state=done from=prefill to=decode drain_s=0.1000 convert_s=0.0500\n"
+        "3.0,role,instance=lp1 state=failed from=prefill to=decode reason=x\n"
+        "4.0,role,instance=ld0 state=done from=decode to=prefill drain_s=0.3000 convert_s=0.0500\n")
+    r = metrics.role_conversions(rundir.RunDir(tmp_path), Scale(time=10))
+    assert r == {"done": 2, "failed": 1, "to_decode": 1, "to_prefill": 1,
+                 "drain_s_median": pytest.approx(2.0), "convert_s_median": pytest.approx(0.5)}
