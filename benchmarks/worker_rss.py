@@ -42,10 +42,20 @@ def _status(pid):
     return int(fields["VmHWM"].split()[0]), int(fields["Threads"])
 
 
-def _start_s(pid, boot_s):
-    stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
-    ticks = int(stat.rsplit(")", 1)[1].split()[19])     # field 22: starttime
-    return boot_s + ticks / CLK_TCK
+def _stat(pid):
+    """Fields 3.. of /proc/<pid>/stat (after the command name), or None once it is gone."""
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def _start_s(stat, boot_s):
+    return boot_s + int(stat[19]) / CLK_TCK      # field 22: starttime
+
+
+def _cpu_s(stat):
+    return (int(stat[11]) + int(stat[12])) / CLK_TCK     # fields 14, 15: utime, stime
 
 
 def _workers(runtime):
@@ -72,13 +82,14 @@ def watch(cmd, run_dir, interval_s=0.2):
     proc = subprocess.Popen(cmd)
     while proc.poll() is None:
         for pid, (name, module) in _workers(runtime).items():
-            st = _status(pid)
-            if st is None:
+            st, stat = _status(pid), _stat(pid)
+            if st is None or stat is None:
                 continue
             rec = seen.get(pid)
             if rec is None:
                 rec = seen[pid] = {"name": name, "module": module, "hwm_kb": 0, "threads": 0,
-                                   "start_s": _start_s(pid, boot_s)}
+                                   "start_s": _start_s(stat, boot_s)}
+            rec["cpu_s"] = _cpu_s(stat)
             rec["hwm_kb"] = max(rec["hwm_kb"], st[0])
             rec["threads"] = max(rec["threads"], st[1])
         time.sleep(interval_s)
@@ -93,13 +104,16 @@ def report(seen, run_dir):
     for rec in seen.values():
         f = ready / rec["name"]
         startup = float(f.read_text()) - rec["start_s"] if f.exists() else float("nan")
-        roles.setdefault(rec["module"], []).append((rec["hwm_kb"] / 1024, rec["threads"], startup))
-    print(f"| module | processes | peak RSS max (MB) | peak RSS median (MB) | threads max "
-          f"| start-up median (s) | start-up max (s) |\n|---|---|---|---|---|---|---|")
+        roles.setdefault(rec["module"], []).append(
+            (rec["hwm_kb"] / 1024, rec["threads"], startup, rec["cpu_s"]))
+    print("| module | processes | peak RSS max (MB) | peak RSS median (MB) | threads max "
+          "| start-up median (s) | start-up max (s) | CPU median (s) |\n"
+          "|---|---|---|---|---|---|---|---|")
     for module, rows in sorted(roles.items()):
-        rss, thr, up = zip(*rows)
+        rss, thr, up, cpu = zip(*rows)
         print(f"| {module} | {len(rows)} | {max(rss):.1f} | {statistics.median(rss):.1f} "
-              f"| {max(thr)} | {statistics.median(up):.2f} | {max(up):.2f} |")
+              f"| {max(thr)} | {statistics.median(up):.2f} | {max(up):.2f} "
+              f"| {statistics.median(cpu):.2f} |")
     meta = json.loads((run_dir / "metadata.json").read_text())
     wall = meta["end_time"] - meta["start_time"]
     print(f"\nphases (s): {meta.get('phases_s')}; wall {wall:.1f} s")
@@ -107,6 +121,9 @@ def report(seen, run_dir):
     for key in ("emulation", "fidelity", "warnings"):
         if key in summary:
             print(f"{key}: {json.dumps(summary[key])}")
+    logged = [line for f in sorted((run_dir / "logs").glob("*.log"))
+              for line in f.read_text(errors="replace").splitlines() if " WARNING " in line]
+    print(f"worker log warnings: {len(logged)}" + (f"; first: {logged[0]}" if logged else ""))
 
 
 def main():
