@@ -161,13 +161,15 @@ def _no_cuda_reason(dev=pathlib.Path("/dev")):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PrfaasClusterSpec:
-    instances: int = spec(integer(0, 32), 0, "PrfaaS prefill instances (remote datacenter)")
+    # At most 64 per role: a host's interface is <run prefix><node>-eth0 within the kernel's 15
+    # characters up to index 99; docs/performance.md "Many instances" runs 100 at once.
+    instances: int = spec(integer(0, 64), 0, "PrfaaS prefill instances (remote datacenter)")
     accelerator: str = spec(string, "h200", "accelerator name in the profile")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LocalClusterSpec:
-    instances: int = spec(integer(1, 64), 1, "local PD instances (N_p + N_d)")
+    instances: int = spec(integer(1, 128), 1, "local PD instances (N_p + N_d)")
     accelerator: str = spec(string, "h20", "accelerator name in the profile")
     prefill: int = spec(integer(0, 64), 0, "N_p: local instances that prefill")
     decode: int = spec(integer(1, 64), 1, "N_d: local instances that decode")

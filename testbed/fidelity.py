@@ -16,12 +16,17 @@ a warning in real-world units:
 - `tcp`: TCP retransmission timeouts, tail-loss probes and retransmitted segments counted by the
   kernel of every end host (`/proc/<pid>/net/netstat`, `/proc/<pid>/net/snmp`: the files of the
   host's network namespace) over the request phase.
+- `startup`: warnings the workers logged before the requests started (`logs/*.log`), e.g. a
+  prefill worker that could not open its KV connections in time because many instances were
+  starting on few cores: its first requests then pay handshakes the modelled system would not.
 - `rate_artifacts`: counter samples whose rate exceeds the link rate by more than the sampling
   can explain (the counter read's own duration, the HTB burst and one GSO packet). They are
   flagged in `<dir>_artifact` columns, and left out of egress statistics and plots.
 """
 
+import datetime
 import math
+import pathlib
 import re
 import subprocess
 
@@ -255,13 +260,39 @@ def tcp_summary(delta):
     return out, warn
 
 
+# ---------------------------------------------------------------- start-up warnings
+
+LOG_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) (\S+) WARNING (.*)$")
+
+
+def startup_warnings(logs_dir, before_s):
+    """Warning lines of the worker logs (`workers.common.setup_logging` format, local time)
+    stamped before `before_s` (epoch seconds: the client's start): a summary and a warning."""
+    lines = []
+    for f in sorted(pathlib.Path(logs_dir).glob("*.log")):
+        for line in f.read_text(errors="replace").splitlines():
+            m = LOG_LINE.match(line)
+            if m and datetime.datetime.strptime(
+                    m[1], "%Y-%m-%d %H:%M:%S,%f").timestamp() < before_s:
+                lines.append((m[2], m[3]))
+    out = {"warnings": len(lines), "workers": len({w for w, _ in lines})}
+    if not lines:
+        return out, []
+    out["first"] = f"{lines[0][0]}: {lines[0][1]}"
+    return out, [f"{out['warnings']} warnings in {out['workers']} worker logs before the requests "
+                 f"started (e.g. {out['first']}); see logs/"]
+
+
 # ---------------------------------------------------------------- the summary
 
-def guards(df, run, ts, meta):
+def guards(df, run, ts, meta, logs_dir=None):
     """{'fidelity': {...}} for summary.json and the warnings, from the analysed run
-    (`run`: testbed.rundir.RunInfo)."""
+    (`run`: testbed.rundir.RunInfo; `logs_dir`: its worker logs)."""
     transfers, warn = kv_transfers(df, run, ts)
     out = {"kv_transfers": transfers, "rate_artifacts": rate_artifacts(ts)}
+    if logs_dir is not None and meta.get("client_start_at") is not None:
+        out["startup"], w = startup_warnings(logs_dir, meta["client_start_at"])
+        warn += w
     art = out["rate_artifacts"]
     if art.get("kv") or art.get("request"):
         warn.append(f"{art['kv']} KV and {art['request']} request-direction counter samples "

@@ -454,7 +454,7 @@ def analyse(run_dir) -> dict:
     if pools:
         summary["cache_pools"] = pools
     summary["link_warnings"] = (run.metadata.get("link_fidelity") or {}).get("warnings", [])
-    guards, guard_warnings = fidelity.guards(df, run, ts, run.metadata)    # testbed/fidelity.py
+    guards, guard_warnings = fidelity.guards(df, run, ts, run.metadata, rd / rd.LOGS)    # testbed/fidelity.py
     summary.update(guards)
     summary["warnings"] = _warnings(summary, run.metadata, reasons, guard_warnings)
     from testbed import faults     # accounting, recovery per injected fault

@@ -6,13 +6,14 @@ maximum batch. As PRFAAS.md prescribes, the latency is fitted by least squares t
 `T_prefill(l) = a + b*l + c*l^2` (attention is quadratic) and the size to `S_kv(l) = a + b*l`.
 
 The profile engine (workers) and the planner (`testbed.plan`) both read profiles through this
-module so that prediction and emulation use the same numbers.
+module so that prediction and emulation use the same numbers. The workers evaluate fits on
+scalars only: fitting and scalar evaluation are plain Python, and numpy is imported only when a
+caller (the planner) passes arrays, so a profile worker stays small (docs/performance.md).
 """
 
 import dataclasses
 import pathlib
 
-import numpy as np
 import yaml
 
 from testbed import units
@@ -33,20 +34,45 @@ class Fit:
     coeffs: tuple
 
     def __call__(self, l):
+        if _is_scalar(l):
+            l = float(l)
+            return float(sum(c * l**i for i, c in enumerate(self.coeffs)))
+        import numpy as np
         l = np.asarray(l, dtype=float)
         out = np.zeros_like(l)
         for i, c in enumerate(self.coeffs):
             out = out + c * l**i
-        return float(out) if out.ndim == 0 else out
+        return out
+
+
+def _is_scalar(x):
+    return not isinstance(x, (list, tuple)) and getattr(x, "ndim", 0) == 0
 
 
 def fit(points, degree):
-    xs = np.array([p[0] for p in points], dtype=float)
-    ys = np.array([p[1] for p in points], dtype=float)
+    """Least-squares polynomial of `degree` through `points` ((l, value) pairs), coefficients
+    lowest order first. The lengths are scaled to [0, 1] before the normal equations are solved
+    (Gaussian elimination with partial pivoting), which keeps them well conditioned for the
+    degrees profiles use (1 and 2)."""
+    xs = [float(p[0]) for p in points]
+    ys = [float(p[1]) for p in points]
     if len(xs) < degree + 1:
         raise ValueError(f"need at least {degree + 1} points for a degree-{degree} fit")
-    c = np.polynomial.polynomial.polyfit(xs, ys, degree)
-    return Fit(tuple(float(v) for v in c))
+    span = max(abs(x) for x in xs) or 1.0
+    us = [x / span for x in xs]
+    n = degree + 1
+    a = [[sum(u ** (i + j) for u in us) for j in range(n)] + [sum(y * u**i for u, y in zip(us, ys))]
+         for i in range(n)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
+        if a[pivot][col] == 0.0:
+            raise ValueError(f"the points do not determine a degree-{degree} fit")
+        a[col], a[pivot] = a[pivot], a[col]
+        for r in range(n):
+            if r != col:
+                k = a[r][col] / a[col][col]
+                a[r] = [v - k * w for v, w in zip(a[r], a[col])]
+    return Fit(tuple(a[i][n] / a[i][i] / span**i for i in range(n)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +164,10 @@ class Profile:
         per-request cost T(0) = a (launch, scheduling, the first layer's setup) is paid once,
         cached or not. `cached` = 0 gives T(l)."""
         f = self.prefill[accelerator]
+        if _is_scalar(l) and _is_scalar(cached):
+            l = float(l)
+            return f(l) - f(min(float(cached), l)) + f.coeffs[0]
+        import numpy as np
         l = np.asarray(l, dtype=float)
         cached = np.minimum(np.asarray(cached, dtype=float), l)
         out = f(l) - f(cached) + f.coeffs[0]

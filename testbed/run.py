@@ -152,11 +152,16 @@ class Run:
         self.meta["run_id"] = registry.run_id
         interrupted, error = False, None
         counters = {}
+        phases = self.meta["phases_s"] = {}     # wall time of build, start-up and teardown
         try:
+            t0 = time.monotonic()
             self.backend = open_backend(exp.backend.kind, dep, registry, events,
                                         exp.backend).start()
+            phases["build"] = round(time.monotonic() - t0, 3)
             self._describe_backend()
+            t0 = time.monotonic()
             self._start_workers(registry, events)
+            phases["workers_ready"] = round(time.monotonic() - t0, 3)
             if self.probe:
                 self.meta["link_fidelity"] = self.backend.probe(self.congestion_control())
             else:
@@ -181,7 +186,9 @@ class Run:
             error = e
             events("error", error=f"{type(e).__name__}: {e}")
         finally:
+            t0 = time.monotonic()
             errors = registry.close()
+            phases["teardown"] = round(time.monotonic() - t0, 3)
             self.meta["end_time"] = time.time()
             self.meta["teardown_errors"] = errors
             self.meta["wan_counters"] = counters
@@ -228,7 +235,9 @@ class Run:
     def _start_workers(self, registry, events):
         # Registered after the backend's teardown, so it runs before it (reverse order).
         registry.on_close(self._stop_processes, "processes")
-        for inst in self.deployment.workers():
+        # Servers first: decode and cache pool workers listen, prefill workers connect to them
+        # while they warm up (a sort on a bool is stable: the deployment order stays otherwise).
+        for inst in sorted(self.deployment.workers(), key=lambda i: i.role == "prefill"):
             self._spawn(inst.name, inst.module)
         self._spawn("scheduler", self.rt.instance("scheduler").module)
         if self.exp.workload.client != "builtin":     # an external client's front door

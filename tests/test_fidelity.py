@@ -146,3 +146,23 @@ def test_guards_collect_the_three(exp):
     out, warn = fidelity.guards(_transfers([]), exp, ts, meta)
     assert set(out["fidelity"]) == {"kv_transfers", "rate_artifacts", "tcp"}
     assert len(warn) == 2
+
+
+def test_startup_warnings_counts_worker_log_warnings_before_the_client_started(tmp_path):
+    import datetime
+    start = datetime.datetime(2026, 1, 1, 12, 0, 0)
+
+    def stamp(dt_s):
+        t = start + datetime.timedelta(seconds=dt_s)
+        return t.strftime("%Y-%m-%d %H:%M:%S,") + f"{t.microsecond // 1000:03d}"
+    (tmp_path / "rp0.log").write_text(
+        f"{stamp(-20)} rp0 INFO prefill worker up\n"
+        f"{stamp(-5)} rp0 WARNING no KV connection to 10.2.2.1:50052 after 15s\n"
+        f"{stamp(-4)} rp0 WARNING no KV connection to 10.2.2.2:50052 after 15s\n"
+        f"{stamp(30)} rp0 WARNING dropping KV of unclaimed request 3\n")
+    (tmp_path / "ld0.log").write_text(f"{stamp(-9)} ld0 INFO decode worker up\n")
+    out, warn = fidelity.startup_warnings(tmp_path, start.timestamp())
+    assert (out["warnings"], out["workers"]) == (2, 1)
+    assert len(warn) == 1 and "no KV connection" in warn[0]
+    assert fidelity.startup_warnings(tmp_path, start.timestamp() - 10) == (
+        {"warnings": 0, "workers": 0}, [])

@@ -388,19 +388,23 @@ class SenderPool:
             else:
                 pool.append(conn)
 
-    async def warm(self, peers, timeout_s, retry_s=0.05):
+    async def warm(self, peers, timeout_s, retry_s=0.05, retry_max_s=1.0):
         """Open one idle connection to each (host, port) before the first request, retrying
         while the peer is not listening yet, for at most `timeout_s`. Returns the peers that
-        could not be reached (their first request connects then, as before)."""
+        could not be reached (their first request connects then, as before). The retry interval
+        doubles up to `retry_max_s`: with many instances starting at once, fixed 50 ms retries
+        from every prefill to every decode worker took the CPU the peers needed to start."""
         async def one(host, port):
             deadline = asyncio.get_running_loop().time() + timeout_s
+            wait_s = retry_s
             while True:
                 try:
                     sock = await self._connect(host, port)
                 except (OSError, asyncio.TimeoutError):
-                    if asyncio.get_running_loop().time() + retry_s > deadline:
+                    if asyncio.get_running_loop().time() + wait_s > deadline:
                         return (host, port)
-                    await asyncio.sleep(retry_s)
+                    await asyncio.sleep(wait_s)
+                    wait_s = min(2 * wait_s, retry_max_s)
                     continue
                 self.idle.setdefault((host, port), []).append(SocketConnection(sock))
                 return None

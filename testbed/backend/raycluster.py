@@ -348,7 +348,7 @@ class RayBackend:
         """The KV direction measured through the agents, from the PrfaaS host of the first
         PrfaaS instance to the local host of the scheduler (link_fidelity); only where all
         hosts are namespaces of this machine: the probe's one-way delays need one clock."""
-        from testbed import kvwire
+        from testbed.net import tcp
         from testbed.net.probe import measure_link
 
         if any(i.get("boot_id") != agents.boot_id() for i in self.agent_info.values()):
@@ -362,7 +362,7 @@ class RayBackend:
         src = next((i for i in dep.instances if i.dc == "prfaas"), None)
         src_node = self.placement[src.name] if src else next(
             n for n in self.nodes if n.dc == "prfaas")
-        os.environ[kvwire.CC_ENV] = congestion_control      # the probe's TCP sender
+        os.environ[tcp.CC_ENV] = congestion_control      # the probe's TCP sender
         return measure_link(self.agent_info[src_node.ip]["netns"],
                             self.agent_info[dst_node.ip]["netns"], dst_ip,
                             configured=dep.links["kv"].params())
