@@ -206,6 +206,12 @@ class ShapingAgent:
     def stats(self):
         return self._on_thread(self.wan.stats)
 
+    def tcp_counters(self):
+        """This host's kernel TCP counters (`testbed.fidelity.tcp_counters`): the agent runs in
+        the host's network namespace."""
+        from testbed.fidelity import tcp_counters
+        return tcp_counters(f"/proc/{os.getpid()}/ns/net")
+
     def stop(self):
         """Undo everything this agent did (reverse order); the errors, if any."""
         return self._on_thread(self._stop)

@@ -371,6 +371,18 @@ class RayBackend:
         """The instance addresses placed on `node`, in the deployment's order."""
         return [i.ip for i in self.deployment.instances if self.placement[i.name] == node]
 
+    def tcp_counters(self):
+        """{"<dc> host <k>": kernel TCP counters} of every host, from its shaping agent."""
+        hosts = [(f"{dc} host {k}", a) for dc in DATACENTERS
+                 for k, a in enumerate(self.agents[dc])]
+        counters = self.ray.get([a.tcp_counters.remote() for _, a in hosts])
+        return dict(zip((name for name, _ in hosts), counters))
+
+    def forward(self, host, port, listen_port=0):
+        raise ConfigError("testbed up runs on the mininet backend only; the ray backend's front "
+                          "door is reachable on its host's address (docs/cluster.md)",
+                          key="backend.kind")
+
     def cli(self):
         print("the ray backend has no interactive CLI; the workers are up, press Enter to "
               "start the requests")
