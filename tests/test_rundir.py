@@ -153,3 +153,20 @@ def test_analysis_stages_convert_units_only_through_scale():
     for name in SCALE_USERS:
         text = (ROOT / name).read_text()
         assert not HAND_CONVERSION.search(text), (name, HAND_CONVERSION.search(text).group())
+
+
+def test_compact_token_times_read_back_as_lists(tmp_path):
+    """The client writes token times compactly (testbed/tokentimes.py); read_records gives back
+    every decode stamp to the microsecond and every token's arrival."""
+    import json
+
+    from testbed import tokentimes
+    stamps = [1796104136.5481157 + 0.000625 * i + 1e-7 * (i % 3) for i in range(1024)]
+    chunks = [[0, 1796104136.5486], [1, 1796104137.05], [700, 1796104137.2]]
+    line = {"ev": "done", "id": 3, **tokentimes.compact(stamps, chunks)}
+    (tmp_path / "requests.jsonl").write_text(json.dumps(line) + "\n")
+    _, done = rundir.read_records(tmp_path / "requests.jsonl")
+    rec = done[3]
+    assert max(abs(a - b) for a, b in zip(rec["token_times"], stamps)) < 1e-6
+    assert len(rec["token_times"]) == 1024 and "token_dus" not in rec
+    assert rec["client_times"] == [chunks[0][1]] + [chunks[1][1]] * 699 + [chunks[2][1]] * 324
