@@ -5,9 +5,11 @@ A request's `done` line carries every token's decode-worker stamp and its arriva
 As JSON floats that is 2 x output_len numbers of ~18 digits, most of the client's encoding CPU.
 The line holds instead:
 
-- `token_t0`: the first token's decode stamp (Unix s) and `token_dus`: each stamp's step from
-  the one before in integer microseconds (the first 0), rounded once against `token_t0` so the
-  error does not accumulate (<= 0.5 us, below the clock's own resolution at Unix times);
+- `token_dus`: each decode stamp in integer Unix microseconds, the first as it is and each
+  later one as its step from the one before. Every stamp is rounded to the microsecond on one
+  absolute grid, so the error does not accumulate (<= 0.5 us) and the tokens one decode step
+  emitted for several requests still carry one and the same time (testbed/metrics.decode_steps
+  finds the steps by that equality);
 - `client_chunks`: one [first token index, arrival time] pair per chunk received, since every
   token of a chunk arrives at once.
 
@@ -20,19 +22,15 @@ import itertools
 
 def compact(token_times, chunks):
     """The line's fields for `token_times` (decode stamps) and `chunks` ([index, arrival])."""
-    t0 = token_times[0] if token_times else None
-    offsets = [round((t - t0) * 1e6) for t in token_times]
-    return {"token_t0": t0, "token_dus": [b - a for a, b in zip([0] + offsets, offsets)],
-            "client_chunks": chunks}
+    us = [round(t * 1e6) for t in token_times]
+    return {"token_dus": [b - a for a, b in zip([0] + us, us)], "client_chunks": chunks}
 
 
 def expand(record):
     """`record` with `token_times` and `client_times` lists in place of the compact fields."""
     if "token_dus" not in record:
         return record
-    t0 = record.pop("token_t0")
-    offsets = itertools.accumulate(record.pop("token_dus"))
-    token_times = [t0 + us * 1e-6 for us in offsets]
+    token_times = [us / 1e6 for us in itertools.accumulate(record.pop("token_dus"))]
     chunks = record.pop("client_chunks")
     client_times = []
     for (i, t), (j, _) in zip(chunks, chunks[1:] + [[len(token_times), None]]):
