@@ -1,9 +1,9 @@
 """How fast the testbed emulates, and how faithfully, at each time scale (issue 15's table).
 
 Runs the paper's case study (experiments/paper_case_study.yaml, three policies, 600 requests
-offered at 4/s: its capacity measurement) as a child `testbed run` at each `scale.time` asked for (10 and 40 by default; 40 with `scale.bytes:
-2.5e-4`, since the delay line caps the emulated WAN) and prints one table from each variant's
-summary.json:
+offered at 4/s: its capacity measurement) as a child `testbed run` at each `scale.time` asked
+for (10 and 40 by default; 40 with `scale.bytes: 2.5e-4`, since the delay line caps the
+emulated WAN) and prints one table from each variant's summary.json:
 
 | scale.time | instances | wall time | first-token lag (median, p99) | decode-step ratio |
 measured / predicted capacity |
