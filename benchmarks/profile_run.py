@@ -455,7 +455,8 @@ def token_messages(vdir):
             for line in f:
                 if '"ev":"done"' in line:
                     n += 1
-                    chunks += len(set(json.loads(line).get("client_times") or ()))
+                    rec = json.loads(line)
+                    chunks += len(rec.get("client_chunks") or set(rec.get("client_times") or ()))
     except OSError:
         pass
     return n, chunks

@@ -310,6 +310,7 @@ def emulation_fidelity(ok: pd.DataFrame, run: RunInfo, tolerance=0.05) -> dict:
            if isinstance(t, list) and t and np.isfinite(f)]
     if lag:
         out["first_token_lag_ms"] = scale.real_ms(float(np.median(lag)))
+        out["first_token_lag_p99_ms"] = scale.real_ms(float(np.percentile(lag, 99)))
         if out["first_token_lag_ms"] > 50:
             out["warnings"].append(
                 f"first tokens reached the client {out['first_token_lag_ms']:.0f} ms (median, "

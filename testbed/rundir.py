@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import pandas as pd
 import yaml
 
+from testbed import tokentimes
 from testbed.errors import RunDirError
 from testbed.scale import Scale
 
@@ -242,7 +243,8 @@ def experiment(run_dir) -> Experiment:
 
 def read_records(path) -> tuple[dict, dict]:
     """Latest `sent` and `done` line of each request id in a client JSONL file (requests.jsonl):
-    ({id: sent record}, {id: done record}); lines cut by a crash are skipped."""
+    ({id: sent record}, {id: done record}); lines cut by a crash are skipped. A `done` record
+    has its token times as `token_times` and `client_times` lists, however they were written."""
     sent, done = {}, {}
     p = pathlib.Path(path)
     if not p.exists():
@@ -256,7 +258,7 @@ def read_records(path) -> tuple[dict, dict]:
             if obj.get("ev") == "sent":
                 sent[obj["id"]] = obj
             elif obj.get("ev") == "done":
-                done[obj["id"]] = obj
+                done[obj["id"]] = tokentimes.expand(obj)
     return sent, done
 
 

@@ -179,3 +179,23 @@ def test_a_run_that_served_no_request_analyses_to_an_empty_summary(tmp_path):
     s = metrics.analyse(d)
     assert s["completed"] == 0 and s["failed"] == 0
     assert len(pd.read_parquet(d / "requests.parquet")) == 0
+
+
+def test_compact_token_times_read_back_as_lists(tmp_path):
+    """The client writes token times compactly (testbed/tokentimes.py); read_records gives back
+    every decode stamp to the microsecond and every token's arrival."""
+    import json
+
+    from testbed import tokentimes
+    stamps = [1796104136.5481157 + 0.000625 * i + 1e-7 * (i % 3) for i in range(1024)]
+    chunks = [[0, 1796104136.5486], [1, 1796104137.05], [700, 1796104137.2]]
+    lines = [{"ev": "done", "id": 3, **tokentimes.compact(stamps, chunks)},
+             {"ev": "done", "id": 4, **tokentimes.compact(stamps[500:], [[0, 1796104137.3]])}]
+    (tmp_path / "requests.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    _, done = rundir.read_records(tmp_path / "requests.jsonl")
+    rec = done[3]
+    # one decode step's stamp reads back as one time in every request it served
+    assert done[4]["token_times"] == rec["token_times"][500:]
+    assert max(abs(a - b) for a, b in zip(rec["token_times"], stamps)) < 1e-6
+    assert len(rec["token_times"]) == 1024 and "token_dus" not in rec
+    assert rec["client_times"] == [chunks[0][1]] + [chunks[1][1]] * 699 + [chunks[2][1]] * 324

@@ -5,7 +5,7 @@ loop); how late each send was is recorded. For every request the client appends 
 `requests.jsonl` a `sent` line when it sends and a `done` line when the stream ends, flushed at
 once, so a crash keeps everything measured so far. Times are the client's own clock: TTFT is the
 first token's arrival here minus the send time (vLLM `bench serve` definition); the decode
-worker's per-token stamps come along for ITL.
+worker's per-token stamps come along for ITL (written compactly: testbed/tokentimes.py).
 """
 
 import argparse
@@ -17,6 +17,7 @@ import time
 import grpc
 import pandas as pd
 
+from testbed import tokentimes
 from testbed.proto import testbed_pb2 as pb
 from testbed.proto import testbed_pb2_grpc as pbg
 from workers import common
@@ -52,7 +53,7 @@ class Tracker:
         self.req = req
         self.out = {"ev": "done", "id": req.id, "send_time": send, "first_token": None,
                     "last_token": None, "n_tokens": 0, "status": "failed", "error": ""}
-        self.token_times, self.client_times = [], []
+        self.token_times, self.chunks = [], []      # chunks: [first token index, arrival]
 
     def add(self, chunk, now):
         """Take one chunk received at `now`; returns its number of tokens."""
@@ -61,9 +62,9 @@ class Tracker:
             if out["first_token"] is None:
                 out["first_token"] = now
             out["last_token"] = now
+            self.chunks.append([out["n_tokens"], now])
             out["n_tokens"] += len(chunk.times)
             self.token_times.extend(chunk.times)
-            self.client_times.extend([now] * len(chunk.times))
         if chunk.done:
             out["status"], out["error"] = chunk.status or "failed", chunk.error
             out.update(route=chunk.route.kind, decode_instance=chunk.route.decode or
@@ -98,7 +99,7 @@ class Tracker:
                                                      f"{self.req.output_len} tokens")
         if end:
             out["end_time"] = time.time()      # when the stream ended here (a failure's time)
-        return {**out, "token_times": self.token_times, "client_times": self.client_times}
+        return {**out, **tokentimes.compact(self.token_times, self.chunks)}
 
 
 async def one_request(stub, row, scheduled, rec, timeout_s):

@@ -6,7 +6,10 @@ the KV deadline) until its KV has fully arrived, then joins the continuous batch
 boundary, up to BS_max. Every step emits one token per batched request, stamped with this
 worker's clock; the first token is sent at once, later ones are coalesced into chunks (every
 `flush_s`, and always the last one) so the control plane stays cheap while each token keeps its
-exact time.
+exact time. While the scheduler holds this worker's `Tokens` stream, the chunks of every batched
+request go out together in one `TokenBatch` per flush (first tokens at once, in a batch of their
+own) and a request's `Decode` stream carries only its last chunk; without it each request's
+chunks go on its own stream.
 """
 
 import asyncio
@@ -59,6 +62,8 @@ class DecodeService(pbg.DecodeServicer):
         self.flush_s = rt.token_flush_s
         self.orphan_s = rt.kv_deadline_s
         self.has_work = asyncio.Event()
+        self.token_streams = []     # queues of the open `Tokens` streams (the newest is used)
+        self.last_flush = 0.0
         # The torch engine assembles the shipped state from the KV frames, steps in a thread
         # (the loop keeps receiving KV meanwhile) and emits, at each step, the token fed in:
         # the first is the one prefill predicted.
@@ -178,7 +183,8 @@ class DecodeService(pbg.DecodeServicer):
                 if slot.finished:
                     yield self._final(slot, "ok", "")
                     return
-                yield self._chunk(slot)
+                if len(slot.times) > slot.emitted:      # not already sent in a TokenBatch
+                    yield self._chunk(slot)
         finally:
             if prefix is not None and not prefix.done():
                 prefix.cancel()
@@ -189,6 +195,16 @@ class DecodeService(pbg.DecodeServicer):
             while len(self.served) > 100_000:
                 self.served.popitem(last=False)
             self.engine.release(req.id)
+
+    async def Tokens(self, request, context):
+        """Every batched request's new tokens, one `TokenBatch` per flush (the scheduler's)."""
+        queue = asyncio.Queue()
+        self.token_streams.append(queue)
+        try:
+            while True:
+                yield await queue.get()
+        finally:
+            self.token_streams.remove(queue)
 
     def _chunk(self, slot):
         i = slot.emitted
@@ -266,10 +282,13 @@ class DecodeService(pbg.DecodeServicer):
                     slot.finished = True
                     slot.wake.set()
                     continue
-                if first or now - last_flush.get(slot.rid, 0.0) >= self.flush_s:
+                if not self.token_streams and (
+                        first or now - last_flush.get(slot.rid, 0.0) >= self.flush_s):
                     last_flush[slot.rid] = now
                     slot.wake.set()
                 keep.append(slot)
+            if self.token_streams:
+                self._send_batch(keep, now)
             for s in self.batch:
                 if s.finished:
                     last_flush.pop(s.rid, None)
@@ -277,6 +296,18 @@ class DecodeService(pbg.DecodeServicer):
                         self.engine.free(s.reserved)
                         s.reserved = 0.0
             self.batch = keep
+
+    def _send_batch(self, batch, now):
+        """One `TokenBatch` on the newest `Tokens` stream: every request's pending tokens each
+        `flush_s`, and in between the requests whose first token this step made."""
+        if now - self.last_flush >= self.flush_s:
+            self.last_flush = now
+            ready = [s for s in batch if len(s.times) > s.emitted]
+        else:
+            ready = [s for s in batch if len(s.times) == 1 and not s.emitted]
+        if ready:
+            self.token_streams[-1].put_nowait(
+                pb.TokenBatch(chunks=[self._chunk(s) for s in ready]))
 
     def _reap_orphans(self):
         """KV that arrived for a request whose Decode stream never came is freed after a while."""

@@ -38,6 +38,8 @@ from workers import control
 
 UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 MAX_ATTEMPTS = 4          # prefill attempts per request before it fails
+# How long the last chunk waits for earlier tokens still on the worker's Tokens stream (real s).
+HELD_FINAL_S = 5.0
 
 
 class Health:
@@ -138,6 +140,8 @@ class Flight:
         self.tokens = 0
         self.decode_call = None
         self.next_chunk = None
+        self.held = {}              # first_index -> chunk that came before the tokens ahead of it
+        self.final_timer = None
 
     def notify(self, inst, reason):
         if inst is self.p or inst is self.d:
@@ -157,6 +161,8 @@ class Flight:
     def _start_decode(self, d):
         self.d = d
         d.inflight += 1
+        self.held = {}
+        self.svc.tokens.attach(d, self.req.id, self)
         self.decode_call = self.svc.decode_stub[d.name].Decode(pb.DecodeRequest(
             request=self.req, prefill="", kv_deadline_s=self.svc.rt.kv_deadline_s,
             **self.svc.decode_fields(self.kind)))
@@ -170,6 +176,7 @@ class Flight:
             self.decode_call.cancel()
             self.decode_call = None
             self.d.inflight -= 1
+            self.svc.tokens.detach(self.d, self.req.id)
 
     def _start_prefill(self, p):
         self.p = p
@@ -280,16 +287,23 @@ class Flight:
         inbox = asyncio.ensure_future(self.inbox.get())
         try:
             while True:
-                waits = {self.next_chunk, inbox}
+                waits = {inbox}
+                for f in (self.next_chunk, self.final_timer):
+                    if f is not None:
+                        waits.add(f)
                 ptask = self.ptask
                 if not ptask.done():
                     waits.add(ptask)
                 done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
                 error = None
+                chunks = []
                 if inbox in done:
                     inst, reason = inbox.result()
                     inbox = asyncio.ensure_future(self.inbox.get())
-                    if self.failover and inst is self.d:
+                    if isinstance(reason, pb.TokenChunk):   # from the worker's Tokens stream
+                        if inst is self.d:
+                            chunks.append(reason)
+                    elif self.failover and inst is self.d:
                         error = self._reroute_decode(f"{inst.name} down: {reason}")
                     elif self.failover and inst is self.p and not self.ptask.done():
                         # A paused instance keeps the request when there is nowhere else to go.
@@ -307,7 +321,7 @@ class Flight:
                             else:
                                 self.ptask = asyncio.create_task(
                                     self._prefill_when_up(self.d, r.error))
-                if error is None and self.next_chunk in done:
+                if error is None and self.next_chunk is not None and self.next_chunk in done:
                     try:
                         chunk = self.next_chunk.result()
                     except StopAsyncIteration:
@@ -319,11 +333,18 @@ class Flight:
                         chunk = None
                     if chunk is not None:
                         if chunk.done:
+                            self.next_chunk = None
+                        else:
+                            self.svc.health.seen(self.d)
+                            self.next_chunk = asyncio.ensure_future(self.stream.__anext__())
+                        chunks.append(chunk)
+                if error is None:
+                    if self.final_timer is not None and self.final_timer in done:
+                        chunks.append(self._missing_tokens())
+                    for chunk in self._in_order(chunks):
+                        if chunk.done:
                             yield await self._finish(chunk)
                             return
-                        self.tokens += len(chunk.times)
-                        self.svc.health.seen(self.d)
-                        self.next_chunk = asyncio.ensure_future(self.stream.__anext__())
                         yield chunk
                 if error is not None:
                     svc.stats.failed += 1
@@ -331,6 +352,39 @@ class Flight:
                     return
         finally:
             inbox.cancel()
+            if self.final_timer is not None:
+                self.final_timer.cancel()
+
+    def _in_order(self, chunks):
+        """This request's chunks in token order. They come on two streams, its own `Decode`
+        stream and its worker's `Tokens` stream (workers/tokens.py), which may overtake each
+        other: a chunk ahead of a gap is held until the gap is filled."""
+        for c in chunks:
+            if c.done or c.times:
+                self.held[c.first_index] = c
+        out = []
+        while self.tokens in self.held:
+            c = self.held.pop(self.tokens)
+            out.append(c)
+            if c.done:
+                return out
+            self.tokens += len(c.times)
+        if self.final_timer is None and any(c.done for c in self.held.values()):
+            self.final_timer = asyncio.ensure_future(asyncio.sleep(HELD_FINAL_S))
+        return out
+
+    def _missing_tokens(self):
+        """The held last chunk, after the tokens ahead of it never came: the request fails."""
+        final = next(c for c in self.held.values() if c.done)
+        self.held = {final.first_index: final}
+        gap = final.first_index - self.tokens
+        final.status = "failed"
+        final.error = (final.error or f"{gap} tokens from {self.d.name} did not arrive "
+                       f"within {HELD_FINAL_S:g}s")
+        final.first_index = self.tokens
+        del final.times[:]
+        del final.token_ids[:]
+        return final
 
     async def _finish(self, chunk):
         """The decode worker's last chunk, with the route and the admitted attempt's report."""

@@ -2,10 +2,11 @@
 
 For each request it picks a prefill and a decode instance (`workers.policy.Router`), opens the
 decode worker's token stream, asks the prefill worker to prefill and ship the KV to that decode
-worker, and relays token chunks to the client (`workers.recovery.Flight`). The last chunk carries
-the route, the prefill worker's report and any re-dispatches. With failover on, a failed instance's
-requests are re-dispatched or fail fast (workers/recovery.py); any failure that cannot be recovered
-ends the request `failed` with the reason; no request vanishes.
+worker, and relays token chunks to the client (`workers.recovery.Flight`); the chunks come
+batched per decode worker on one stream each (`workers.tokens.TokenStreams`). The last chunk
+carries the route, the prefill worker's report and any re-dispatches. With failover on, a failed
+instance's requests are re-dispatched or fail fast (workers/recovery.py); any failure that cannot
+be recovered ends the request `failed` with the reason; no request vanishes.
 """
 
 import asyncio
@@ -18,6 +19,7 @@ from testbed.proto import testbed_pb2_grpc as pbg
 from workers import common
 from workers.policy import Instance, Router
 from workers.recovery import Flight, Health
+from workers.tokens import TokenStreams
 
 
 class SchedulerService(pbg.SchedulerServicer):
@@ -40,6 +42,7 @@ class SchedulerService(pbg.SchedulerServicer):
                             for i in instances if i.role == "decode"}
         self.stats = pb.SchedulerStats(threshold=rt.scheduler.threshold)
         self.health = Health(self, rt, log)     # instance states, failover (workers/recovery.py)
+        self.tokens = TokenStreams(self, log)   # one token stream per decode worker
         self.placer = None          # workers.placement.CachePlacer when the cache is on
         self.on_request = []        # callables(request): workers/adaptive.py, workers/roles.py
         if rt.cache.enabled:
@@ -113,7 +116,8 @@ async def main():
         tasks.append(asyncio.create_task(roles.run()))
     common.mark_ready(rt, args.name)
     log.info("scheduler up on %s, policy %s", inst.addr, rt.scheduler.policy)
-    await common.serve_until_signalled(server, lambda: [t.cancel() for t in tasks])
+    await common.serve_until_signalled(
+        server, lambda: [t.cancel() for t in tasks] + [service.tokens.close()])
 
 
 if __name__ == "__main__":

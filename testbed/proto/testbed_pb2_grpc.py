@@ -558,6 +558,11 @@ class DecodeStub:
                 request_serializer=testbed_dot_proto_dot_testbed__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=testbed_dot_proto_dot_testbed__pb2.TokenChunk.FromString,
                 _registered_method=True)
+        self.Tokens = channel.unary_stream(
+                '/testbed.Decode/Tokens',
+                request_serializer=testbed_dot_proto_dot_testbed__pb2.Empty.SerializeToString,
+                response_deserializer=testbed_dot_proto_dot_testbed__pb2.TokenBatch.FromString,
+                _registered_method=True)
         self.Health = channel.unary_unary(
                 '/testbed.Decode/Health',
                 request_serializer=testbed_dot_proto_dot_testbed__pb2.Empty.SerializeToString,
@@ -569,7 +574,16 @@ class DecodeServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Decode(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """A request's token stream. While a `Tokens` stream is open its tokens go there and this
+        stream carries only the last chunk (done, with any tokens not sent yet).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Tokens(self, request, context):
+        """the scheduler's one stream per worker
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -587,6 +601,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=testbed_dot_proto_dot_testbed__pb2.DecodeRequest.FromString,
                     response_serializer=testbed_dot_proto_dot_testbed__pb2.TokenChunk.SerializeToString,
+            ),
+            'Tokens': grpc.unary_stream_rpc_method_handler(
+                    servicer.Tokens,
+                    request_deserializer=testbed_dot_proto_dot_testbed__pb2.Empty.FromString,
+                    response_serializer=testbed_dot_proto_dot_testbed__pb2.TokenBatch.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
@@ -621,6 +640,33 @@ class Decode:
             '/testbed.Decode/Decode',
             testbed_dot_proto_dot_testbed__pb2.DecodeRequest.SerializeToString,
             testbed_dot_proto_dot_testbed__pb2.TokenChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokens(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/testbed.Decode/Tokens',
+            testbed_dot_proto_dot_testbed__pb2.Empty.SerializeToString,
+            testbed_dot_proto_dot_testbed__pb2.TokenBatch.FromString,
             options,
             channel_credentials,
             insecure,

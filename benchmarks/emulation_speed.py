@@ -1,0 +1,125 @@
+"""How fast the testbed emulates, and how faithfully, at each time scale (issue 15's table).
+
+Runs the paper's case study (experiments/paper_case_study.yaml, three policies, 600 requests
+offered at 4/s: its capacity measurement) as a child `testbed run` at each `scale.time` asked
+for (10 and 40 by default; 40 with `scale.bytes: 2.5e-4`, since the delay line caps the
+emulated WAN) and prints one table from each variant's summary.json:
+
+| scale.time | instances | wall time | first-token lag (median, p99) | decode-step ratio |
+measured / predicted capacity |
+
+Wall time is the whole `testbed run` (all three variants, set-up and analysis included), per
+variant the span in its metadata.json; the lag is real-world ms from the decode worker's first
+token stamp to its arrival at the client; capacity is the steady throughput over the planner's
+expected-latency prediction. `--sweep` also runs the delay-line rate sweep of
+benchmarks/link_fidelity.py in the same invocation and prints its goodput as a ratio of the raw
+veth rate measured alongside (it takes a few minutes).
+
+Needs root (it starts `testbed run`): on a shared machine run it under the root lock, e.g.
+
+    flock /tmp/prfaas-root.lock .venv/bin/python benchmarks/emulation_speed.py
+"""
+
+import argparse
+import json
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+EXPERIMENT = REPO / "experiments" / "paper_case_study.yaml"
+# scale.time -> extra --set options it needs (the WAN's emulated rate stays under the cap)
+SCALES = {10: [], 40: ["scale.bytes=2.5e-4"]}
+# Offered above every policy's capacity, so the steady throughput is the capacity (the case
+# study's capacity measurement, docs/results.md); the file's own 3.3/s is PrfaaS-PD's Lambda_max.
+CAPACITY_RATE = "workload.arrival.rate=4/s"
+HEADER = ("| scale.time | variant | instances | wall time | first-token lag (median, p99) "
+          "| decode-step ratio | measured / predicted capacity |\n"
+          "|---:|---|---:|---:|---:|---:|---:|")
+
+
+def run_case_study(scale_time, sets, out):
+    """`testbed run` of the case study at `scale_time`; its wall time in seconds."""
+    argv = [sys.executable, "-m", "testbed.cli", "run", str(EXPERIMENT), "--out", str(out),
+            "--set", f"scale.time={scale_time}", "--set", CAPACITY_RATE]
+    for s in sets:
+        argv += ["--set", s]
+    t0 = time.monotonic()
+    subprocess.run(argv, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+    return time.monotonic() - t0
+
+
+def variant_row(vdir):
+    """(instances, span s, lag median ms, lag p99 ms, decode-step ratio, capacity ratio)."""
+    summary = json.loads((vdir / "summary.json").read_text())
+    meta = json.loads((vdir / "metadata.json").read_text())
+    rt = json.loads((vdir / "runtime.json").read_text())
+    instances = sum(1 for i in rt["instances"].values() if i["role"] in ("prefill", "decode"))
+    emu, pred = summary.get("emulation") or {}, summary.get("prediction") or {}
+    predicted = pred.get("lambda_max_expected", pred.get("lambda_max"))
+    measured = summary.get("steady_throughput")
+    capacity = measured / predicted if measured and predicted else None
+    return (instances, meta["end_time"] - meta["start_time"], emu.get("first_token_lag_ms"),
+            emu.get("first_token_lag_p99_ms"), emu.get("decode_step_ratio"), capacity)
+
+
+def fmt(value, spec):
+    return "-" if value is None else format(value, spec)
+
+
+def table_rows(scale_time, wall_s, run_dir):
+    rows = []
+    for vdir in sorted(p for p in run_dir.iterdir() if (p / "summary.json").exists()):
+        n, span, lag, lag99, step, cap = variant_row(vdir)
+        rows.append(f"| {scale_time:g} | {vdir.name} | {n} | {span:.1f} s (run {wall_s:.1f} s) "
+                    f"| {fmt(lag, '.0f')}, {fmt(lag99, '.0f')} ms | {fmt(step, '.3f')}x "
+                    f"| {fmt(cap, '.3f')} |")
+    return rows
+
+
+def sweep_rows():
+    """The delay-line sweep as lines: goodput over the configured rate and over the raw veth."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import link_fidelity   # noqa: E402  (a sibling benchmark: the sweep lives there)
+
+    lines = ["| rate | loss | goodput Gbit/s | goodput / raw veth | goodput / rate |",
+             "|---:|---:|---:|---:|---:|"]
+    raw_seen = set()
+    for raw, p in link_fidelity.delayline_sweep():
+        for r in raw.values():
+            if r.per_frame not in raw_seen:
+                raw_seen.add(r.per_frame)
+                print(link_fidelity.fmt_raw(r))
+        lines.append(f"| {p.rate_bps / 1e9:g}G | {p.loss:.1%} | {p.goodput_bps / 1e9:.2f} "
+                     f"| {p.goodput_bps / p.raw_bps:.3f} | {p.goodput_bps / p.rate_bps:.3f} |")
+    return lines
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--scale", type=float, action="append",
+                    help=f"scale.time to run (repeatable; default {sorted(SCALES)})")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra testbed run --set, for every scale")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also the delay-line rate sweep against the raw veth rate (minutes)")
+    ap.add_argument("--out", help="keep the runs here (default: a temporary directory)")
+    args = ap.parse_args()
+    scales = args.scale or sorted(SCALES)
+    with tempfile.TemporaryDirectory(prefix="emulation_speed-") as tmp:
+        base = pathlib.Path(args.out or tmp)
+        rows = []
+        for st in scales:
+            run_dir = base / f"time{st:g}"
+            wall_s = run_case_study(st, SCALES.get(st, []) + args.set, run_dir)
+            rows += table_rows(st, wall_s, run_dir)
+        print(HEADER)
+        print("\n".join(rows))
+        if args.sweep:
+            print("\n".join(sweep_rows()))
+
+
+if __name__ == "__main__":
+    main()
