@@ -16,6 +16,7 @@ read only the run directory afterwards. Nothing here imports Mininet.
 
 import contextlib
 import dataclasses
+import json
 import datetime
 import os
 import pathlib

@@ -32,6 +32,12 @@ def test_backend_section_defaults_to_mininet(tmp_path, small_experiment):
     f.write_text(small_experiment)
     exp = config.load_experiment(f)[0]
     assert exp.backend.kind == "mininet"
+    import importlib.util
+    if importlib.util.find_spec("ray") is None:     # without the [cluster] extra: one line, 2
+        with pytest.raises(ConfigError) as e:
+            config.load_experiment(f, ["backend.kind=ray", "backend.address=10.0.0.1:6379"])
+        assert "pip install" in str(e.value) and e.value.exit_code == 2
+        return
     ray = config.load_experiment(f, ["backend.kind=ray", "backend.address=10.0.0.1:6379"])[0]
     assert (ray.backend.kind, ray.backend.address) == ("ray", "10.0.0.1:6379")
 

@@ -523,7 +523,7 @@ def curves_vs_threshold(inp, n_prfaas, n_p, n_d, step=DEFAULT_STEP_TOKENS,
             "bound_pdp": q["bound_pdp"], "bound_pdd": q["bound_pdd"]}
 
 
-__all__ = ["Phi_kv", "B_out_min", "Theta_prfaas", "Theta_pdp", "Theta_pdd", "Lambda_max",
+__all__ = ["Phi_kv", "B_out_min", "Theta_prfaas", "Theta_pdp", "Theta_pdd",
            "LengthDistribution", "Inputs", "inputs_for", "evaluate", "best_prfaas",
            "best_homogeneous", "naive", "predict", "plan_file", "plan_runs", "policy_sizings",
            "split", "evaluate_config", "with_both_modes", "ROW_KEYS", "MODE_KEYS", "POLICIES",
