@@ -217,8 +217,9 @@ def _read_netns_file(ns_path, name):
     if m:
         with open(f"/proc/{m.group(1)}/net/{name}") as f:
             return f.read()
-    return subprocess.run(["nsenter", f"--net={ns_path}", "cat", f"/proc/net/{name}"],
-                          capture_output=True, text=True, check=True, timeout=10).stdout
+    from testbed.net.ns import ns_run
+    return ns_run(ns_path, ["cat", f"/proc/net/{name}"], capture_output=True, text=True,
+                  check=True, timeout=10).stdout
 
 
 def tcp_counters(ns_path):

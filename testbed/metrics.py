@@ -406,9 +406,9 @@ def role_conversions(rd, scale: Scale) -> dict:
     """The long timescale's role conversions (events.csv `role` rows, workers/roles.py): how
     many finished and failed, each way, and the median drain and conversion time (real-world s)."""
     from testbed.faults import read_events
-    done = [f for _, k, f in read_events(rd.events) if k == "role" and f.get("state") == "done"]
-    failed = [f for _, k, f in read_events(rd.events)
-              if k == "role" and f.get("state") == "failed"]
+    roles = [f for _, k, f in read_events(rd.events) if k == "role"]
+    done = [f for f in roles if f.get("state") == "done"]
+    failed = [f for f in roles if f.get("state") == "failed"]
 
     def median_real_s(key):
         xs = [float(f[key]) for f in done if f.get(key) not in (None, "")]
