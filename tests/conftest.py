@@ -27,6 +27,20 @@ SMALL_EXPERIMENT = textwrap.dedent("""\
 TRACES = ROOT / "experiments" / "traces"   # vendored public traces
 
 
+def assert_remote_kv_crossed_the_wan(df, summary):
+    """What every finished run with remote prefill shows, whatever the backend: TTFT (client
+    clock) includes the prefill (prefill worker's clock), and every KV byte a remote prefill
+    sent crossed the shaped WAN: the kernel counted at least that many in the KV direction,
+    plus headers and control traffic (within 15%). Returns the remote requests."""
+    assert (df.ttft_ms > df.prefill_ms).all()
+    remote = df[df.route == "remote"]
+    assert len(remote) > 0
+    sent = remote.kv_bytes_sent.sum()
+    counted = summary["wan_bytes_measured"]
+    assert sent <= counted <= 1.15 * sent, (sent, counted)
+    return remote
+
+
 def pytest_collection_modifyitems(config, items):
     if os.geteuid() == 0:
         return

@@ -16,6 +16,8 @@ import time
 import pandas as pd
 import pytest
 
+from conftest import assert_remote_kv_crossed_the_wan
+
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -58,15 +60,7 @@ def test_tiny_run_measured_facts(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert len(df) == 12 and (df.status == "ok").all(), df[df.status != "ok"].error.tolist()
     assert summary["completed"] == 12
-    # TTFT (client clock) includes the prefill (prefill worker's clock).
-    assert (df.ttft_ms > df.prefill_ms).all()
-    remote = df[df.route == "remote"]
-    assert len(remote) > 0
-    # Every KV byte the remote prefill sent crossed the router: the kernel counted at least that
-    # many in the KV direction, plus headers and control traffic (within 15%).
-    sent = remote.kv_bytes_sent.sum()
-    counted = summary["wan_bytes_measured"]
-    assert sent <= counted <= 1.15 * sent, (sent, counted)
+    remote = assert_remote_kv_crossed_the_wan(df, summary)
     assert (remote.kv_bytes == remote.kv_bytes_sent).all()   # received == sent
     # The run measured its own link.
     meta = json.loads((out / "metadata.json").read_text())

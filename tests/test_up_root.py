@@ -67,10 +67,15 @@ def _stream_completion(url, model, n_prompt, rid):
     return events
 
 
+def _start_up(out):
+    """`testbed up` of the tiny experiment into `out`, its output piped."""
+    return subprocess.Popen(tb_cmd("up", str(TINY), "--out", str(out), "--no-probe"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+
+
 def test_up_serves_through_the_loopback_forward_and_tears_down(tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.Popen(tb_cmd("up", str(TINY), "--out", str(out), "--no-probe"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = _start_up(out)
     try:
         q = _lines(proc.stdout)
         url = _wait_for_line(q, r"forwarded:\s+(http://127\.0\.0\.1:\d+)/v1", UP_TIMEOUT_S)[1]
@@ -128,8 +133,7 @@ def test_up_serves_through_the_loopback_forward_and_tears_down(tmp_path):
 
 def test_up_that_served_nothing_tears_down_cleanly(tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.Popen(tb_cmd("up", str(TINY), "--out", str(out), "--no-probe"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = _start_up(out)
     try:
         q = _lines(proc.stdout)
         _wait_for_line(q, r"^up: ", UP_TIMEOUT_S)
