@@ -36,7 +36,7 @@ TORCH_CHECK := $(PY) -W ignore -c 'import sys, torch; cuda = torch.version.cuda 
   sys.exit(0 if cuda == ("$(TORCH)" == "cuda") else \
   "torch " + torch.__version__ + " is not a $(TORCH) build")'
 
-.PHONY: all deps apt-deps aiperf proto demo test unit bench clean-run distclean FORCE
+.PHONY: all deps apt-deps cluster aiperf proto demo test unit bench clean-run distclean FORCE
 
 all: deps
 
@@ -77,6 +77,15 @@ $(VENV)/.torch: FORCE
 	@mkdir -p $(VENV)
 	@[ "$$(cat $@ 2>/dev/null)" = "$(TORCH)" ] || echo "$(TORCH)" > $@
 
+# The [cluster] extra (Ray, backend.kind ray: docs/cluster.md) on top of deps. `make test`
+# installs it so that the Ray backend's root tests run (they skip without it); `make demo`
+# and plain `make` do not need it.
+cluster: $(VENV)/.cluster
+
+$(VENV)/.cluster: $(STAMP)
+	$(PIP) -e '.[cluster]'
+	touch $@
+
 # aiperf (workload.client: aiperf) in a venv of its own: it pins pandas~=2.3.3, older than the
 # testbed's; testbed/loadgen.py finds .venv-aiperf/bin/aiperf (or $$TESTBED_AIPERF).
 AIPERF_VERSION ?= 0.13.0
@@ -96,7 +105,7 @@ proto: $(STAMP)
 demo: deps
 	$(PY) -m testbed.cli run $(EXPERIMENT)
 
-test: deps
+test: deps cluster
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 unit: deps
