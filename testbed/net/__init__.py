@@ -7,8 +7,7 @@ is one direction's checked parameters (`Link`, `check_params`) and the queue ari
 `wan.py` (`Wan`) puts it on the router's two egress interfaces (HTB + netem, or HTB + bfifo
 with `firewall.py`'s iptables loss and `delayline.py`'s NFQUEUE delay line, `delayline.c`, where
 the kernel has no netem); `netlink.py` is the one wrapper of pyroute2 requests (a refusal is a
-`NetworkError` with the errno); `shaping.py` re-exports them for branches written before the
-split. `schedule.py` applies scheduled changes and rate traces while a run goes on; `probe.py`
+`NetworkError` with the errno). `schedule.py` applies scheduled changes and rate traces while a run goes on; `probe.py`
 measures the link as built. `pair.py` builds a link alone, between two namespaces or src -
 router - dst with the same `Wan` (linktest, selfcheck, benchmarks); `ns.py` is the one way to
 run a command inside a namespace. The kernel's counters on the WAN interfaces are sampled by

@@ -1,4 +1,4 @@
-/* tb-delayline: the userspace delay line of the WAN link (testbed/net/shaping.py).
+/* tb-delayline: the userspace delay line of the WAN link (driven by testbed/net/delayline.py).
  *
  * Packets leaving a router interface are queued to NFQUEUE QUEUE_NUM by an iptables rule; this
  * program holds each packet's verdict (the packet itself stays in the kernel) until
