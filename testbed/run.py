@@ -157,7 +157,7 @@ class Run:
         try:
             t0 = time.monotonic()
             self.backend = open_backend(exp.backend.kind, dep, registry, events,
-                                        exp.backend).start()
+                                        exp.backend, run_dir=d).start()
             phases["build"] = round(time.monotonic() - t0, 3)
             self._describe_backend()
             t0 = time.monotonic()
@@ -192,6 +192,8 @@ class Run:
             phases["teardown"] = round(time.monotonic() - t0, 3)
             self.meta["end_time"] = time.time()
             self.meta["teardown_errors"] = errors
+            if self.backend is not None:     # measured at start and at teardown
+                self.meta["clocks"] = self.backend.clocks()
             self.meta["wan_counters"] = counters
             rundir.write_metadata(d, self.meta)
             events.close()
