@@ -99,15 +99,16 @@ def _ray_env(**extra):
     return env
 
 
-def _node_env(dc, tmp):
-    """A Ray node's environment: its own run directories, and its clock's test-only skew."""
-    extra = {agents.NODE_DIR_ENV: str(tmp / f"node-{dc}")}
+def _node_env(dc, tmp, storage):
+    """A Ray node's environment: its own run directories (`storage` "own"; "shared": it uses
+    the orchestrator's, which it sees), and its clock's test-only skew."""
+    extra = {agents.NODE_DIR_ENV: str(tmp / f"node-{dc}")} if storage == "own" else {}
     if SKEW_S[dc]:
         extra[clocks.SKEW_ENV] = repr(SKEW_S[dc])
     return _ray_env(**extra)
 
 
-def _start_ray(reg, hosts, tmp):
+def _start_ray(reg, hosts, tmp, storage):
     head = f"{FABRIC['local']}.2:{RAY_PORT}"
     common = ["--block", "--num-cpus", "8", "--num-gpus", "0", "--disable-usage-stats"]
     argvs = {"local": ["start", "--head", "--port", str(RAY_PORT), "--node-ip-address",
@@ -119,7 +120,7 @@ def _start_ray(reg, hosts, tmp):
     for dc in ("local", "prfaas"):
         log = open(tmp / f"ray-{dc}.log", "wb")
         p = subprocess.Popen(["nsenter", f"--net={ns_path(hosts[dc])}", ray_bin(), *argvs[dc]],
-                             stdout=log, stderr=subprocess.STDOUT, env=_node_env(dc, tmp),
+                             stdout=log, stderr=subprocess.STDOUT, env=_node_env(dc, tmp, storage),
                              start_new_session=True)
         log.close()
         reg.add_process(p.pid, f"ray start ({dc})")
@@ -178,14 +179,17 @@ def _stop_ray(procs, inodes):
 
 
 @pytest.fixture
-def ray_hosts(tmp_path):
+def ray_hosts(tmp_path, request):
+    """The namespace hosts and their Ray nodes; `request.param` (indirect): "own" (default)
+    for nodes keeping their own run directories, "shared" for the orchestrator's."""
+    storage = getattr(request, "param", "own")
     tag = secrets.token_hex(2)
     reg = lifecycle.Registry(f"raytest{tag}", kind="ray-test")
     procs, inodes = [], set()
     try:
         hosts = _build_hosts(reg, tag)
         inodes = {_netns_inode(h) for h in hosts.values()}
-        head, procs = _start_ray(reg, hosts, tmp_path)
+        head, procs = _start_ray(reg, hosts, tmp_path, storage)
         yield hosts, head
     finally:
         left = _stop_ray(procs, inodes)
@@ -290,7 +294,10 @@ def _leftovers(hosts, run_dir):
     return found
 
 
+@pytest.mark.parametrize("ray_hosts", ["shared"], indirect=True)
 def test_sigkilled_orchestrator_then_clean_leaves_nothing(ray_hosts, tmp_path):
+    """Also the shared-storage case: the nodes see the orchestrator's run directory and write
+    into it directly (the PrfaaS worker's log is there while the run goes, nothing copied)."""
     hosts, head = ray_hosts
     out = tmp_path / "run"
     log = open(tmp_path / "orchestrator.log", "wb")
@@ -307,6 +314,7 @@ def test_sigkilled_orchestrator_then_clean_leaves_nothing(ray_hosts, tmp_path):
         assert time.monotonic() < deadline, "no 10 requests done within 180 s"
         time.sleep(0.2)
     assert _leftovers(hosts, tmp_path)       # the run is shaping and running: something to undo
+    assert (out / "logs" / "rp0.log").exists()     # written there by the PrfaaS host itself
     orch.kill()
     orch.wait()
     r = ns_run(hosts["local"], [sys.executable, "-m", "testbed.cli", "clean", "--backend", "ray",
