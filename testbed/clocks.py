@@ -27,7 +27,9 @@ construction (`one_clock`).
 `TESTBED_CLOCK_SKEW_S` (test only): a host whose environment sets it runs its clock that many
 seconds ahead (`apply_test_skew` in every worker process, `wall` in the Ray launcher), so a
 test can check that the measured offset recovers a known skew; a run with it set says so in
-metadata.json (`injected_skew_s`) and in its summary's warnings.
+metadata.json (`injected_skew_s`) and in its summary's warnings. It is a Ray node's own
+setting: the runner drops the orchestrator's from every worker's environment (a Mininet run
+never runs skewed) and the launcher puts back its node's (`worker_env`).
 """
 
 from __future__ import annotations

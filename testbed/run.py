@@ -29,8 +29,8 @@ import time
 
 import yaml
 
-from testbed import (__version__, config, deploy, fidelity, lifecycle, loadgen, metrics,
-                     ownership, plot, rundir)
+from testbed import (__version__, clocks, config, deploy, fidelity, lifecycle, loadgen,
+                     metrics, ownership, plot, rundir)
 from testbed.backend import open_backend, preflight
 from testbed.errors import ConfigError, PrivilegeError, RunInterrupted, WorkerError
 from testbed.measure import CounterSampler, EventLog
@@ -225,6 +225,7 @@ class Run:
 
     def _spawn(self, name, module, extra=(), host=None):
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        env.pop(clocks.SKEW_ENV, None)   # test-only, a Ray node's own (never the orchestrator's)
         env[CC_ENV] = self.congestion_control()
         argv = [sys.executable, "-m", module, "--runtime", str(self.dir / "runtime.json"),
                 "--name", name, *extra]
