@@ -191,6 +191,12 @@ def correct_record(record: dict, offsets: dict, client="client", scheduler="sche
     return out
 
 
+def event_time(t, fields, offsets: dict) -> float:
+    """An events.csv row's time on the reference clock: a row a worker wrote names it
+    (`by=<instance>`, workers/control.event_log); the runner's own rows are on it already."""
+    return t - offsets.get(fields.get("by"), 0.0)
+
+
 def correct_records(records: dict, clocks: dict | None) -> dict:
     """{id: record} with every record's stamps on the reference clock (`correct_record`);
     unchanged where no host is off (Mininet, or no `clocks` recorded)."""

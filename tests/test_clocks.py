@@ -136,3 +136,19 @@ def test_a_worker_process_runs_its_clock_skewed_only_with_the_env():
                             check=True, env={"PYTHONPATH": ROOT, "PATH": "/usr/bin:/bin",
                                              clocks.SKEW_ENV: "100"})
     assert 99.0 < float(skewed.stdout) < 101.0
+
+
+def test_worker_event_rows_say_who_wrote_them_and_are_read_on_the_reference_clock(tmp_path):
+    from testbed.faults import read_events
+    from testbed.measure import EventLog
+
+    path = tmp_path / "events.csv"
+    runner = EventLog(path)
+    runner("fault_inject", fault=0, occurrence=0)
+    EventLog(path, fresh=False, by="rp0")("kv_discarded", id=3)
+    runner.close()
+    raw = read_events(path)
+    assert [f.get("by") for _, _, f in raw] == [None, "rp0"]
+    raw, fixed = ({k: t for t, k, _ in rows} for rows in (raw, read_events(path, _meta(2.0))))
+    assert fixed["fault_inject"] == raw["fault_inject"]      # the runner's own: as it was
+    assert fixed["kv_discarded"] == pytest.approx(raw["kv_discarded"] - 2.0)   # 2 s ahead
