@@ -351,10 +351,14 @@ LOST_ERRORS = ("no reply recorded before the run ended", "never sent (the run en
                "run ended before the request finished")
 
 
-def read_events(path):
+def read_events(path, clock=None):
     """events.csv as a list of (time, kind, {key: value}), sorted by time (several processes
-    append to it)."""
+    append to it). `clock`: metadata.json's `clocks`; rows a worker wrote (`by=<instance>`)
+    then have their time on the orchestrator's clock (`testbed.clocks.event_time`)."""
     import csv
+
+    from testbed import clocks
+    offsets = clocks.instance_offsets(clock)
     out = []
     p = pathlib.Path(path)
     if not p.exists():
@@ -367,7 +371,7 @@ def read_events(path):
                 continue
             fields = dict(kv.partition("=")[::2] for kv in (row.get("detail") or "").split(" ")
                           if "=" in kv)
-            out.append((t, row["kind"], fields))
+            out.append((clocks.event_time(t, fields, offsets), row["kind"], fields))
     return sorted(out, key=lambda e: e[0])
 
 
@@ -407,7 +411,8 @@ def analyse(run_dir, exp, df, scale: Scale):
     import numpy as np
     d = pathlib.Path(run_dir)
     out = {"accounting": accounting(df)}
-    events = read_events(d / "events.csv")
+    meta = json.loads((d / "metadata.json").read_text()) if (d / "metadata.json").exists() else {}
+    events = read_events(d / "events.csv", meta.get("clocks"))
     discarded = [f for _, k, f in events if k == "kv_discarded"]
     out["kv_discarded"] = {"attempts": len(discarded),
                            "duplicates": sum(f.get("complete") == "1" for f in discarded),
@@ -418,7 +423,6 @@ def analyse(run_dir, exp, df, scale: Scale):
     out["redispatched_requests"] = len({rid for _, rid, _ in redispatches})
     if not exp.faults:
         return out
-    meta = json.loads((d / "metadata.json").read_text()) if (d / "metadata.json").exists() else {}
     t0 = meta.get("client_start_at", df.send_time.min())
     fo = exp.scheduler.failover
     window = 2 * (fo.interval + fo.timeout) if fo.enabled else None   # two missed checks

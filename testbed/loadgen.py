@@ -29,6 +29,7 @@ import sys
 import numpy as np
 import pandas as pd
 
+from testbed import clocks, rundir
 from testbed.errors import ConfigError
 from testbed.runtime import FrontdoorRuntime
 from testbed.scale import Scale
@@ -275,8 +276,14 @@ def aiperf_summary(run_dir, exp, df, scale: Scale):
            "errors": (agg.get("error_summary") or []),
            "reported_ttft_ms": {k: scale.real_s(ttft[k]) for k in ("avg", "p50", "p90", "p99")
                                 if ttft.get(k) is not None}}
+    # The tool and the front door run on the client's host: onto the orchestrator's clock, as
+    # analysis put the client's records (`df`, testbed/clocks.py).
+    shift = clocks.instance_offsets(rundir.metadata(run_dir).get("clocks")).get("client", 0.0)
     tool = read_aiperf(run_dir)
-    http = read_http(run_dir)
+    tool["start"] = tool.start - shift
+    http = [{**h, "arrival": h["arrival"] - shift,
+             "first_token": h["first_token"] and h["first_token"] - shift}
+            for h in read_http(run_dir)]
     ids = {h.get("client_request_id"): h["id"] for h in http}
     tool["our_id"] = tool.rid.map(ids)       # aiperf's X-Request-Id as the front door saw it
     out["compare"] = compare(tool, df, scale)

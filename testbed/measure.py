@@ -27,7 +27,10 @@ class EventLog:
     their rows to the same file with `EventLog(path, fresh=False)`; readers sort by time.
     """
 
-    def __init__(self, path, fresh=True):
+    def __init__(self, path, fresh=True, by=None):
+        """`by`: the instance writing (a worker), added to every row as `by=<name>`, so
+        analysis puts its times on the orchestrator's clock (testbed/clocks.py)."""
+        self.by = by
         if fresh:
             with open(path, "w", newline="") as f:
                 csv.writer(f).writerow(["time", "kind", "detail"])
@@ -36,6 +39,8 @@ class EventLog:
         self.lock = threading.Lock()
 
     def __call__(self, kind, **fields):
+        if self.by is not None:
+            fields = {**fields, "by": self.by}
         detail = " ".join(f"{k}={v}" for k, v in fields.items())
         with self.lock:
             if not self.f.closed:

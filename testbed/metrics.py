@@ -10,6 +10,10 @@ is kept and marked failed with the reason. Metric definitions follow `vllm bench
 - E2EL: last token received - send time.
 - throughput: completed requests / (last completion - first send).
 
+Stamps taken on other hosts than the orchestrator's (prefill, decode, the client on the ray
+backend) are moved onto the orchestrator's clock by the offsets metadata.json records
+(`testbed.clocks.correct_records`) before anything compares them; requests.jsonl stays raw.
+
 Times measured on the emulated timeline are converted back to real-world units by the run's
 `testbed.scale.Scale` (durations `real_ms`, rates `real_rate`). The summary keys are real-world
 milliseconds, seconds, requests/s and Gbit/s (1e9 bit/s).
@@ -34,7 +38,7 @@ import pathlib
 import numpy as np
 import pandas as pd
 
-from testbed import fidelity, rundir
+from testbed import clocks, fidelity, rundir
 from testbed.rundir import RunInfo, read_records  # noqa: F401  (read_records: loadgen's import)
 from testbed.scale import Scale
 
@@ -397,6 +401,7 @@ def _warnings(summary: dict, meta: dict, reasons: list[str], guards: list[str]) 
     out += [f"scheduled link change at {e['at_s']:g}s (emulated) failed: {e['error']}"
             for e in meta.get("link_schedule_errors") or []]
     out += guards          # testbed/fidelity.py: transfers, rate artifacts, TCP timeouts
+    out += clocks.warnings(meta.get("clocks"))
     if reasons:
         out.append(f"incomplete run: {'; '.join(reasons)}")
     return out
@@ -432,7 +437,9 @@ def analyse(run_dir) -> dict:
     if exp.workload.client != "builtin":     # what the front door received (testbed/loadgen.py)
         from testbed import loadgen
         workload = loadgen.served_workload(rd.path, scale)
-    sent, done = read_records(rd.records)
+    # requests.jsonl stays raw; each stamp onto the orchestrator's clock here (testbed/clocks.py)
+    sent, done = (clocks.correct_records(r, run.metadata.get("clocks"))
+                  for r in read_records(rd.records))
     df = build_requests(workload, sent, done, scale)
     df["slo_ok"] = meets_slo(df, exp.slo.objectives_ms())
     tokens_table(df, scale).to_parquet(rd.tokens, index=False)
@@ -451,6 +458,9 @@ def analyse(run_dir) -> dict:
     if exp.scheduler.roles.enabled:
         summary["role_conversions"] = role_conversions(rd, scale)
     summary["run_dir"] = str(rd.path)
+    summary["clock_offsets"] = {h: {k: c.get(k) for k in ("offset_s", "uncertainty_s", "drift_s")}
+                                for h, c in (run.metadata.get("clocks") or {}).get(
+                                    "hosts", {}).items()}
     pools = {dc: json.loads(p.read_text()) for dc, p in rd.cache_pools().items()}
     if pools:
         summary["cache_pools"] = pools

@@ -239,10 +239,11 @@ def fault_timeline(top, out_dir: pathlib.Path) -> list[pathlib.Path]:
         s = rundir.summary(d)
         scale = rundir.scale(d)
         df = rundir.requests(d)
-        t0 = rundir.metadata(d).get("client_start_at", df.send_time.min())
+        meta = rundir.metadata(d)
+        t0 = meta.get("client_start_at", df.send_time.min())
         t_last = float(max(df.arrival_s.max(), scale.real_s(df.end_time.max() - t0)
                            if "end_time" in df else 0))
-        events = read_events(rundir.RunDir(d).events)
+        events = read_events(rundir.RunDir(d).events, meta.get("clocks"))
         sns.set_theme(style="whitegrid", context="paper")
         fig, (ax, ax2) = plt.subplots(2, 1, figsize=(7, 5), sharex=True,
                                       gridspec_kw={"height_ratios": [3, 2]})

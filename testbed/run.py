@@ -29,8 +29,8 @@ import time
 
 import yaml
 
-from testbed import (__version__, config, deploy, fidelity, lifecycle, loadgen, metrics,
-                     ownership, plot, rundir)
+from testbed import (__version__, clocks, config, deploy, fidelity, lifecycle, loadgen,
+                     metrics, ownership, plot, rundir)
 from testbed.backend import open_backend, preflight
 from testbed.errors import ConfigError, PrivilegeError, RunInterrupted, WorkerError
 from testbed.measure import CounterSampler, EventLog
@@ -157,7 +157,7 @@ class Run:
         try:
             t0 = time.monotonic()
             self.backend = open_backend(exp.backend.kind, dep, registry, events,
-                                        exp.backend).start()
+                                        exp.backend, run_dir=d).start()
             phases["build"] = round(time.monotonic() - t0, 3)
             self._describe_backend()
             t0 = time.monotonic()
@@ -192,6 +192,8 @@ class Run:
             phases["teardown"] = round(time.monotonic() - t0, 3)
             self.meta["end_time"] = time.time()
             self.meta["teardown_errors"] = errors
+            if self.backend is not None:     # measured at start and at teardown
+                self.meta["clocks"] = self.backend.clocks()
             self.meta["wan_counters"] = counters
             rundir.write_metadata(d, self.meta)
             events.close()
@@ -223,6 +225,7 @@ class Run:
 
     def _spawn(self, name, module, extra=(), host=None):
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        env.pop(clocks.SKEW_ENV, None)   # test-only, a Ray node's own (never the orchestrator's)
         env[CC_ENV] = self.congestion_control()
         argv = [sys.executable, "-m", module, "--runtime", str(self.dir / "runtime.json"),
                 "--name", name, *extra]
@@ -289,8 +292,8 @@ class Run:
         # on a loaded machine) never shifts the arrivals against link changes and faults.
         if builtin:
             start_at = time.time() + 0.1
-            tmp = start_file.with_suffix(".tmp")
-            tmp.write_text(f"{start_at:.6f}")
+            tmp = start_file.with_suffix(".tmp")     # read on the client host's clock
+            tmp.write_text(f"{start_at + self._client_clock_offset():.6f}")
             tmp.rename(start_file)
         else:       # command or aiperf through the front door (ready with the workers)
             start_at = self._external_arrival_zero(workload, events)
@@ -320,6 +323,11 @@ class Run:
             progress.close()
         events("client_finished", code=client.returncode)
         self.meta["dead_workers"] = sorted(n for n, p in self.procs.items() if p in dead)
+
+    def _client_clock_offset(self):
+        """The client host's clock minus this one's, as the backend measured it (0 on one
+        machine): the runner's times to and from the client are moved by it."""
+        return clocks.instance_offsets(self.backend.clocks()).get("client", 0.0)
 
     def _start_schedules(self, start_at, events, warn):
         """The link schedule and the faults, both timed from arrival 0 = `start_at`."""
@@ -364,7 +372,7 @@ class Run:
                 self.meta["client_start_offset_s"] = None
                 return spawned
             time.sleep(0.005)     # the tool's start-up: seconds; 5 ms is the anchor's grain
-        first = float(first_file.read_text())
+        first = float(first_file.read_text()) - self._client_clock_offset()   # ours
         trace_first_s = (self.deployment.scale.emulated_s(float(workload.arrival_s.min()))
                          if len(workload) else 0.0)
         start_at = first - trace_first_s

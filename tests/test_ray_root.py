@@ -6,7 +6,14 @@ worker node in the PrfaaS host (`ray start --block`, labelled). tests/data/tiny.
 `backend: ray` from the local host (the driver beside the head), shaped by the agents on the two
 hosts' interfaces. Asserts on what was measured: every request ok, TTFT on the client's clock,
 the kernel's count in the agents' shaped classes at least the KV bytes sent, and nothing of the
-agents (qdisc, state file) left after the run. Every Ray process is stopped by what is recorded
+agents (qdisc, state file) left after the run.
+
+The namespace hosts share this machine's disk and clock, so the test takes both away: each Ray
+node keeps its own copy of the run directory (`TESTBED_NODE_DIR`, a directory of its own, not
+the orchestrator's), so every log and record in the run directory got there by the collection;
+and the PrfaaS node runs a known clock skew (`TESTBED_CLOCK_SKEW_S`, test-only, set only in its
+`ray start` environment here), which the measured offset must recover within its uncertainty,
+and with which the corrected phase stamps must still be in causal order. Every Ray process is stopped by what is recorded
 of it: the `ray start --block` process, then whatever still runs in the test's namespaces
 (matched by namespace inode, never by name); the namespaces are removed, also on failure.
 """
@@ -26,7 +33,8 @@ import pandas as pd
 import pytest
 
 from conftest import assert_remote_kv_crossed_the_wan
-from testbed import lifecycle
+from testbed import clocks, lifecycle
+from testbed.backend import agents
 from testbed.net import pair
 from testbed.net.ns import ns_path, ns_run, sysctl
 
@@ -41,6 +49,7 @@ FABRIC = {"local": "10.250.2", "prfaas": "10.250.1"}     # host <-> router subne
 DC_NET = {"prfaas": "10.1.0.0/16", "local": "10.2.0.0/16"}
 RAY_PORT = 6391
 NODE_WAIT_S = 90.0
+SKEW_S = {"prfaas": 3.25, "local": 0.0}     # the PrfaaS host's clock runs ahead (test-only)
 
 
 def ray_bin():
@@ -82,11 +91,24 @@ def _build_hosts(reg, tag):
     return hosts
 
 
-def _ray_env():
-    return dict(os.environ, PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0")
+def _ray_env(**extra):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0", **extra)
+    for key in (agents.NODE_DIR_ENV, clocks.SKEW_ENV):     # a node's own, never inherited
+        if key not in extra:
+            env.pop(key, None)
+    return env
 
 
-def _start_ray(reg, hosts, tmp):
+def _node_env(dc, tmp, storage):
+    """A Ray node's environment: its own run directories (`storage` "own"; "shared": it uses
+    the orchestrator's, which it sees), and its clock's test-only skew."""
+    extra = {agents.NODE_DIR_ENV: str(tmp / f"node-{dc}")} if storage == "own" else {}
+    if SKEW_S[dc]:
+        extra[clocks.SKEW_ENV] = repr(SKEW_S[dc])
+    return _ray_env(**extra)
+
+
+def _start_ray(reg, hosts, tmp, storage):
     head = f"{FABRIC['local']}.2:{RAY_PORT}"
     common = ["--block", "--num-cpus", "8", "--num-gpus", "0", "--disable-usage-stats"]
     argvs = {"local": ["start", "--head", "--port", str(RAY_PORT), "--node-ip-address",
@@ -98,7 +120,7 @@ def _start_ray(reg, hosts, tmp):
     for dc in ("local", "prfaas"):
         log = open(tmp / f"ray-{dc}.log", "wb")
         p = subprocess.Popen(["nsenter", f"--net={ns_path(hosts[dc])}", ray_bin(), *argvs[dc]],
-                             stdout=log, stderr=subprocess.STDOUT, env=_ray_env(),
+                             stdout=log, stderr=subprocess.STDOUT, env=_node_env(dc, tmp, storage),
                              start_new_session=True)
         log.close()
         reg.add_process(p.pid, f"ray start ({dc})")
@@ -157,14 +179,17 @@ def _stop_ray(procs, inodes):
 
 
 @pytest.fixture
-def ray_hosts(tmp_path):
+def ray_hosts(tmp_path, request):
+    """The namespace hosts and their Ray nodes; `request.param` (indirect): "own" (default)
+    for nodes keeping their own run directories, "shared" for the orchestrator's."""
+    storage = getattr(request, "param", "own")
     tag = secrets.token_hex(2)
     reg = lifecycle.Registry(f"raytest{tag}", kind="ray-test")
     procs, inodes = [], set()
     try:
         hosts = _build_hosts(reg, tag)
         inodes = {_netns_inode(h) for h in hosts.values()}
-        head, procs = _start_ray(reg, hosts, tmp_path)
+        head, procs = _start_ray(reg, hosts, tmp_path, storage)
         yield hosts, head
     finally:
         left = _stop_ray(procs, inodes)
@@ -200,10 +225,54 @@ def test_tiny_run_on_ray_namespace_hosts(ray_hosts, tmp_path):
                        text=True).stdout
         assert " 10.1." not in addrs and " 10.2." not in addrs, addrs
     assert not list(lifecycle.STATE_DIR.glob(f"ray-{meta['run_id']}-*.json"))
+    _check_collected(out, meta, tmp_path)
+    _check_clocks(out, meta, df)
+
+
+def _check_collected(out, meta, tmp_path):
+    """Every host kept its own copy of the run directory, and its logs and records reached the
+    orchestrator's at the same paths as on Mininet; the copies are gone."""
+    dirs = meta["topology"]["run_dirs"]
+    assert {d["shared"] for d in dirs.values()} == {False}, dirs
+    assert all(d["dir"].startswith(str(tmp_path / "node-")) for d in dirs.values()), dirs
+    for d in dirs.values():
+        assert not pathlib.Path(d["dir"]).exists(), d
+    for name in meta["topology"]["placement"]:
+        assert (out / "logs" / f"{name}.log").exists(), name
+    assert '"ev":"finished"' in (out / "requests.jsonl").read_text()
+    assert (out / "ready" / "rp0").exists()
+
+
+def _check_clocks(out, meta, df):
+    """The measured offsets recover the injected skew within their uncertainty; requests.jsonl
+    keeps the PrfaaS stamps raw (ahead), the analysed table has them in causal order."""
+    hosts = meta["clocks"]["hosts"]
+    for dc, ip in (("prfaas", f"{FABRIC['prfaas']}.2"), ("local", f"{FABRIC['local']}.2")):
+        c = hosts[ip]
+        for m in (c["start"], c["end"]):
+            assert abs(m["offset_s"] - SKEW_S[dc]) <= m["uncertainty_s"], (dc, m)
+        assert c.get("injected_skew_s", 0.0) == SKEW_S[dc]
+        assert abs(c["drift_s"]) <= c["start"]["uncertainty_s"] + c["end"]["uncertainty_s"]
+    assert meta["clocks"]["instances"]["rp0"] == f"{FABRIC['prfaas']}.2"
+    u = max(c["uncertainty_s"] for c in hosts.values())
+    remote = df[df.route == "remote"]
+    raw = {r["id"]: r for r in map(json.loads, (out / "requests.jsonl").read_text().splitlines())
+           if r.get("ev") == "done"}
+    ahead = [raw[i]["prefill_start"] - raw[i]["send_time"] for i in remote.id]
+    assert min(ahead) > SKEW_S["prfaas"] - 1.0, ahead            # raw: the host's own clock
+    assert (remote.prefill_queued >= remote.send_time - u).all()
+    assert (remote.send_start <= remote.kv_recv_start + u).all()
+    assert (remote.prefill_end <= remote.kv_recv_end + u).all()
+    tokens = pd.read_parquet(out / "tokens.parquet")
+    first = tokens[tokens["index"] == 0].set_index("id")
+    kv = remote.set_index("id").kv_recv_end
+    assert (first.decode_time.reindex(kv.index) >= kv - u).all()
+    assert (first.client_time >= first.decode_time - u).all()
 
 
 def _leftovers(hosts, run_dir):
-    """Shaping state on the namespace hosts and worker processes of the run still present."""
+    """Shaping state on the namespace hosts and worker processes of the run still present
+    (`run_dir`: a folder every path of the run is under, the hosts' own copies included)."""
     found = []
     for h in hosts.values():
         if "htb" in ns_run(h, ["tc", "qdisc", "show", "dev", f"{h}0"], capture_output=True,
@@ -225,7 +294,10 @@ def _leftovers(hosts, run_dir):
     return found
 
 
+@pytest.mark.parametrize("ray_hosts", ["shared"], indirect=True)
 def test_sigkilled_orchestrator_then_clean_leaves_nothing(ray_hosts, tmp_path):
+    """Also the shared-storage case: the nodes see the orchestrator's run directory and write
+    into it directly (the PrfaaS worker's log is there while the run goes, nothing copied)."""
     hosts, head = ray_hosts
     out = tmp_path / "run"
     log = open(tmp_path / "orchestrator.log", "wb")
@@ -241,7 +313,8 @@ def test_sigkilled_orchestrator_then_clean_leaves_nothing(ray_hosts, tmp_path):
         assert orch.poll() is None, (tmp_path / "orchestrator.log").read_text()[-3000:]
         assert time.monotonic() < deadline, "no 10 requests done within 180 s"
         time.sleep(0.2)
-    assert _leftovers(hosts, out)            # the run is shaping and running: something to undo
+    assert _leftovers(hosts, tmp_path)       # the run is shaping and running: something to undo
+    assert (out / "logs" / "rp0.log").exists()     # written there by the PrfaaS host itself
     orch.kill()
     orch.wait()
     r = ns_run(hosts["local"], [sys.executable, "-m", "testbed.cli", "clean", "--backend", "ray",
@@ -249,9 +322,9 @@ def test_sigkilled_orchestrator_then_clean_leaves_nothing(ray_hosts, tmp_path):
                env=_ray_env(), timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     deadline = time.monotonic() + 30     # Ray ends the dead driver's actors; their guards undo
-    while _leftovers(hosts, out) and time.monotonic() < deadline:
+    while _leftovers(hosts, tmp_path) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert _leftovers(hosts, out) == []
+    assert _leftovers(hosts, tmp_path) == []
     assert not list(lifecycle.STATE_DIR.glob("ray-*.json"))
     for f in lifecycle.STATE_DIR.glob("*.json"):      # nor the orchestrator's own record
         with contextlib.suppress(OSError, lifecycle.CorruptState):

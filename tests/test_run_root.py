@@ -65,6 +65,10 @@ def test_tiny_run_measured_facts(tmp_path):
     # The run measured its own link.
     meta = json.loads((out / "metadata.json").read_text())
     assert meta["link_fidelity"]["measured"]["rtt_p50_ms"] > 0
+    # One machine, one clock: every instance on it, on record with offset 0 (testbed/clocks.py).
+    clocks = meta["clocks"]
+    assert set(clocks["instances"]) >= set(df.prefill_instance) | set(df.decode_instance)
+    assert [c["offset_s"] for c in clocks["hosts"].values()] == [0.0]
     assert (out / "timeseries.csv").exists() and (out / "figures" / "ttft_cdf.png").exists()
     assert leftovers(out) == []
 

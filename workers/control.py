@@ -40,7 +40,8 @@ def install(rt, name, engine, log):
     asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, apply)
 
 
-def event_log(rt):
-    """The run's events.csv, opened for appending from this worker process."""
+def event_log(rt, name):
+    """The run's events.csv, opened for appending from this worker process (instance `name`:
+    its rows say who wrote them, so analysis knows whose clock stamped them)."""
     from testbed.measure import EventLog
-    return EventLog(rt.dir / "events.csv", fresh=False)
+    return EventLog(rt.dir / "events.csv", fresh=False, by=name)

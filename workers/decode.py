@@ -331,7 +331,7 @@ def make_engine(rt, inst) -> DecodeEngine:
 async def main():
     args, rt, inst, log = common.startup("PrfaaS testbed decode worker")
     service = DecodeService(rt, args.name, make_engine(rt, inst), log)
-    service.events = control.event_log(rt)
+    service.events = control.event_log(rt, args.name)
     if rt.cache.enabled:
         from workers.cache_worker import DecodeCache
         service.cache = await DecodeCache(rt, inst, log).start()

@@ -62,7 +62,7 @@ async def main():
     args, rt, inst, log = common.startup("PrfaaS testbed dual-role local worker")
     pre = prefill.PrefillService(rt, args.name, prefill.make_engine(rt, inst), log)
     dec = decode.DecodeService(rt, args.name, decode.make_engine(rt, inst), log)
-    dec.events = control.event_log(rt)
+    dec.events = control.event_log(rt, args.name)
     role = RoleService(args.name, inst.role, pre, dec, log)
     kvwire.keep_receive_memory()
     kv_server = await kvwire.serve(inst.ip, inst.kv_port, dec.on_frame, dec.on_kv_error)

@@ -45,7 +45,7 @@ HELD_FINAL_S = 5.0
 class Health:
     def __init__(self, svc, rt, log):
         self.svc, self.log = svc, log
-        self.events = control.event_log(rt)
+        self.events = control.event_log(rt, "scheduler")
         self.flights = set()
         self._up = asyncio.Event()
         self.last_seen = {}         # instance name -> monotonic time of its last token chunk

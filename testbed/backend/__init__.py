@@ -22,6 +22,8 @@ runner (testbed/run.py) what it drives:
   running the testbed (0: a free port) to `host`'s `port`, torn down with the registry; its
   `address` is what it listens on (`testbed up`);
 - `cli()`: an interactive shell on the running system, where the backend has one;
+- `clocks()`: metadata.json's `clocks`: each host's wall clock against the orchestrator's, as
+  measured (`testbed.clocks`; Mininet: one clock, offsets 0), and the host of each instance;
 - `stop()`: tear down (also registered with the registry by `start`).
 
 Nothing above this package imports Mininet or Ray: `open_backend` imports the backend's module
@@ -57,18 +59,21 @@ class Backend(Protocol):
 
     def cli(self) -> None: ...
 
+    def clocks(self) -> dict: ...
+
     def stop(self) -> None: ...
 
 
-def open_backend(name, deployment, registry, events, spec=None):
+def open_backend(name, deployment, registry, events, spec=None, run_dir=None):
     """The backend `name` for one deployment (not started); `spec`: the experiment's
-    `backend:` section (config.BackendSpec)."""
+    `backend:` section (config.BackendSpec); `run_dir`: the run directory (the ray backend's
+    hosts without it get their own copy, collected at the end)."""
     if name == "mininet":
         from testbed.backend.mininet import MininetBackend
         return MininetBackend(deployment, registry, events)
     if name == "ray":
         from testbed.backend.raycluster import RayBackend
-        return RayBackend(deployment, registry, events, spec)
+        return RayBackend(deployment, registry, events, spec, run_dir)
     raise ValueError(f"unknown backend {name!r}; expected one of {', '.join(BACKENDS)}")
 
 

@@ -8,7 +8,12 @@ deployment. Both are plain classes here (unit-testable without Ray); the backend
 - `Launcher`: starts an instance's process (the argv the runner gives, with its log file) and
   reports its PID and exit; signals it; stops everything it started. Its children die with it
   (parent-death signal, and `lifecycle.ORCHESTRATOR_ENV` naming the launcher for the workers'
-  own watch), so an actor killed by Ray leaves no worker behind.
+  own watch), so an actor killed by Ray leaves no worker behind. It keeps the host's copy of
+  the run directory (`host_run_dir`): the orchestrator's own where this host sees it (shared
+  storage), else a node-local directory the runner's paths are mapped into; its file calls
+  (`listing`, `read`, `write`) let the orchestrator copy files both ways
+  (`testbed.backend.runfiles`). `clock()` is the host's wall clock, for the offset the
+  orchestrator measures (`testbed.clocks`).
 - `ShapingAgent`: makes the host carry its instances' addresses (/32 aliases on the egress
   interface, routes to the other hosts' instances) and installs its datacenter's WAN direction
   there (`testbed.net.hostshape.HostWan`): only traffic to the other datacenter is shaped. Every
@@ -21,34 +26,129 @@ import concurrent.futures
 import contextlib
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
-from testbed import lifecycle
+from testbed import clocks, lifecycle
 from testbed.errors import NetworkError
 
 GUARD_INTERVAL_S = 0.2
 STOP_GRACE_S = 3.0
 REPO = pathlib.Path(__file__).resolve().parent.parent.parent
+# Where a host keeps its copy of a run directory when it does not see the orchestrator's; set
+# on a Ray node (`ray start`'s environment) it is used even where the orchestrator's is visible
+# (node-local disk instead of NFS writes; the root test's proof that collection works).
+NODE_DIR_ENV = "TESTBED_NODE_DIR"
+SHARED_MARKER = ".testbed-host-check"     # the orchestrator's token, to recognise shared storage
+
+
+def host_run_dir(run_dir, token, run_id, environ=None):
+    """(this host's directory for the run, whether it is the orchestrator's own): the
+    orchestrator's path where this host reads the orchestrator's `token` there and
+    `NODE_DIR_ENV` is unset, else `<NODE_DIR_ENV or TMPDIR/prfaas-testbed-runs>/<run_id>-<name>`
+    (made here)."""
+    run_dir = pathlib.Path(run_dir)
+    root = (os.environ if environ is None else environ).get(NODE_DIR_ENV)
+    if not root:
+        with contextlib.suppress(OSError, UnicodeDecodeError):
+            if token and (run_dir / SHARED_MARKER).read_text() == token:
+                return run_dir, True
+        root = pathlib.Path(tempfile.gettempdir()) / "prfaas-testbed-runs"
+    local = pathlib.Path(root) / f"{run_id}-{run_dir.name}"
+    (local / "logs").mkdir(parents=True, exist_ok=True)
+    return local, False
 
 
 # ---------------------------------------------------------------- the launcher
 
 class Launcher:
-    """Processes of the deployment on this host, by key (the runner's name, plus a counter)."""
+    """Processes of the deployment on this host, by key (the runner's name, plus a counter).
 
-    def __init__(self):
+    `run_dir`: the orchestrator's run directory; the paths the runner gives under it are
+    mapped to this host's copy (`host_run_dir`; none given: paths are used as they are)."""
+
+    def __init__(self, run_dir=None, token="", run_id=""):
         self.procs = {}
         self.gpus = {}       # key -> the GPU id it was given
+        self.run_dir = None if run_dir is None else pathlib.Path(run_dir)
+        self.dir, self.shared = self.run_dir, True
+        if run_dir is not None:
+            self.dir, self.shared = host_run_dir(run_dir, token, run_id)
+
+    def info(self):
+        """Where this host keeps the run directory, and its clock's test-only skew."""
+        return {"dir": None if self.dir is None else str(self.dir), "shared": self.shared,
+                "injected_skew_s": clocks.test_skew_s()}
+
+    def clock(self):
+        """This host's wall clock, as its workers stamp it."""
+        return clocks.wall()
+
+    def local_path(self, path):
+        """`path` (the orchestrator's) on this host: under the run directory it is mapped to
+        this host's copy."""
+        if self.shared or self.run_dir is None:
+            return str(path)
+        p = str(path)
+        base = str(self.run_dir)
+        if p == base or p.startswith(base + os.sep):
+            return str(self.dir) + p[len(base):]
+        return p
+
+    def _file(self, rel):
+        """A path inside this host's copy of the run directory (never outside it)."""
+        p = None if self.dir is None else (self.dir / rel).resolve()
+        if p is None or not p.is_relative_to(self.dir.resolve()):
+            raise NetworkError(f"{rel}: not a path inside the run directory")
+        return p
+
+    def listing(self):
+        """{relative path: [size, mtime_ns]} of every file in this host's copy."""
+        out = {}
+        for p in self.dir.rglob("*"):
+            with contextlib.suppress(OSError):      # a file replaced while listed
+                if p.is_file():
+                    st = p.stat()
+                    out[str(p.relative_to(self.dir))] = [st.st_size, st.st_mtime_ns]
+        return out
+
+    def read(self, rel, offset, size):
+        """Up to `size` bytes of a file from `offset`."""
+        with open(self._file(rel), "rb") as f:
+            f.seek(offset)
+            return f.read(size)
+
+    def write(self, rel, data, offset=0):
+        """Write a file's bytes: the whole file at offset 0 (replaced atomically, so a reader
+        never sees half of it), else `data` appended at `offset` (the file's size)."""
+        p = self._file(rel)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        if offset == 0:
+            tmp = p.with_name(f".{p.name}.part")
+            tmp.write_bytes(data)
+            tmp.replace(p)
+            return
+        with open(p, "r+b") as f:
+            f.seek(offset)
+            f.write(data)
+
+    def remove_dir(self):
+        """Remove this host's copy (after the orchestrator collected it); never a shared one."""
+        if not self.shared and self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     def spawn(self, key, argv, log_path, env=None, gpu=False):
         """Start `argv` with output to `log_path` (its directory made if missing); its PID.
-        `gpu`: give it one of the GPUs Ray assigned to this actor (CUDA_VISIBLE_DEVICES)."""
-        log_path = pathlib.Path(log_path)
+        `gpu`: give it one of the GPUs Ray assigned to this actor (CUDA_VISIBLE_DEVICES).
+        Paths under the run directory, in `argv` and `log_path`, are this host's copy's."""
+        argv = [self.local_path(a) for a in argv]
+        log_path = pathlib.Path(self.local_path(log_path))
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ if env is None else env)
+        env = clocks.worker_env(os.environ if env is None else env)
         if gpu:
             env["CUDA_VISIBLE_DEVICES"] = self._free_gpu(key)
         with open(log_path, "ab") as log:

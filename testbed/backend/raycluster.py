@@ -23,21 +23,31 @@ Hosts join the cluster with `ray start ... --labels dc=prfaas` or `dc=local` (do
 on each), `stats` sums the PrfaaS hosts' `kv` and the local hosts' `request` class counters.
 
 Paths: the runner gives workers the run directory's paths (runtime.json, logs, ready files,
-records); on this machine every host sees them. On real hosts the run directory must be on
-storage every host mounts at the same path, and every host needs the same checkout and Python
-environment at the same path (docs/cluster.md).
+records). A host that sees the orchestrator's run directory (shared storage, or one machine)
+uses it as it is; any other keeps a node-local copy (`agents.host_run_dir`), which
+`runfiles.Mirror` keeps in step for the files runner and workers exchange while the run goes,
+and `stop()` collects into the orchestrator's run directory (`runfiles.HostFiles.collect`),
+also on errors and Ctrl-C. Every host needs the same checkout and Python environment at the
+same path (docs/cluster.md).
+
+Clocks: `start()` and `stop()` measure each launcher host's wall clock against the
+orchestrator's (`testbed.clocks.measure`, min-RTT round trips through the launcher); `clocks()`
+is what metadata.json records and analysis corrects the other hosts' stamps by.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import platform
+import secrets
 import signal
 import socket
 import subprocess
 import time
 
-from testbed.backend import agents
+from testbed import clocks
+from testbed.backend import agents, runfiles
 from testbed.errors import ConfigError, NetworkError
 
 LABEL = "dc"
@@ -227,9 +237,10 @@ class ClusterShaper:
 class RayBackend:
     name = "ray"
 
-    def __init__(self, deployment, registry, events=None, spec=None):
+    def __init__(self, deployment, registry, events=None, spec=None, run_dir=None):
         self.deployment, self.registry, self.events, self.spec = (deployment, registry, events,
                                                                   spec)
+        self.run_dir = run_dir
         self.ray = None
         self.placement = {}
         self.nodes = []
@@ -237,6 +248,10 @@ class RayBackend:
         self.agent_info = {}
         self.launchers = {}
         self.codes = {}
+        self.host_dirs = {}      # node -> the launcher's info (its copy of the run directory)
+        self.files = {}          # node -> runfiles.HostFiles, for hosts with their own copy
+        self.mirror = None
+        self.clock = {}          # node -> {"start": estimate, "end": estimate}
         self._count = 0
         self._shaper = None
 
@@ -293,14 +308,71 @@ class RayBackend:
 
     def _start_launchers(self):
         rt = self.deployment.runtime
-        for node in dict.fromkeys(self.placement.values()):
-            need = [request(self.deployment.instance(name), rt, self.spec.cpus)
-                    for name, n in self.placement.items() if n == node]
-            self.launchers[node] = self._pinned(
-                agents.Launcher, node, num_cpus=sum(c for c, _ in need),
-                num_gpus=sum(g for _, g in need)).remote()
-        self._ready([launcher.returncodes.remote() for launcher in self.launchers.values()],
-                    "a launcher")
+        token = secrets.token_hex(8)
+        marker = None
+        if self.run_dir is not None:    # a host reading this token sees the run directory
+            marker = self.run_dir / agents.SHARED_MARKER
+            marker.write_text(token)
+        try:
+            for node in dict.fromkeys(self.placement.values()):
+                need = [request(self.deployment.instance(name), rt, self.spec.cpus)
+                        for name, n in self.placement.items() if n == node]
+                self.launchers[node] = self._pinned(
+                    agents.Launcher, node, num_cpus=sum(c for c, _ in need),
+                    num_gpus=sum(g for _, g in need)).remote(
+                        None if self.run_dir is None else str(self.run_dir), token,
+                        self.registry.run_id)
+            infos = self._ready([launcher.info.remote() for launcher in self.launchers.values()],
+                                "a launcher")
+        finally:
+            if marker is not None:
+                marker.unlink(missing_ok=True)
+        self.host_dirs = dict(zip(self.launchers, infos))
+        errors = self._measure_clocks("start")
+        if errors:
+            raise NetworkError("; ".join(errors))
+        self._start_files()
+
+    def _start_files(self):
+        """A `HostFiles` for every host with its own copy of the run directory, kept in step
+        by a `runfiles.Mirror` while the run goes."""
+        origins = {}
+        for node, info in self.host_dirs.items():
+            if not info["shared"]:
+                launcher = self.launchers[node]
+                self.files[node] = runfiles.HostFiles(
+                    node.ip, lambda m, *a, _l=launcher: self.ray.get(getattr(_l, m).remote(*a)),
+                    self.run_dir, origins)
+        if self.files:
+            self.mirror = runfiles.Mirror(self.files.values()).start()
+
+    def _measure_clocks(self, when):
+        """Each launcher host's wall clock against this one's (`clocks.measure`); the errors
+        (a host whose launcher is gone)."""
+        errors = []
+        for node, launcher in self.launchers.items():
+            try:
+                self.clock.setdefault(node, {})[when] = clocks.measure(
+                    lambda _l=launcher: self.ray.get(_l.clock.remote(), timeout=30))
+            except Exception as e:     # noqa: BLE001  said in the teardown errors
+                errors.append(f"clock offset of host {node.ip} at the {when}: {e}")
+        return errors
+
+    def clocks(self):
+        """metadata.json `clocks`: per host the offset measured at start and end of the
+        variant (`clocks.combine`), and which host each instance ran on."""
+        hosts = {}
+        for node, m in self.clock.items():
+            if "start" in m:
+                skew = self.host_dirs.get(node, {}).get("injected_skew_s", 0.0)
+                hosts[node.ip] = clocks.combine(m["start"], m.get("end"), skew)
+        return {"reference": platform.node(),
+                "method": "min-RTT round trips from the orchestrator to each host's launcher "
+                          f"({clocks.ROUNDS} per measurement, at start and end of the "
+                          "variant): offset = host - (t0 + t1) / 2, uncertainty = rtt / 2",
+                "hosts": hosts,
+                "instances": {name: n.ip for name, n in self.placement.items()
+                              if n.ip in hosts}}
 
     def spawn(self, host, argv, log_path, env=None):
         node = self.placement[host]
@@ -308,8 +380,11 @@ class RayBackend:
         key = f"{host}#{self._count}"
         gpu = request(self.deployment.instance(host), self.deployment.runtime,
                       self.spec.cpus)[1] > 0
-        pid = self.ray.get(self.launchers[node].spawn.remote(key, list(map(str, argv)),
-                                                             str(log_path), env, gpu))
+        argv = list(map(str, argv))
+        if node in self.files:       # its inputs (runtime.json, workload.parquet) first
+            self.files[node].push_inputs(argv)
+        pid = self.ray.get(self.launchers[node].spawn.remote(key, argv, str(log_path), env,
+                                                             gpu))
         return RemoteProcess(self, node, key, pid)
 
     def returncode(self, node, key):
@@ -320,6 +395,8 @@ class RayBackend:
         return codes.get(key)
 
     def signal(self, node, key, sig):
+        if node in self.files:       # what the signal asks the worker to read (control/)
+            self.files[node].sync()
         self.ray.get(self.launchers[node].signal.remote(key, int(sig)))
 
     @property
@@ -336,7 +413,8 @@ class RayBackend:
                                           "gpus": n.gpus} for n in self.nodes},
                          "ips": {i.name: i.ip for i in self.deployment.instances},
                          "placement": {name: n.ip for name, n in self.placement.items()},
-                         "agents": self.agent_info},
+                         "agents": self.agent_info,
+                         "run_dirs": {n.ip: info for n, info in self.host_dirs.items()}},
             "segmentation_offload": True,
             "shaping": {"backend": info.get("backend"), "reason": info.get("reason", ""),
                         "where": "each host's egress interface, traffic to the other "
@@ -388,16 +466,40 @@ class RayBackend:
               "start the requests")
         input()
 
+    def _collect(self):
+        """Every host's own copy of the run directory into the orchestrator's (then removed
+        there); the errors. A file the run directory already had is kept under another name
+        (an events.csv row `file_renamed`)."""
+        out = []
+        for node, files in self.files.items():
+            try:
+                renamed = files.collect()
+                if self.events is not None:
+                    for rel, kept_as in renamed:
+                        self.events("file_renamed", host=node.ip, path=rel, kept_as=kept_as)
+                self.ray.get(self.launchers[node].remove_dir.remote(), timeout=30)
+            except Exception as e:   # the host's copy stays where it is; say where
+                out.append(f"collecting {self.host_dirs[node]['dir']} from host {node.ip}: "
+                           f"{type(e).__name__}: {e}")
+        self.files.clear()
+        return out
+
     def stop(self):
-        """Launchers (their processes), then the agents (undo), then the actors themselves."""
+        """Launchers (their processes), the hosts' files collected, then the agents (undo),
+        then the actors themselves."""
         if self.ray is None:
             return
         errors = []
+        if self.mirror is not None:
+            errors += self.mirror.stop()
+            self.mirror = None
+        errors += self._measure_clocks("end")      # a launcher gone: its start one stays
         for launcher in self.launchers.values():
             try:
                 self.ray.get(launcher.stop.remote(), timeout=agents.STOP_GRACE_S + 5)
             except Exception as e:   # the actor may be gone; its children die with it
                 errors.append(f"launcher: {e}")
+        errors += self._collect()
         for agent in [a for dc in DATACENTERS for a in self.agents[dc]]:
             try:
                 errors += self.ray.get(agent.stop.remote(), timeout=30)
