@@ -10,9 +10,14 @@ back with the run's `Scale` (`real_rate`, `real_s`). `read_s` is how long the co
 `<dir>_artifact` flags a rate above what the link carries (`testbed.fidelity`).
 
 `EventLog` appends timestamped rows to `events.csv` (link changes, worker deaths, phases).
+
+`LinkProbes` probes each distinct WAN of one `testbed run` once: the variants of an experiment
+usually share one WAN definition, and a variant whose WAN is the same as one already probed
+records that probe, marked as shared, instead of measuring it again (docs/link_fidelity.md).
 """
 
 import csv
+import json
 import threading
 import time
 
@@ -142,3 +147,51 @@ class CounterSampler:
         first = self.first[1]
         return {d: {k: last[d][k] - first[d][k] for k in ("tx_bytes", "tx_packets", "drops")}
                 for d in DIRECTIONS}
+
+
+# Backends whose probe path is the same in every run with the same WAN (mininet: the two probe
+# hosts either side of the WAN router). Elsewhere (ray: the path depends on the placement) every
+# run is probed.
+SHARED_PROBE_BACKENDS = ("mininet",)
+
+
+def wan_key(meta):
+    """What decides a link probe's result, from a run's metadata as described after the build
+    (`backend`, `shaping`: the shaping backend and every link's emulated parameters before any
+    scheduled change, `tcp`: congestion control, segmentation offload and TCP timers); None
+    where the backend's probe path is not the same from run to run."""
+    if meta.get("backend") not in SHARED_PROBE_BACKENDS:
+        return None
+    tcp = meta.get("tcp") or {}
+    timers = {k: v for k, v in (tcp.get("timers") or {}).items() if k != "hosts"}
+    return json.dumps({"backend": meta["backend"], "shaping": meta.get("shaping"),
+                       "cc": tcp.get("congestion_control_kv"),
+                       "segmentation_offload": tcp.get("segmentation_offload"),
+                       "timers": timers}, sort_keys=True, default=str)
+
+
+class LinkProbes:
+    """The link probes of one `testbed run`, one per distinct WAN (`wan_key`).
+
+    `fidelity(label, meta, probe)` returns the run's `link_fidelity`: the result of `probe()`
+    (the backend's measurement) the first time a WAN is seen, the same result for a later run
+    with the same WAN. Either is marked: `measured_in` (the run label that measured it),
+    `shared` (false in that run, true in the runs that reuse it) and `measured_at`. With
+    `enabled` false (`--no-probe`) nothing is measured."""
+
+    def __init__(self, enabled=True):
+        self.enabled = enabled
+        self.done = {}          # wan_key -> (label, measured_at, result)
+
+    def fidelity(self, label, meta, probe):
+        if not self.enabled:
+            return {"skipped": "--no-probe"}
+        key = wan_key(meta)
+        if key is not None and key in self.done:
+            first, at, result = self.done[key]
+            return {**result, "measured_in": first, "shared": True, "measured_at": at}
+        at = time.time()
+        result = probe()
+        if key is not None:
+            self.done[key] = (label, at, result)
+        return {**result, "measured_in": label, "shared": False, "measured_at": at}

@@ -4,11 +4,13 @@ For each expanded run (`config.load_experiment`): compile its `testbed.deploy.De
 the resolved config, the request list, deployment.json and runtime.json (the workers' typed
 `WorkerRuntime`), start the backend (`testbed.backend`: today Mininet, which builds the network
 and shapes the WAN), start the workers on their instances and wait (bounded) for each to report
-ready, probe the WAN as built, sample the kernel counters, start the open-loop client, the link
-schedule and the faults from the same instant, show progress, then tear everything down in
-reverse order, also on Ctrl-C or when a worker dies. With an external client (`workload.client:
-command | aiperf`) arrival 0 is the tool's: the link schedule and faults start when its first
-request reaches the front door (minus that request's trace time), not when the tool is started.
+ready, probe the WAN as built (once per distinct WAN of the experiment, `measure.LinkProbes`:
+a variant with the same WAN records the first one's probe, marked shared), sample the kernel
+counters, start the open-loop client, the link schedule and the faults from the same instant,
+show progress, then tear everything down in reverse order, also on Ctrl-C or when a worker
+dies. With an external client (`workload.client: command | aiperf`) arrival 0 is the tool's:
+the link schedule and faults start when its first request reaches the front door (minus that
+request's trace time), not when the tool is started.
 `Hold` (`testbed up`) runs no load generator: the front door is forwarded to the root
 namespace's loopback (testbed/net/forward.py) and the run lasts until Ctrl-C/SIGTERM. Analysis (`metrics`) and figures (`plot`)
 read only the run directory afterwards. Nothing here imports Mininet.
@@ -33,7 +35,7 @@ from testbed import (__version__, clocks, config, deploy, fidelity, lifecycle, l
                      metrics, ownership, plot, rundir)
 from testbed.backend import open_backend, preflight
 from testbed.errors import ConfigError, PrivilegeError, RunInterrupted, WorkerError
-from testbed.measure import CounterSampler, EventLog
+from testbed.measure import CounterSampler, EventLog, LinkProbes
 from testbed.net.tcp import CC_ENV
 from testbed.workload import generate
 
@@ -124,9 +126,13 @@ class Run:
     """One expanded run: build, start, drive (or hold), tear down. `execute()` returns the
     summary."""
 
-    def __init__(self, exp, run_dir, probe=True, cli=False, progress=True, hold=None):
+    def __init__(self, exp, run_dir, probe=True, cli=False, progress=True, hold=None,
+                 probes=None):
+        """`probes`: the `LinkProbes` shared by the runs of one experiment (a run whose WAN
+        was probed already records that probe); by default this run's own."""
         self.exp, self.dir = exp, pathlib.Path(run_dir)
-        self.probe, self.cli, self.progress = probe, cli, progress
+        self.cli, self.progress = cli, progress
+        self.probes = probes if probes is not None else LinkProbes(probe)
         self.hold = hold
         self.deployment = deploy.compile(exp)
         self.rt = self.deployment.runtime
@@ -163,10 +169,7 @@ class Run:
             t0 = time.monotonic()
             self._start_workers(registry, events)
             phases["workers_ready"] = round(time.monotonic() - t0, 3)
-            if self.probe:
-                self.meta["link_fidelity"] = self.backend.probe(self.congestion_control())
-            else:
-                self.meta["link_fidelity"] = {"skipped": "--no-probe"}
+            self._probe_link(events)
             if self.cli:
                 self.backend.cli()
             sampler = CounterSampler(self.backend.shaper, d / "timeseries.csv", dep.scale).start()
@@ -217,6 +220,14 @@ class Run:
                             "segmentation_offload": desc["segmentation_offload"],
                             "timers": desc.get("tcp_timers", {})}
         self.meta["shaping"] = desc["shaping"]
+
+    def _probe_link(self, events):
+        """link_fidelity: the WAN measured as built, or the probe of an earlier run of this
+        experiment with the same WAN (`LinkProbes`)."""
+        fid = self.meta["link_fidelity"] = self.probes.fidelity(
+            self.exp.label, self.meta, lambda: self.backend.probe(self.congestion_control()))
+        if "skipped" not in fid:
+            events("link_probe", measured_in=fid["measured_in"], shared=fid["shared"])
 
     def congestion_control(self):
         """TCP congestion control of the KV senders and the link probe."""
@@ -439,11 +450,12 @@ def execute(path, overrides=(), out=None, probe=True, cli=False, progress=True, 
     made = ownership.missing_ancestors(top)
     top.mkdir(parents=True, exist_ok=True)
     summaries = []
+    probes = LinkProbes(probe)      # each distinct WAN probed once, in its first run
     try:
         for exp in runs:
             run_dir = top / exp.label if len(runs) > 1 else top   # a safe name (config.validate)
-            summaries.append(Run(exp, run_dir, probe=probe, cli=cli, progress=progress,
-                                 hold=hold).execute())
+            summaries.append(Run(exp, run_dir, cli=cli, progress=progress, hold=hold,
+                                 probes=probes).execute())
         if len(runs) > 1:
             metrics.write_sweep(top, summaries)
             if any(exp.faults for exp in runs):

@@ -73,6 +73,39 @@ def test_tiny_run_measured_facts(tmp_path):
     assert leftovers(out) == []
 
 
+def test_each_wan_is_probed_once_and_every_run_records_its_probe(tmp_path):
+    """Two policies on each of two WAN rates: the first run on each WAN measures it, the other
+    records that probe, marked shared; the runs on the slower WAN measured a slower link."""
+    import yaml
+
+    exp = yaml.safe_load(TINY.read_text())
+    exp.update(requests=4, variants=[{"scheduler.policy": "prfaas"},
+                                     {"scheduler.policy": "naive"}],
+               sweep={"network.wan.rate": ["50Gbit", "20Gbit"]})
+    path = tmp_path / "two_wans.yaml"
+    path.write_text(yaml.safe_dump(exp))
+    out = tmp_path / "run"
+    r = subprocess.run(tb_cmd("run", str(path), "--out", str(out), "--no-progress"),
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    fid = {d.name: json.loads((d / "metadata.json").read_text())["link_fidelity"]
+           for d in out.iterdir() if (d / "metadata.json").exists()}
+    assert sorted(fid) == ["naive,rate=20Gbit", "naive,rate=50Gbit", "prfaas,rate=20Gbit",
+                           "prfaas,rate=50Gbit"]
+    for rate in ("50Gbit", "20Gbit"):
+        first, other = fid[f"prfaas,rate={rate}"], fid[f"naive,rate={rate}"]
+        assert first["shared"] is False and first["measured_in"] == f"prfaas,rate={rate}"
+        assert other["shared"] is True and other["measured_in"] == f"prfaas,rate={rate}"
+        assert other["measured"] == first["measured"] and first["measured"]["rtt_p50_ms"] > 0
+        events = (out / f"naive,rate={rate}" / "events.csv").read_text()
+        assert "link_probe" in events and "shared=True" in events
+    fast = fid["prfaas,rate=50Gbit"]["measured"]["goodput_bps"]
+    slow = fid["prfaas,rate=20Gbit"]["measured"]["goodput_bps"]
+    assert slow < 0.6 * fast, (slow, fast)                # 400 against 1,000 Mbit/s emulated
+    summaries = [json.loads((out / name / "summary.json").read_text()) for name in fid]
+    assert all(s["completed"] == 4 for s in summaries)
+
+
 def _wait_for(path, timeout_s):
     deadline = time.monotonic() + timeout_s
     while not path.exists():

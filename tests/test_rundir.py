@@ -114,6 +114,24 @@ def test_schema_minor_versions_and_unversioned_directories_are_read(copied):
     assert metrics.analyse(d)["completed"] > 0
 
 
+def test_a_shared_link_probe_is_read_from_the_run_directory_alone(copied, nothing_outside,
+                                                                 tmp_path):
+    """A run that recorded another run's link probe (`measure.LinkProbes`: same WAN) is
+    analysed and reported from its own directory, with the sibling that measured it gone."""
+    alone = tmp_path / "alone"
+    shutil.copytree(copied / "naive", alone)
+    meta = json.loads((alone / "metadata.json").read_text())
+    meta["link_fidelity"].update(measured_in="prfaas", shared=True, measured_at=1.0,
+                                 warnings=["rtt p50 1.5 ms, expected 1.0 ms"])
+    (alone / "metadata.json").write_text(json.dumps(meta))
+    summary = metrics.analyse(alone)
+    assert summary["link_warnings"] == ["rtt p50 1.5 ms, expected 1.0 ms"]
+    assert "rtt p50 1.5 ms, expected 1.0 ms" in summary["warnings"]
+    assert cli.main(["report", str(alone)]) == 0
+    text = (alone / rundir.RunDir.REPORT).read_text()
+    assert "link as measured: goodput" in text and "(probed in run prfaas, the same WAN)" in text
+
+
 def test_write_metadata_stamps_the_schema(tmp_path):
     path = rundir.write_metadata(tmp_path, {"name": "x", "start_time": 1.0})
     meta = json.loads(path.read_text())

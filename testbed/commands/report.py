@@ -40,7 +40,9 @@ def _run_section(d, s):
         m = fid["measured"]
         lines.append(f"- link as measured: goodput {_fmt(m.get('goodput_bps'))} bit/s, RTT p50 "
                      f"{_fmt(m.get('rtt_p50_ms'))} ms, p99 {_fmt(m.get('rtt_p99_ms'))} ms, jitter "
-                     f"{_fmt(m.get('jitter_ms'))} ms, loss {_fmt(m.get('loss'))}")
+                     f"{_fmt(m.get('jitter_ms'))} ms, loss {_fmt(m.get('loss'))}"
+                     + (f" (probed in run {fid['measured_in']}, the same WAN)"
+                        if fid.get("shared") else ""))
     elif fid:
         lines.append(f"- link probe: {fid}")
     emu = s.get("emulation") or {}
