@@ -120,7 +120,6 @@ class Wan:
         self.registry = registry
         self.events = events
         self._ns = None
-        self._counters = None       # net.qstats.QdiscCounters: stats() at the sampler's rate
         self._index = {}
         self._delaylines = {}
         self._firewall = None
@@ -147,8 +146,6 @@ class Wan:
                 self._firewall = Firewall(self.netns_path, self.registry)
             for d in DIRECTIONS:
                 self._install(d)
-            from testbed.net.qstats import QdiscCounters
-            self._counters = QdiscCounters(self.netns_path)
         except BaseException:
             self.stop()
             raise
@@ -175,9 +172,6 @@ class Wan:
             if self._firewall is not None:
                 self._firewall.remove()
                 self._firewall = None
-            if self._counters is not None:
-                self._counters.close()
-                self._counters = None
             if self._ns is not None:
                 for d, idx in self._index.items():
                     with contextlib.suppress(Exception):
@@ -322,16 +316,15 @@ class Wan:
 
     def stats(self):
         """Per direction: tx_bytes, tx_packets, backlog_bytes, backlog_packets, drops (bottleneck
-        queue), up, rate_bps, from one qdisc dump of the router (`net.qstats`: the counter
-        sampler reads this 20 times a second)."""
+        queue), up, rate_bps, from one qdisc dump per interface."""
         out = {}
         with self._lock:
-            if self._counters is None:
+            if self._ns is None:
                 raise NetworkError("Wan.stats() before start() or after stop()")
-            qdiscs = self._counters.read()
             for d in DIRECTIONS:
+                msgs = list(self._ns.tc("dump", index=self._index[d]))
                 # the HTB root's counters include its leaf's (drops, backlog propagate up)
-                root = qdiscs.get((self._index[d], HTB_HANDLE)) or {}
+                root = _leaf_stats(msgs, HTB_HANDLE) or {}
                 out[d] = {"tx_bytes": root.get("bytes", 0), "tx_packets": root.get("packets", 0),
                           "backlog_bytes": root.get("backlog", 0),
                           "backlog_packets": root.get("qlen", 0),
