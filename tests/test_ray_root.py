@@ -27,7 +27,8 @@ import pytest
 
 from conftest import assert_remote_kv_crossed_the_wan
 from testbed import lifecycle
-from testbed.net import pair
+from testbed.net import pair, probe
+from testbed.net.hostshape import offload_state
 from testbed.net.ns import ns_path, ns_run, sysctl
 
 pytestmark = [pytest.mark.root, pytest.mark.slow,
@@ -215,6 +216,8 @@ def _leftovers(hosts, run_dir):
                        text=True).stdout
         found += [f"{h}: address {ln.split()[3]}" for ln in addrs.splitlines()
                   if " 10.1." in ln or " 10.2." in ln]
+        found += [f"{h}: {k} off" for k, v in offload_state(ns_path(h), f"{h}0").items()
+                  if v == "off"]
     for p in pathlib.Path("/proc").iterdir():
         if p.name.isdigit():
             with contextlib.suppress(OSError):
@@ -232,7 +235,8 @@ def test_sigkilled_orchestrator_then_clean_leaves_nothing(ray_hosts, tmp_path):
     orch = subprocess.Popen(
         ["nsenter", f"--net={ns_path(hosts['local'])}", sys.executable, "-m", "testbed.cli",
          "run", str(TINY), "--backend", "ray", "--address", head, "--out", str(out),
-         "--no-progress", "--no-probe", "--set", "requests=400"],
+         "--no-progress", "--no-probe", "--set", "requests=400",
+         "--set", "network.wan.loss=0.1%"],      # loss: the agents turn TSO/GSO off
         stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=_ray_env())
     log.close()
     records = out / "requests.jsonl"
@@ -241,7 +245,8 @@ def test_sigkilled_orchestrator_then_clean_leaves_nothing(ray_hosts, tmp_path):
         assert orch.poll() is None, (tmp_path / "orchestrator.log").read_text()[-3000:]
         assert time.monotonic() < deadline, "no 10 requests done within 180 s"
         time.sleep(0.2)
-    assert _leftovers(hosts, out)            # the run is shaping and running: something to undo
+    shaping = _leftovers(hosts, out)     # the run is shaping and running: something to undo
+    assert any(f.endswith("tso off") for f in shaping), shaping
     orch.kill()
     orch.wait()
     r = ns_run(hosts["local"], [sys.executable, "-m", "testbed.cli", "clean", "--backend", "ray",
@@ -256,3 +261,86 @@ def test_sigkilled_orchestrator_then_clean_leaves_nothing(ray_hosts, tmp_path):
     for f in lifecycle.STATE_DIR.glob("*.json"):      # nor the orchestrator's own record
         with contextlib.suppress(OSError, lifecycle.CorruptState):
             assert lifecycle.read_state(f)["owner_pid"] != orch.pid, f
+
+
+def _linktest(hosts, head, *args):
+    r = ns_run(hosts["local"], [sys.executable, "-m", "testbed.cli", "linktest", "--backend",
+                                "ray", "--address", head, "--json", "--duration", "1.5", *args],
+               capture_output=True, text=True, timeout=240, cwd=ROOT, env=_ray_env())
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_linktest_through_the_agents_meets_linktest_tolerances(ray_hosts, tmp_path):
+    """`testbed linktest --backend ray`: the probe between the two hosts' probe actors, shaped
+    by their agents, within the tolerances `testbed linktest` warns at (probe.compare): rate and
+    RTT without loss; RTT, jitter and loss (binomial bound) with it. Offload goes off on both
+    NICs for the lossy link and is back on afterwards."""
+    hosts, head = ray_hosts
+    before = {h: offload_state(ns_path(h), f"{h}0") for h in hosts.values()}
+    assert all(s == {"tso": "on", "gso": "on"} for s in before.values()), before
+    clean = _linktest(hosts, head, "--rate", "100Mbit", "--delay", "5ms")
+    lossy = _linktest(hosts, head, "--rate", "50Mbit", "--delay", "5ms", "--jitter", "1ms",
+                      "--loss", "2%")
+    for out in (clean, lossy):
+        assert out["hosts"]["src"] == f"{FABRIC['prfaas']}.2", out["hosts"]
+        assert out["hosts"]["dst"] == f"{FABRIC['local']}.2", out["hosts"]
+        assert not [w for w in out["warnings"] if "deviates" in w], out
+        assert abs(out["deviation"]["rtt_p50"]) <= probe.DEVIATION_WARN, out["deviation"]
+        assert out["measured"]["probes"] >= 0.95 * probe.PROBES
+    assert abs(clean["deviation"]["goodput"]) <= probe.DEVIATION_WARN, clean["measured"]
+    assert clean["measured"]["loss"] is None
+    m = lossy["measured"]
+    assert m["loss_packets"] > 0 and 0 < m["loss"], m
+    assert {"jitter", "loss"} <= set(lossy["deviation"]), lossy["deviation"]
+    assert abs(lossy["deviation"]["jitter"]) <= probe.DEVIATION_WARN, lossy["deviation"]
+    assert {a["segmentation_offload"] for a in clean["agents"].values()} == {"on"}
+    assert {a["segmentation_offload"] for a in lossy["agents"].values()} == {"off"}
+    # undone: offload as before, no qdisc, rule, address or state file of the agents
+    assert {h: offload_state(ns_path(h), f"{h}0") for h in hosts.values()} == before
+    assert _leftovers(hosts, tmp_path) == []
+    assert not list(lifecycle.STATE_DIR.glob("ray-linktest-*.json"))
+
+
+def test_link_cut_and_worker_kill_on_ray(ray_hosts, tmp_path):
+    """Faults with `backend: ray`: rp0 is SIGKILLed through its launcher at 3 s, the WAN is cut
+    in both directions through the agents from 6 s for 5 s. Every request is accounted for
+    (none lost), the scheduler's health check saw rp0 down and what it had moved to rp1, and
+    the agents' shaped classes counted (almost) no bytes while the link was down."""
+    hosts, head = ray_hosts
+    out = tmp_path / "run"
+    faults = ("[{at: 3s, kind: kill, target: rp0}, "
+              "{at: 6s, kind: link, direction: both, up: false, duration: 5s}]")
+    r = ns_run(hosts["local"], [
+        sys.executable, "-m", "testbed.cli", "run", str(TINY), "--backend", "ray", "--address",
+        head, "--out", str(out), "--no-progress", "--no-probe", "--set", "scale.time=5",
+        "--set", "requests=40", "--set", "clusters.prfaas.instances=2",
+        "--set", "scheduler.failover={enabled: true, interval: 1s, timeout: 1s}",
+        "--set", f"faults={faults}"],
+        capture_output=True, text=True, timeout=400, cwd=ROOT, env=_ray_env())
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    df = pd.read_parquet(out / "requests.parquet")
+    s = json.loads((out / "summary.json").read_text())
+    ev = pd.read_csv(out / "events.csv").sort_values("time")
+    assert s["accounting"]["lost"] == 0 and s["accounting"]["sent"] == 40, s["accounting"]
+    failed = df[df.status != "ok"]
+    assert failed.error.notna().all() and (failed.error != "").all(), failed.error.tolist()
+    kill, cut = s["faults"]
+    # the kill: the worker died, the health check saw it, nothing was prefilled on it after
+    assert ev.kind.eq("worker_died").any() and kill["detect_s"] is not None, kill
+    down = ev[(ev.kind == "health") & ev.detail.str.contains("instance=rp0 role=prefill "
+                                                             "state=down")]
+    assert len(down), ev.kind.tolist()
+    assert not (df.prefill_instance == "rp0")[df.prefill_start > float(down.time.iloc[0])].any()
+    assert (df.prefill_instance == "rp1").any()
+    # the cut: the agents' kernel counters stood still while the link was down
+    assert cut["target"] == "wan:both"
+    ts = pd.read_csv(out / "timeseries.csv")
+    cut_rows = ts[(ts.kv_up == 0) & (ts.request_up == 0)]
+    assert len(cut_rows) >= 10, ts[["t_s", "kv_up"]].to_string()
+    crossed = {d: int(cut_rows[f"{d}_tx_bytes"].iloc[-1] - cut_rows[f"{d}_tx_bytes"].iloc[1])
+               for d in ("kv", "request")}
+    assert all(b <= 1514 for b in crossed.values()), crossed      # at most one frame in flight
+    assert ts.kv_tx_bytes.iloc[-1] > cut_rows.kv_tx_bytes.iloc[-1]  # and flowed again after
+    assert ts.kv_up.iloc[-1] == 1 and ts.request_up.iloc[-1] == 1
+    assert _leftovers(hosts, out) == []

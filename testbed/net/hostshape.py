@@ -16,6 +16,13 @@ Only packets to the other datacenter's subnet enter the shaped class and the fir
 everything else (Ray's own control traffic, ssh, the same datacenter) leaves unshaped.
 Counters (`stats`) are the shaped class's, so they count WAN bytes only.
 
+Segmentation offload: loss must hit single frames (`linkmodel.needs_per_frame_packets`), so
+once the installed direction has loss -- at start, or from the first `set` that brings it (a
+link change or fault) -- TSO and GSO go off on `iface` (`per_frame_packets`), as the Mininet
+backend does on its hosts; their previous state is recorded first as an undo command
+(`ethtool -K IF tso on gso on`), so the agent's stop, its guard and `testbed clean --backend
+ray` put them back. GRO stays: it merges what this host receives, after the link's loss.
+
 `HostWan` runs inside the namespace it shapes (the agent's own): netlink goes through
 `IPRoute`, not `NetNS`, which would fork a helper from the agent's many-threaded Ray worker
 process (measured: it hangs there); `auto` asks a fresh process (`probe_backend`) for the same
@@ -38,11 +45,43 @@ import sys
 from testbed.errors import NetworkError
 from testbed.net import netlink
 from testbed.net.firewall import Firewall
-from testbed.net.linkmodel import DIRECTIONS, Link, check_params, needs_delayline
+from testbed.net.linkmodel import (DIRECTIONS, Link, check_params, needs_delayline,
+                                   needs_per_frame_packets)
+from testbed.net.ns import ns_argv, ns_run
 from testbed.net.wan import CLASS_HANDLE, HTB_HANDLE, LEAF_HANDLE, TC_H_ROOT, Wan, _leaf_stats
 
 ETH_P_IP = 0x0800
 FILTER_PRIO = 1
+# ethtool -K short names and the -k lines that show them
+OFFLOADS = {"tso": "tcp-segmentation-offload", "gso": "generic-segmentation-offload"}
+
+
+def offload_state(netns_path, iface):
+    """{tso, gso: 'on' | 'off'} of `iface` (features the driver fixes are left out)."""
+    r = ns_run(netns_path, ["ethtool", "-k", iface], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise NetworkError(f"reading the offloads of {iface}: {r.stderr.strip() or r.returncode}")
+    shown = dict(line.strip().partition(": ")[::2] for line in r.stdout.splitlines())
+    return {short: shown[long].split()[0] for short, long in OFFLOADS.items()
+            if long in shown and "[fixed]" not in shown[long]}
+
+
+def per_frame_packets(netns_path, iface, registry=None):
+    """TSO and GSO off on `iface`; what was on is recorded in `registry` first, as the command
+    that turns it on again. Returns the state before."""
+    before = offload_state(netns_path, iface)
+    on = [k for k, v in before.items() if v == "on"]
+    if not on:
+        return before
+    if registry is not None:
+        registry.add_undo_command(ns_argv(netns_path, ["ethtool", "-K", iface,
+                                                       *(w for k in on for w in (k, "on"))]))
+    r = ns_run(netns_path, ["ethtool", "-K", iface, *(w for k in on for w in (k, "off"))],
+               capture_output=True, text=True)
+    if r.returncode != 0:
+        raise NetworkError(f"turning segmentation offload off on {iface}: "
+                           f"{r.stderr.strip() or r.returncode}")
+    return before
 
 
 def u32_dst_key(subnet):
@@ -83,6 +122,7 @@ class HostWan(Wan):
         super().__init__(netns_path, {d: iface for d in DIRECTIONS}, links,
                          backend=backend, seed=seed, registry=registry, events=events)
         self.direction, self.dst, self.iface = direction, str(ipaddress.IPv4Network(dst)), iface
+        self.offload_before = None      # {tso, gso} before they went off (loss), else None
 
     def start(self):
         """Install the direction on `iface`; on any failure, remove what was installed."""
@@ -119,6 +159,7 @@ class HostWan(Wan):
         self.backend, self.backend_reason = json.loads(r.stdout.strip().splitlines()[-1])
 
     def _install(self, d):
+        self._per_frame_if_lossy(self.links[d])
         if self.backend == "userspace" and not isinstance(self._firewall, HostFirewall):
             self._firewall = HostFirewall(self.netns_path, self.registry, self.dst)
         idx, lk = self._index[d], self.links[d]
@@ -150,7 +191,20 @@ class HostWan(Wan):
         if d != self.direction:        # the peer's direction: kept for the round trip only
             self.links[d] = link
             return
+        self._per_frame_if_lossy(link)   # before the loss applies
         super()._apply(d, link)
+
+    def _per_frame_if_lossy(self, link):
+        if self.offload_before is None and needs_per_frame_packets({self.direction: link}):
+            self.offload_before = per_frame_packets(self.netns_path, self.iface, self.registry)
+            self._event("segmentation_offload", iface=self.iface, state="off",
+                        before=json.dumps(self.offload_before))
+
+    def describe(self, direction):
+        out = super().describe(direction)
+        if direction == self.direction:
+            out["segmentation_offload"] = "on" if self.offload_before is None else "off"
+        return out
 
     def stats(self):
         """{direction: tx_bytes, tx_packets of the shaped class (WAN bytes only); backlog_bytes,
