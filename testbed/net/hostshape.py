@@ -7,13 +7,21 @@ datacenters (`testbed.net.wan.Wan`). On real machines (the Ray backend,
 interface -- PrfaaS hosts the `kv` direction, local hosts the `request` direction -- with the
 same model and the same code:
 
-    OUTPUT -d <other DC> -> TBWAN-<dir> (loss, link down)       iptables, filter table
-    POSTROUTING -d <other DC> -> NFQUEUE -> tb-delayline         delay, jitter (userspace)
+    POSTROUTING -d <other DC> -> NFQUEUE -> tb-delayline   delay, jitter, loss, link down
     HTB root (default: unclassified, sent directly, unshaped)
       u32 dst <other DC> -> class 1:10 at `rate` -> bfifo/pfifo 10: (or netem 10:)
 
 Only packets to the other datacenter's subnet enter the shaped class and the firewall chains;
 everything else (Ray's own control traffic, ssh, the same datacenter) leaves unshaped.
+
+Loss and a cut link are drops on the wire, so they are the delay line's (userspace backend;
+netem's own loss where netem shapes), never a netfilter DROP on this host: a packet that the
+sending host's own OUTPUT or POSTROUTING chain drops fails the send with EPERM (measured: the
+probe's UDP sender died of it), and TCP takes it as "not sent yet" and sends it again soon,
+without a loss, a retransmission timeout or its backoff. A verdict of the delay line comes
+after the send returned, as a wire loss does. Independent loss is its chain with P_GB = loss,
+P_BG = 1 - loss (each packet bad with probability `loss`, whatever the one before); down is
+every packet dropped. The firewall chain TBWAN-<dir> (OUTPUT) stays empty.
 Counters (`stats`) are the shaped class's, so they count WAN bytes only.
 
 Segmentation offload: loss must hit single frames (`linkmodel.needs_per_frame_packets`), so
@@ -44,9 +52,10 @@ import sys
 
 from testbed.errors import NetworkError
 from testbed.net import netlink
+from testbed.net.delayline import DelayLine
 from testbed.net.firewall import Firewall
-from testbed.net.linkmodel import (DIRECTIONS, Link, check_params, needs_delayline,
-                                   needs_per_frame_packets)
+from testbed.net.linkmodel import (DIRECTIONS, Link, burst_loss, check_params, gilbert,
+                                   needs_delayline, needs_per_frame_packets)
 from testbed.net.ns import ns_argv, ns_run
 from testbed.net.wan import CLASS_HANDLE, HTB_HANDLE, LEAF_HANDLE, TC_H_ROOT, Wan, _leaf_stats
 
@@ -106,6 +115,32 @@ class HostFirewall(Firewall):
         return ["POSTROUTING", "-o", iface, "-d", self.dst, "-j", "NFQUEUE", "--queue-num",
                 str(queue_num)]
 
+    def sync(self, direction, up, loss):
+        """Nothing dropped here: loss and down are the delay line's (`HostDelayLine`)."""
+        super().sync(direction, True, 0.0)
+
+
+class HostDelayLine(DelayLine):
+    """The delay line of a host's egress: it also drops independent loss and, while the link
+    is down, everything (the module docstring says why not iptables)."""
+
+    @staticmethod
+    def _args(link):
+        if not link.up or link.loss >= 1.0:
+            chain = (1.0, 1.0, 1.0, 1.0)
+        elif burst_loss(link):
+            chain = (*gilbert(link.loss, link.loss_burst), 0.0, 1.0)
+        elif link.loss > 0:
+            chain = (link.loss, 1.0 - link.loss, 0.0, 1.0)
+        else:
+            chain = (0.0, 1.0, 0.0, 1.0)
+        return DelayLine._args(link)[:4] + [f"{x:.9g}" for x in chain]
+
+
+def needs_host_delayline(link):
+    """The userspace backend on a host runs the delay line for delay, jitter, loss or down."""
+    return needs_delayline(link) or link.loss > 0 or not link.up
+
 
 class HostWan(Wan):
     """One WAN direction on a host's egress interface `iface`, for packets to `dst` only.
@@ -113,6 +148,8 @@ class HostWan(Wan):
     `params` holds both directions (emulated `Link`s, or their `Link.params()` form as they
     cross to a Ray actor); only `direction` is installed.
     """
+
+    DELAYLINE = HostDelayLine
 
     def __init__(self, netns_path, iface, direction, dst, params, backend="auto", seed=0,
                  registry=None, events=None):
@@ -179,8 +216,8 @@ class HostWan(Wan):
             keys=[u32_dst_key(self.dst)])
         if self.backend == "userspace":
             self._firewall.install(d, self.iface)
-            self._firewall.sync(d, lk.up, self._iptables_loss(lk))
-            if needs_delayline(lk):
+            self._firewall.sync(d, lk.up, 0.0)
+            if needs_host_delayline(lk):
                 self._ensure_delayline(d)
 
     def _undo_tc(self):
@@ -193,6 +230,8 @@ class HostWan(Wan):
             return
         self._per_frame_if_lossy(link)   # before the loss applies
         super()._apply(d, link)
+        if self.backend == "userspace" and (needs_host_delayline(link) or d in self._delaylines):
+            self._ensure_delayline(d)      # loss and up are the delay line's here
 
     def _per_frame_if_lossy(self, link):
         if self.offload_before is None and needs_per_frame_packets({self.direction: link}):
