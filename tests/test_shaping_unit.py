@@ -187,19 +187,3 @@ def test_netlink_refusal_is_a_network_error_with_the_errno():
     with pytest.raises(NetworkError) as e:
         netlink.open_netns("/nonexistent/ns")
     assert e.value.errno == errno.ENOENT
-
-
-@pytest.mark.parametrize("loss, up, want", [(0.02, True, 0.02), (0.0, False, 1.0),
-                                            (0.0, True, 0.0)])
-def test_host_delay_line_drops_independent_loss_and_a_cut_link(loss, up, want):
-    """A host's delay line (the Ray agents') drops what iptables drops on the Mininet router:
-    independent loss (bursts of mean 1 / (1 - loss), as for independent drops) and, down,
-    every packet; run through the C chain (tb-delayline --simulate)."""
-    from testbed.net.hostshape import HostDelayLine
-    link = check_params({"rate": 1e8, "delay": 0.005, "loss": loss, "up": up}, "kv")
-    p_gb, p_bg, l_good, l_bad = HostDelayLine._args(link)[4:]
-    n = 2_000_000
-    r = _simulate(n, p_gb, p_bg, l_good, l_bad, 7)
-    assert r["lost"] / r["packets"] == pytest.approx(want, abs=0.002)
-    if 0 < want < 1:
-        assert r["lost"] / r["bursts"] == pytest.approx(1 / (1 - loss), rel=0.05)

@@ -336,7 +336,7 @@ class RayBackend:
                          "ips": {i.name: i.ip for i in self.deployment.instances},
                          "placement": {name: n.ip for name, n in self.placement.items()},
                          "agents": self.agent_info},
-            # the agents turn TSO/GSO off once their direction has loss (testbed.net.hostshape)
+            # the agents turn TSO/GSO/GRO off once the link has loss (testbed.net.hostshape)
             "segmentation_offload": not self.deployment.per_frame,
             "shaping": {"backend": info.get("backend"), "reason": info.get("reason", ""),
                         "where": "each host's egress interface, traffic to the other "

@@ -98,8 +98,6 @@ def _probe_netem(name):
 class Wan:
     """The two-direction WAN link on a router namespace; see the module docstring."""
 
-    DELAYLINE = DelayLine       # HostWan's drops all of its loss (testbed.net.hostshape)
-
     def __init__(self, netns_path, ifaces, links, backend="auto", seed=0, registry=None,
                  events=None):
         """`links`: direction -> `Link`, checked where they were made (`check_params`)."""
@@ -262,7 +260,7 @@ class Wan:
         if dl is not None and dl.alive():
             dl.configure(self.links[d])
             return
-        dl = self.DELAYLINE(self.netns_path, DIRECTIONS.index(d), self.links[d],
+        dl = DelayLine(self.netns_path, DIRECTIONS.index(d), self.links[d],
                        seed=self.seed * 2 + DIRECTIONS.index(d), registry=self.registry)
         dl.start()
         self._delaylines[d] = dl
