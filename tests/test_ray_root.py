@@ -385,6 +385,13 @@ def test_link_cut_and_worker_kill_on_ray(ray_hosts, tmp_path):
     before = [g for t, g in rows if t < t_cut]
     after = [g for t, g in rows if t > t_end + 0.5]
     assert len(during) >= 5 and before and after, (len(rows), t_cut, t_end)
+    sent = ts[(ts.time >= t_cut + 0.2) & (ts.time <= t_end)]
+    print(f"cut {t_end - t_cut:.2f} s: delivered "
+          f"{ {d: during[-1][d] - during[0][d] for d in ('kv', 'request')} } B over "
+          f"{len(during)} samples; sent into it (egress class) "
+          f"{ {d: int(sent[f'{d}_tx_bytes'].max() - sent[f'{d}_tx_bytes'].min()) for d in ('kv', 'request')} } B; "
+          f"ok {int((df.status == 'ok').sum())}/40, redispatched {kill['redispatched']}, "
+          f"kill detect {kill['detect_s']} s, cut detect {cut['detect_s']} s")
     for d in ("kv", "request"):
         assert during[-1][d] - during[0][d] == 0, (d, during[0], during[-1])
         assert before[-1][d] > 0 and after[-1][d] > during[-1][d], (d, before[-1], after[-1])
