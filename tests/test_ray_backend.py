@@ -218,6 +218,6 @@ def test_remote_side_reports_a_failed_role_as_one_network_error():
         p.result("x", 10)
 
 
-def test_offload_state_reads_tso_and_gso():
+def test_offload_state_reads_tso_gso_and_gro():
     state = offload_state(None, "lo")
-    assert set(state) <= {"tso", "gso"} and set(state.values()) <= {"on", "off"}
+    assert set(state) <= {"tso", "gso", "gro"} and set(state.values()) <= {"on", "off"}

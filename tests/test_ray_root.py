@@ -6,9 +6,13 @@ worker node in the PrfaaS host (`ray start --block`, labelled). tests/data/tiny.
 `backend: ray` from the local host (the driver beside the head), shaped by the agents on the two
 hosts' interfaces. Asserts on what was measured: every request ok, TTFT on the client's clock,
 the kernel's count in the agents' shaped classes at least the KV bytes sent, and nothing of the
-agents (qdisc, state file) left after the run. Every Ray process is stopped by what is recorded
-of it: the `ray start --block` process, then whatever still runs in the test's namespaces
-(matched by namespace inode, never by name); the namespaces are removed, also on failure.
+agents (qdisc, state file) left after the run. Also: `testbed linktest --backend ray` within
+linktest's tolerances (with loss: offload off during, restored after), `testbed clean --backend
+ray` after a SIGKILLed lossy run (offload restored), and a worker kill plus a link cut on Ray
+(nothing delivered during the cut, by the receiving hosts' kernel counters). Every Ray process
+is stopped by what is recorded of it: the `ray start --block` process, then whatever still runs
+in the test's namespaces (matched by namespace inode, never by name); the namespaces are
+removed, also on failure.
 """
 
 import contextlib
