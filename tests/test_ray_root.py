@@ -233,6 +233,32 @@ def _leftovers(hosts, run_dir):
     return found
 
 
+def _guard_pids(hosts):
+    """PIDs of the shaping agents' guard processes in the test's namespaces."""
+    out = []
+    for pid in _pids_in({_netns_inode(h) for h in hosts.values()}):
+        with contextlib.suppress(OSError):
+            argv = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if b"testbed.backend.agents" in argv and b"guard" in argv:
+                out.append(pid)
+    return out
+
+
+def _wait_owners_gone(pattern, timeout_s=60):
+    """Until no state file matching `pattern` has a live owner."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = []
+        for f in lifecycle.STATE_DIR.glob(pattern):
+            with contextlib.suppress(OSError, lifecycle.CorruptState):
+                if lifecycle.owner_alive(lifecycle.read_state(f)):
+                    alive.append(f.name)
+        if not alive:
+            return
+        assert time.monotonic() < deadline, f"owners still alive: {alive}"
+        time.sleep(0.2)
+
+
 def test_sigkilled_orchestrator_then_clean_leaves_nothing(ray_hosts, tmp_path):
     hosts, head = ray_hosts
     out = tmp_path / "run"
@@ -252,16 +278,24 @@ def test_sigkilled_orchestrator_then_clean_leaves_nothing(ray_hosts, tmp_path):
         time.sleep(0.2)
     shaping = _leftovers(hosts, out)     # the run is shaping and running: something to undo
     assert any(f.endswith("tso off") for f in shaping), shaping
+    # The agents' guards go first (SIGKILL by PID: the guard processes in this test's
+    # namespaces), so what the agents did is left to `testbed clean` alone.
+    guards = _guard_pids(hosts)
+    assert len(guards) == 2, guards
+    for pid in guards:
+        os.kill(pid, signal.SIGKILL)
     orch.kill()
     orch.wait()
+    _wait_owners_gone("ray-*.json")      # Ray ends the dead driver's actors
+    assert any(f.endswith("tso off") for f in _leftovers(hosts, out))
     r = ns_run(hosts["local"], [sys.executable, "-m", "testbed.cli", "clean", "--backend", "ray",
                                 "--address", head], capture_output=True, text=True, cwd=ROOT,
                env=_ray_env(), timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
-    deadline = time.monotonic() + 30     # Ray ends the dead driver's actors; their guards undo
+    deadline = time.monotonic() + 30     # the workers see their launcher gone and exit
     while _leftovers(hosts, out) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert _leftovers(hosts, out) == []
+    assert _leftovers(hosts, out) == [], r.stdout      # TSO/GSO on again, among the rest
     assert not list(lifecycle.STATE_DIR.glob("ray-*.json"))
     for f in lifecycle.STATE_DIR.glob("*.json"):      # nor the orchestrator's own record
         with contextlib.suppress(OSError, lifecycle.CorruptState):
