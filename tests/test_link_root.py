@@ -178,7 +178,7 @@ def test_rate_change_shows_in_kernel_counters_within_100ms(link_factory):
     link = link_factory(rate=100e6, delay=0.002)
     sink = probe._spawn(link.dst, "tcp-sink", probe.TCP_PORT, 2.0)
     try:
-        probe._wait_ready(sink, "tcp sink")
+        sink.ready("tcp sink")
         source = probe._spawn(link.src, "tcp-source", link.dst_ip, probe.TCP_PORT, 1.5)
         time.sleep(1.0)   # the flow is through slow start at 4 ms RTT (probe.WARMUP_S is 0.5 s)
         before = _rate_over(link.wan, 0.1)
@@ -187,13 +187,10 @@ def test_rate_change_shows_in_kernel_counters_within_100ms(link_factory):
         while time.monotonic() < t_set + 0.05:
             time.sleep(0.005)
         after = _rate_over(link.wan, 0.05)   # the window ends 100 ms after the change
-        probe._result(source, "tcp source", 10)
-        probe._result(sink, "tcp sink", 10)
+        source.result("tcp source", 10)
+        sink.result("tcp sink", 10)
     finally:
-        for p in (sink,):
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+        sink.close()
     assert before >= 0.8 * 100e6, before
     assert after <= 1.3 * 20e6, after
 

@@ -7,13 +7,15 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 
 from testbed import config, deploy, lifecycle
-from testbed.backend import agents, raycluster
-from testbed.errors import ConfigError
-from testbed.net.hostshape import u32_dst_key
+from testbed.backend import agents, raycluster, rayprobe
+from testbed.errors import ConfigError, NetworkError
+from testbed.net.hostshape import offload_state, u32_dst_key
+from testbed.net.probe import measure_link
 
 
 def _deployment(tmp_path, small_experiment, overrides=()):
@@ -173,3 +175,49 @@ def test_no_ray_head_at_the_address_is_exit_2_before_anything(tmp_path):
                        capture_output=True, text=True, timeout=60, cwd=agents.REPO)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "backend.address" in r.stderr and not out.exists()
+
+
+class _Actor:
+    """A Ray actor handle whose calls run at once, in this process (`ray.get` is identity)."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __getattr__(self, name):
+        return types.SimpleNamespace(remote=getattr(self.obj, name))
+
+
+class _Ray:
+    @staticmethod
+    def get(ref, timeout=None):
+        return ref
+
+
+def test_probe_runs_through_remote_sides_over_loopback():
+    """measure_link drives both ends through ProbeHost/RemoteSide (what a Ray host runs), here
+    in this namespace over loopback: every figure comes from one side's own counts or clock."""
+    hosts = [rayprobe.ProbeHost(), rayprobe.ProbeHost()]
+    src, dst = (rayprobe.RemoteSide(_Ray, _Actor(h)) for h in hosts)
+    try:
+        r = measure_link(src, dst, "127.0.0.1", {"rate": 1e9, "delay": 0.0, "loss": 0.01},
+                         duration_s=0.5, loss_packets=2000, probes=20)
+    finally:
+        for h in hosts:
+            h.stop()
+    m = r["measured"]
+    assert m["probes"] == 20 and m["rtt_p50_ms"] > 0 and m["jitter_ms"] >= 0
+    assert m["goodput_bps"] > 0
+    assert m["loss_packets"] == 2000 and m["loss"] == 0.0      # loopback drops nothing
+    assert all(p.proc.poll() is not None for h in hosts for p in h.procs.values())
+
+
+def test_remote_side_reports_a_failed_role_as_one_network_error():
+    side = rayprobe.RemoteSide(_Ray, _Actor(rayprobe.ProbeHost()))
+    p = side.spawn("no-such-role")
+    with pytest.raises(NetworkError, match="probe x failed"):
+        p.result("x", 10)
+
+
+def test_offload_state_reads_tso_gso_and_gro():
+    state = offload_state(None, "lo")
+    assert set(state) <= {"tso", "gso", "gro"} and set(state.values()) <= {"on", "off"}

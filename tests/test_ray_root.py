@@ -6,16 +6,20 @@ worker node in the PrfaaS host (`ray start --block`, labelled). tests/data/tiny.
 `backend: ray` from the local host (the driver beside the head), shaped by the agents on the two
 hosts' interfaces. Asserts on what was measured: every request ok, TTFT on the client's clock,
 the kernel's count in the agents' shaped classes at least the KV bytes sent, and nothing of the
-agents (qdisc, state file) left after the run.
+agents (qdisc, state file) left after the run. Also: `testbed linktest --backend ray` within
+linktest's tolerances (with loss: offload off during, restored after), `testbed clean --backend
+ray` after a SIGKILLed lossy run (offload restored), and a worker kill plus a link cut on Ray
+(nothing delivered during the cut, by the receiving hosts' kernel counters).
 
 The namespace hosts share this machine's disk and clock, so the test takes both away: each Ray
 node keeps its own copy of the run directory (`TESTBED_NODE_DIR`, a directory of its own, not
 the orchestrator's), so every log and record in the run directory got there by the collection;
 and the PrfaaS node runs a known clock skew (`TESTBED_CLOCK_SKEW_S`, test-only, set only in its
 `ray start` environment here), which the measured offset must recover within its uncertainty,
-and with which the corrected phase stamps must still be in causal order. Every Ray process is stopped by what is recorded
-of it: the `ray start --block` process, then whatever still runs in the test's namespaces
-(matched by namespace inode, never by name); the namespaces are removed, also on failure.
+and with which the corrected phase stamps must still be in causal order. Every Ray process is
+stopped by what is recorded of it: the `ray start --block` process, then whatever still runs in
+the test's namespaces (matched by namespace inode, never by name); the namespaces are removed,
+also on failure.
 """
 
 import contextlib
@@ -27,6 +31,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pandas as pd
@@ -35,7 +40,8 @@ import pytest
 from conftest import assert_remote_kv_crossed_the_wan
 from testbed import clocks, lifecycle
 from testbed.backend import agents
-from testbed.net import pair
+from testbed.net import pair, probe
+from testbed.net.hostshape import offload_state
 from testbed.net.ns import ns_path, ns_run, sysctl
 
 pytestmark = [pytest.mark.root, pytest.mark.slow,
@@ -284,6 +290,8 @@ def _leftovers(hosts, run_dir):
                        text=True).stdout
         found += [f"{h}: address {ln.split()[3]}" for ln in addrs.splitlines()
                   if " 10.1." in ln or " 10.2." in ln]
+        found += [f"{h}: {k} off" for k, v in offload_state(ns_path(h), f"{h}0").items()
+                  if v == "off" and k in ("tso", "gso")]       # a veth's default: on
     for p in pathlib.Path("/proc").iterdir():
         if p.name.isdigit():
             with contextlib.suppress(OSError):
@@ -292,6 +300,32 @@ def _leftovers(hosts, run_dir):
                         h in cmd for h in hosts.values()):
                     found.append(f"pid {p.name}: {cmd[:80]}")
     return found
+
+
+def _guard_pids(hosts):
+    """PIDs of the shaping agents' guard processes in the test's namespaces."""
+    out = []
+    for pid in _pids_in({_netns_inode(h) for h in hosts.values()}):
+        with contextlib.suppress(OSError):
+            argv = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if b"testbed.backend.agents" in argv and b"guard" in argv:
+                out.append(pid)
+    return out
+
+
+def _wait_owners_gone(pattern, timeout_s=60):
+    """Until no state file matching `pattern` has a live owner."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = []
+        for f in lifecycle.STATE_DIR.glob(pattern):
+            with contextlib.suppress(OSError, lifecycle.CorruptState):
+                if lifecycle.owner_alive(lifecycle.read_state(f)):
+                    alive.append(f.name)
+        if not alive:
+            return
+        assert time.monotonic() < deadline, f"owners still alive: {alive}"
+        time.sleep(0.2)
 
 
 @pytest.mark.parametrize("ray_hosts", ["shared"], indirect=True)
@@ -304,7 +338,8 @@ def test_sigkilled_orchestrator_then_clean_leaves_nothing(ray_hosts, tmp_path):
     orch = subprocess.Popen(
         ["nsenter", f"--net={ns_path(hosts['local'])}", sys.executable, "-m", "testbed.cli",
          "run", str(TINY), "--backend", "ray", "--address", head, "--out", str(out),
-         "--no-progress", "--no-probe", "--set", "requests=400"],
+         "--no-progress", "--no-probe", "--set", "requests=400",
+         "--set", "network.wan.loss=0.1%"],      # loss: the agents turn TSO/GSO off
         stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=_ray_env())
     log.close()
     records = out / "requests.jsonl"
@@ -313,19 +348,190 @@ def test_sigkilled_orchestrator_then_clean_leaves_nothing(ray_hosts, tmp_path):
         assert orch.poll() is None, (tmp_path / "orchestrator.log").read_text()[-3000:]
         assert time.monotonic() < deadline, "no 10 requests done within 180 s"
         time.sleep(0.2)
-    assert _leftovers(hosts, tmp_path)       # the run is shaping and running: something to undo
+    shaping = _leftovers(hosts, tmp_path)    # the run is shaping and running: something to undo
+    assert any(f.endswith("tso off") for f in shaping), shaping
     assert (out / "logs" / "rp0.log").exists()     # written there by the PrfaaS host itself
+    # The agents' guards go first (SIGKILL by PID: the guard processes in this test's
+    # namespaces), so what the agents did is left to `testbed clean` alone.
+    guards = _guard_pids(hosts)
+    assert len(guards) == 2, guards
+    for pid in guards:
+        os.kill(pid, signal.SIGKILL)
     orch.kill()
     orch.wait()
+    _wait_owners_gone("ray-*.json")      # Ray ends the dead driver's actors
+    assert any(f.endswith("tso off") for f in _leftovers(hosts, tmp_path))
     r = ns_run(hosts["local"], [sys.executable, "-m", "testbed.cli", "clean", "--backend", "ray",
                                 "--address", head], capture_output=True, text=True, cwd=ROOT,
                env=_ray_env(), timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
-    deadline = time.monotonic() + 30     # Ray ends the dead driver's actors; their guards undo
+    deadline = time.monotonic() + 30     # the workers see their launcher gone and exit
     while _leftovers(hosts, tmp_path) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert _leftovers(hosts, tmp_path) == []
+    assert _leftovers(hosts, tmp_path) == [], r.stdout    # TSO/GSO on again, among the rest
     assert not list(lifecycle.STATE_DIR.glob("ray-*.json"))
     for f in lifecycle.STATE_DIR.glob("*.json"):      # nor the orchestrator's own record
         with contextlib.suppress(OSError, lifecycle.CorruptState):
             assert lifecycle.read_state(f)["owner_pid"] != orch.pid, f
+
+
+def _linktest(hosts, head, *args):
+    r = ns_run(hosts["local"], [sys.executable, "-m", "testbed.cli", "linktest", "--backend",
+                                "ray", "--address", head, "--json", "--duration", "1.5", *args],
+               capture_output=True, text=True, timeout=240, cwd=ROOT, env=_ray_env())
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    print(" ".join(args), json.dumps({k: out[k] for k in ("measured", "deviation", "warnings",
+                                                          "agents")}))
+    return out
+
+
+def test_linktest_through_the_agents_meets_linktest_tolerances(ray_hosts, tmp_path):
+    """`testbed linktest --backend ray`: the probe between the two hosts' probe actors, shaped
+    by their agents, within the tolerances `testbed linktest` warns at (probe.compare): rate and
+    RTT without loss; RTT, jitter and loss (binomial bound) with it. Offload goes off on both
+    NICs for the lossy link and is back on afterwards."""
+    hosts, head = ray_hosts
+    before = {h: offload_state(ns_path(h), f"{h}0") for h in hosts.values()}
+    assert all(s["tso"] == s["gso"] == "on" for s in before.values()), before
+    clean = _linktest(hosts, head, "--rate", "100Mbit", "--delay", "5ms")
+    lossy = _linktest(hosts, head, "--rate", "50Mbit", "--delay", "5ms", "--jitter", "1ms",
+                      "--loss", "2%")
+    for out in (clean, lossy):
+        assert out["hosts"]["src"] == f"{FABRIC['prfaas']}.2", out["hosts"]
+        assert out["hosts"]["dst"] == f"{FABRIC['local']}.2", out["hosts"]
+        assert not [w for w in out["warnings"] if "deviates" in w], out
+        assert abs(out["deviation"]["rtt_p50"]) <= probe.DEVIATION_WARN, out["deviation"]
+        assert out["measured"]["probes"] >= 0.95 * probe.PROBES
+    assert abs(clean["deviation"]["goodput"]) <= probe.DEVIATION_WARN, clean["measured"]
+    assert clean["measured"]["loss"] is None
+    m = lossy["measured"]
+    assert m["loss_packets"] > 0 and 0 < m["loss"], m
+    assert {"jitter", "loss"} <= set(lossy["deviation"]), lossy["deviation"]
+    assert abs(lossy["deviation"]["jitter"]) <= probe.DEVIATION_WARN, lossy["deviation"]
+    assert {a["segmentation_offload"] for a in clean["agents"].values()} == {"on"}
+    assert {a["segmentation_offload"] for a in lossy["agents"].values()} == {"off"}
+    # undone: offload as before, no qdisc, rule, address or state file of the agents
+    assert {h: offload_state(ns_path(h), f"{h}0") for h in hosts.values()} == before
+    assert _leftovers(hosts, tmp_path) == []
+    assert not list(lifecycle.STATE_DIR.glob("ray-linktest-*.json"))
+
+
+def _delivered(host, direction):
+    """(bytes delivered, bytes dropped) of `direction` at the host that receives it so far,
+    from one snapshot of the kernel's rule counters (`iptables-save -c`): what the INPUT jump
+    into TBWAN-<direction> saw, less what that chain dropped (loss, a cut link); None while the
+    agent has no such rule."""
+    dump = ns_run(host, ["iptables-save", "-c", "-t", "filter"], capture_output=True,
+                  text=True).stdout
+    arrived = dropped = None
+    for ln in dump.splitlines():
+        if not ln.startswith("["):
+            continue
+        count, rule = ln.split(" ", 1)
+        nbytes = int(count.strip("[]").split(":")[1])
+        if rule.startswith("-A INPUT ") and rule.endswith(f"-j TBWAN-{direction}"):
+            arrived = (arrived or 0) + nbytes
+        elif rule.startswith(f"-A TBWAN-{direction} ") and rule.endswith("-j DROP"):
+            dropped = (dropped or 0) + nbytes
+    if arrived is None:
+        return None
+    return arrived - (dropped or 0), dropped or 0
+
+
+def _fault_window(ev, i):
+    """(inject, end) times of fault `i` in events.csv."""
+    rows = ev[ev.detail.str.contains(f"fault={i} ", na=False)]
+    return (float(rows[rows.kind == "fault_inject"].time.iloc[0]),
+            float(rows[rows.kind == "fault_end"].time.iloc[0]))
+
+
+class _Sampler(threading.Thread):
+    """(time, {direction: (bytes delivered, dropped)}) at the receiving hosts, every 50 ms."""
+
+    def __init__(self, hosts):
+        super().__init__(daemon=True)
+        self.at = {"kv": hosts["local"], "request": hosts["prfaas"]}
+        self.rows, self.done = [], threading.Event()
+
+    def run(self):
+        while not self.done.wait(0.05):
+            t0 = time.time()
+            got = {d: _delivered(h, d) for d, h in self.at.items()}
+            if all(v is not None for v in got.values()) and time.time() - t0 < 0.05:
+                self.rows.append((t0, got))      # a slow read is not placed in time: skipped
+
+
+def test_link_cut_and_worker_kill_on_ray(ray_hosts, tmp_path):
+    """Faults with `backend: ray`: rp0 is SIGKILLed through its launcher at 3 s, the WAN is cut
+    in both directions through the agents from 6 s for 5 s, then the kv direction degraded to
+    5% loss from 13 s for 4 s (real-world; scale.time 5). Every request is accounted for (none
+    lost, failures with their reason), the scheduler's health check saw rp0 down and the
+    requests went to rp1; the receiving hosts' kernel counters show no byte delivered across
+    the link while it was down (and bytes before and after), and kv drops during the
+    degradation only, while bytes still crossed; offload is back on after the run."""
+    hosts, head = ray_hosts
+    out = tmp_path / "run"
+    faults = ("[{at: 3s, kind: kill, target: rp0}, "
+              "{at: 6s, kind: link, direction: both, up: false, duration: 5s}, "
+              "{at: 13s, kind: link, direction: kv, loss: 5%, duration: 4s}]")
+    sampler = _Sampler(hosts)
+    sampler.start()
+    try:
+        r = ns_run(hosts["local"], [
+            sys.executable, "-m", "testbed.cli", "run", str(TINY), "--backend", "ray",
+            "--address", head, "--out", str(out), "--no-progress", "--no-probe",
+            "--set", "scale.time=5", "--set", "requests=40",
+            "--set", "clusters.prfaas.instances=2",
+            "--set", "scheduler.failover={enabled: true, interval: 1s, timeout: 1s}",
+            "--set", f"faults={faults}"],
+            capture_output=True, text=True, timeout=400, cwd=ROOT, env=_ray_env())
+    finally:
+        sampler.done.set()
+        sampler.join()
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    df = pd.read_parquet(out / "requests.parquet")
+    s = json.loads((out / "summary.json").read_text())
+    ev = pd.read_csv(out / "events.csv").sort_values("time")
+    assert s["accounting"]["lost"] == 0 and s["accounting"]["sent"] == 40, s["accounting"]
+    failed = df[df.status != "ok"]
+    assert failed.error.notna().all() and (failed.error != "").all(), failed.error.tolist()
+    kill, cut, _ = s["faults"]
+    # the kill: the worker died, the health check saw it, nothing was prefilled on it after
+    assert ev.kind.eq("worker_died").any() and kill["detect_s"] is not None, kill
+    down = ev[(ev.kind == "health") & ev.detail.str.contains("instance=rp0 role=prefill "
+                                                             "state=down")]
+    assert len(down), ev.kind.tolist()
+    assert not (df.prefill_instance == "rp0")[df.prefill_start > float(down.time.iloc[0])].any()
+    assert (df.prefill_instance == "rp1").any()
+    # the cut, as the agents' shaper recorded it and as the receiving hosts' kernels counted
+    assert cut["target"] == "wan:both"
+    ts = pd.read_csv(out / "timeseries.csv")
+    assert (ts.kv_up == 0).any() and ts.kv_up.iloc[-1] == 1 and ts.request_up.iloc[-1] == 1
+    t_cut, t_end = _fault_window(ev, 1)
+    rows = [(t, {d: v[0] for d, v in g.items()}) for t, g in sampler.rows]
+    during = [g for t, g in rows if t_cut + 0.2 <= t <= t_end]
+    before = [g for t, g in rows if t < t_cut]
+    after = [g for t, g in rows if t > t_end + 0.5]
+    assert len(during) >= 5 and before and after, (len(rows), t_cut, t_end)
+    sent = ts[(ts.time >= t_cut + 0.2) & (ts.time <= t_end)]
+    print(f"cut {t_end - t_cut:.2f} s: delivered "
+          f"{ {d: during[-1][d] - during[0][d] for d in ('kv', 'request')} } B over "
+          f"{len(during)} samples; sent into it (egress class) "
+          f"{ {d: int(sent[f'{d}_tx_bytes'].max() - sent[f'{d}_tx_bytes'].min()) for d in ('kv', 'request')} } B; "
+          f"ok {int((df.status == 'ok').sum())}/40, redispatched {kill['redispatched']}, "
+          f"kill detect {kill['detect_s']} s, cut detect {cut['detect_s']} s")
+    for d in ("kv", "request"):
+        assert during[-1][d] - during[0][d] == 0, (d, [(t, g) for t, g in sampler.rows
+                                                       if t_cut - 0.3 <= t <= t_end + 0.1])
+        assert before[-1][d] > 0 and after[-1][d] > during[-1][d], (d, before[-1], after[-1])
+    # the degradation: kv drops only while it lasts (after the cut's own drops), bytes still cross
+    t_deg, t_deg_end = _fault_window(ev, 2)
+    kv = [(t, *g["kv"]) for t, g in sampler.rows]
+    deg = [r for r in kv if t_deg + 0.2 <= r[0] <= t_deg_end]
+    pre = [r for r in kv if t_end + 0.2 <= r[0] < t_deg]
+    post = [r for r in kv if r[0] > t_deg_end + 0.2]
+    assert len(deg) >= 5 and pre and post, (len(kv), t_deg, t_deg_end)
+    assert deg[-1][2] > deg[0][2] and deg[-1][1] > deg[0][1], (deg[0], deg[-1])
+    assert pre[-1][2] == pre[0][2] and post[-1][2] == post[0][2], (pre, post)
+    assert _leftovers(hosts, out) == []

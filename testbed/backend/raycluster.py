@@ -38,7 +38,6 @@ is what metadata.json records and analysis corrects the other hosts' stamps by.
 from __future__ import annotations
 
 import dataclasses
-import os
 import platform
 import secrets
 import signal
@@ -415,23 +414,21 @@ class RayBackend:
                          "placement": {name: n.ip for name, n in self.placement.items()},
                          "agents": self.agent_info,
                          "run_dirs": {n.ip: info for n, info in self.host_dirs.items()}},
-            "segmentation_offload": True,
+            # the agents turn TSO/GSO/GRO off once the link has loss (testbed.net.hostshape)
+            "segmentation_offload": not self.deployment.per_frame,
             "shaping": {"backend": info.get("backend"), "reason": info.get("reason", ""),
-                        "where": "each host's egress interface, traffic to the other "
-                                 "datacenter only",
+                        "where": "rate and queue on the sending host's egress interface, "
+                                 "delay, jitter, loss and cuts as the receiving host takes "
+                                 "the packets in; traffic to the other datacenter only",
                         "emulated": {d: link.params()
                                      for d, link in self.deployment.links.items()}}}
 
     def probe(self, congestion_control):
         """The KV direction measured through the agents, from the PrfaaS host of the first
-        PrfaaS instance to the local host of the scheduler (link_fidelity); only where all
-        hosts are namespaces of this machine: the probe's one-way delays need one clock."""
-        from testbed.net import tcp
-        from testbed.net.probe import measure_link
+        PrfaaS instance to the local host of the scheduler (link_fidelity), by probe actors on
+        the two hosts; no clock shared by them is needed (testbed.backend.rayprobe)."""
+        from testbed.backend.rayprobe import measure
 
-        if any(i.get("boot_id") != agents.boot_id() for i in self.agent_info.values()):
-            return {"skipped": "hosts on other machines: the link probe needs one clock "
-                               "(docs/cluster.md)"}
         dep = self.deployment
         dst_node = self.placement["scheduler"]
         # the host's first instance address: the source of what it sends to other hosts
@@ -440,10 +437,8 @@ class RayBackend:
         src = next((i for i in dep.instances if i.dc == "prfaas"), None)
         src_node = self.placement[src.name] if src else next(
             n for n in self.nodes if n.dc == "prfaas")
-        os.environ[tcp.CC_ENV] = congestion_control      # the probe's TCP sender
-        return measure_link(self.agent_info[src_node.ip]["netns"],
-                            self.agent_info[dst_node.ip]["netns"], dst_ip,
-                            configured=dep.links["kv"].params())
+        return measure(self.ray, src_node, dst_node, dst_ip, dep.links["kv"].params(),
+                       congestion_control)
 
     def _addresses(self, node):
         """The instance addresses placed on `node`, in the deployment's order."""

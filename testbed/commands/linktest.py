@@ -7,6 +7,11 @@ The link is the run's WAN in miniature, built by the same `testbed.net.wan.Wan`
 
 `src -> dst` is the `kv` direction (egress toward the local side), `dst -> src` the `request`
 direction. Everything is recorded in a `Registry` and removed in `finally`, also on Ctrl-C.
+
+`--backend ray --address HOST:PORT` checks the link between two hosts of a Ray cluster instead:
+shaping agents on a node labelled dc=prfaas and one labelled dc=local shape it on their NICs as
+in a run, the probe runs between them (`testbed.backend.rayprobe`), and the agents undo after.
+The same tolerances apply; no clock shared by the hosts is needed (docs/cluster.md).
 """
 
 import json
@@ -43,7 +48,13 @@ def register(sub):
     p.add_argument("--loss-burst", default=None,
                    help="mean loss burst in packets (Gilbert model; default: independent)")
     p.add_argument("--queue", default=None, help="drop-tail queue, bytes or '100p' (default BDP)")
-    p.add_argument("--backend", default="auto", choices=("auto", "netem", "userspace"))
+    p.add_argument("--shaping", default="auto", choices=("auto", "netem", "userspace"),
+                   help="the shaping backend (default auto: netem where the kernel has it)")
+    p.add_argument("--backend", default="mininet", choices=("mininet", "ray"),
+                   help="mininet: namespaces of this machine (default); ray: between two hosts "
+                        "of a Ray cluster (docs/cluster.md)")
+    p.add_argument("--address", default="auto", metavar="HOST:PORT",
+                   help="ray: the Ray head (default: auto)")
     p.add_argument("--duration", type=float, default=2.0, help="seconds of bulk TCP (default 2)")
     p.add_argument("--cc", default=None, choices=("cubic", "bbr", "reno"),
                    help="TCP congestion control of the two hosts (default: the machine's)")
@@ -52,23 +63,39 @@ def register(sub):
 
 
 def main(args):
-    if os.geteuid() != 0:
-        raise PrivilegeError("testbed linktest builds namespaces and qdiscs: use sudo")
     d = direction_params(args.rate, args.delay, args.jitter, args.loss, args.queue,
                          loss_burst=args.loss_burst)
-    if args.cc:
-        os.environ[CC_ENV] = args.cc     # the probe's TCP sender uses it
-    with routed_pair({"kv": d, "request": d}, backend=args.backend) as link:
-        result = measure_link(link.src, link.dst, link.dst_ip, d.params(),
-                              duration_s=args.duration)
-        backend, reason = link.wan.backend, link.wan.backend_reason
-    cc = args.cc or open("/proc/sys/net/ipv4/tcp_congestion_control").read().strip()
-    out = {"backend": backend, "backend_reason": reason, "congestion_control": cc, **result}
+    if args.backend == "ray":
+        out = _on_ray(args, d)
+    else:
+        out = _on_this_machine(args, d)
     if args.json:
         print(json.dumps(out, default=_jsonable))
     else:
         print(format_result(out))
     return 0
+
+
+def _on_this_machine(args, d):
+    if os.geteuid() != 0:
+        raise PrivilegeError("testbed linktest builds namespaces and qdiscs: use sudo")
+    if args.cc:
+        os.environ[CC_ENV] = args.cc     # the probe's TCP sender uses it
+    with routed_pair({"kv": d, "request": d}, backend=args.shaping) as link:
+        result = measure_link(link.src, link.dst, link.dst_ip, d.params(),
+                              duration_s=args.duration)
+        backend, reason = link.wan.backend, link.wan.backend_reason
+    cc = args.cc or open("/proc/sys/net/ipv4/tcp_congestion_control").read().strip()
+    return {"backend": backend, "backend_reason": reason, "congestion_control": cc, **result}
+
+
+def _on_ray(args, d):
+    """Between a dc=prfaas and a dc=local host of the Ray cluster, shaped by their agents (which
+    need the Ray nodes to run as root; this process does not)."""
+    from testbed.backend.rayprobe import linktest
+    out = linktest(args.address, d, shaping=args.shaping, duration_s=args.duration,
+                   congestion_control=args.cc)
+    return {"congestion_control": args.cc or "the prfaas host's default", **out}
 
 
 def _jsonable(x):
@@ -89,8 +116,13 @@ def format_result(out):
              "-" if not m.get("loss_burst") else f"{m['loss_burst']:.2f}", "mean run"),
             ("reordered", "0", str(m["reordered"]), "")]
     lines = [f"backend: {out['backend']} ({out['backend_reason']}); TCP "
-             f"{out['congestion_control']}",
-             f"{'':22} {'configured':>16} {'measured':>16}"]
+             f"{out['congestion_control']}"]
+    if "hosts" in out:
+        h = out["hosts"]
+        lines.append(f"ray hosts: {h['src']} (dc=prfaas) -> {h['dst']} (dc=local, {h['dst_ip']});"
+                     " shaped on " + ", ".join(f"{a['node']} {a['iface']}"
+                                                for a in out["agents"].values()))
+    lines.append(f"{'':22} {'configured':>16} {'measured':>16}")
     lines += [f"{a:22} {b:>16} {c_:>16}  {d}" for a, b, c_, d in rows]
     lines.append(f"goodput: {m['goodput_basis']}")
     lines += [f"warning: {w}" for w in out["warnings"]]

@@ -39,7 +39,7 @@ class Firewall:
 
     def _jump(self, direction, iface):
         """The filter rule sending the direction's packets through its chain (forwarded ones,
-        on a router; `testbed.net.hostshape.HostFirewall` matches locally sent ones)."""
+        on a router; `testbed.net.hostshape.HostFirewall` matches what a host receives)."""
         return ["FORWARD", "-o", iface, "-j", self.chain(direction)]
 
     def _queue(self, direction, iface, queue_num):

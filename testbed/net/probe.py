@@ -4,8 +4,14 @@ Place in the architecture: after the network is built and before workers start, 
 `measure_link` across the WAN; `testbed linktest` and `benchmarks/link_fidelity.py` call it on a
 link built alone. It measures, it never reads back what the shaper was told:
 
-- RTT percentiles and one-way delay jitter from >= 100 UDP probes echoed by the far side. Both
-  namespaces share the host's CLOCK_MONOTONIC, so one-way delays are exact, not halved RTTs.
+- RTT percentiles and one-way delay jitter from >= 100 UDP probes echoed by the far side. The
+  RTT is timed on the sender's clock alone. Jitter is the standard deviation of the one-way
+  delays (receiver's CLOCK_MONOTONIC at arrival minus the sender's at sending), taken above
+  their minimum: a constant offset between the two clocks cancels, so it holds between two
+  machines as between two namespaces of one (where the clock is the same); two clocks' rate
+  difference (NTP keeps it under ~100 ppm) adds at most 0.1 ms across the 1 s of probes.
+  Every other figure is counted on one side (loss, reordering: receiver; goodput: sender), so
+  the probe needs no clock shared by its two ends (`testbed.backend.rayprobe`).
 - goodput: TCP payload bits/s of a bulk transfer over `duration_s` after a warm-up: segments the
   receiver got (acknowledged or SACKed; `tcpi_delivered` x MSS of the sender's socket), sampled by
   the sender every 10 ms while its send buffer keeps the link saturated; the rate is the slope.
@@ -21,8 +27,9 @@ link built alone. It measures, it never reads back what the shaper was told:
   first few are kept with how late they came (`reorder_examples`), to tell a delay-line reorder
   (milliseconds) from one of the kernel's per-CPU receive queues (microseconds).
 
-Each side runs as `nsenter --net=PATH python -m testbed.net.probe ROLE ...` (`testbed.net.ns`), a child of this
-process that prints one JSON line; every wait on it is bounded.
+Each side runs as `nsenter --net=PATH python -m testbed.net.probe ROLE ...` (`testbed.net.ns`), a
+child of this process that prints one JSON line (`ProbeProcess`); every wait on it is bounded.
+A side can also be another host's (an object with `spawn`: `testbed.backend.rayprobe`).
 """
 
 import json
@@ -260,34 +267,69 @@ def _slope(points):
 
 # ---------------------------------------------------------------- orchestration
 
-def _spawn(ns_path, *args):
-    argv = ns_argv(ns_path, [sys.executable, "-m", "testbed.net.probe", *args])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))]
-        + os.environ.get("PYTHONPATH", "").split(os.pathsep)))
-    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env)
+class ProbeProcess:
+    """One probe role (`python -m testbed.net.probe ROLE ...`), a child of this process, run
+    inside the namespace `ns_path` (None: this process's own, as on a Ray host where
+    `testbed.backend.rayprobe.ProbeHost` runs it). `env`: variables added to its environment
+    ($TESTBED_TCP_CC for the TCP source). Every wait on it is bounded."""
+
+    def __init__(self, ns_path, *args, env=None):
+        argv = ns_argv(ns_path, [sys.executable, "-m", "testbed.net.probe", *args])
+        repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = dict(os.environ, **(env or {}),
+                   PYTHONPATH=os.pathsep.join([repo] + os.environ.get("PYTHONPATH", "")
+                                              .split(os.pathsep)))
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env=env)
+
+    def ready(self, what, timeout_s=5.0):
+        """Wait for its 'ready' line; NetworkError (and the process killed) otherwise."""
+        r, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
+        line = self.proc.stdout.readline().strip() if r else ""
+        if line != "ready":
+            self.proc.kill()
+            raise NetworkError(f"probe {what} did not start: "
+                               f"{line or self.proc.stderr.read().strip()}")
+
+    def result(self, what, timeout_s):
+        """Its JSON result line, once it exits; NetworkError if none within `timeout_s`."""
+        try:
+            out, err = self.proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.communicate()
+            raise NetworkError(f"probe {what} gave no result within {timeout_s:.0f} s") from None
+        lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+        if self.proc.returncode != 0 or not lines:
+            raise NetworkError(f"probe {what} failed: "
+                               f"{err.strip().splitlines()[-1:] or self.proc.returncode}")
+        return json.loads(lines[-1])
+
+    def exited(self, timeout_s):
+        """True once it has exited, waiting at most `timeout_s`."""
+        try:
+            self.proc.wait(timeout=timeout_s)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+
+    def terminate(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+
+    def close(self):
+        """Kill it if it still runs and reap it."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.communicate()
 
 
-def _wait_ready(proc, what, timeout_s=5.0):
-    r, _, _ = select.select([proc.stdout], [], [], timeout_s)
-    line = proc.stdout.readline().strip() if r else ""
-    if line != "ready":
-        proc.kill()
-        raise NetworkError(f"probe {what} did not start: {line or proc.stderr.read().strip()}")
-
-
-def _result(proc, what, timeout_s):
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        raise NetworkError(f"probe {what} gave no result within {timeout_s:.0f} s") from None
-    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        raise NetworkError(f"probe {what} failed: {err.strip().splitlines()[-1:] or proc.returncode}")
-    return json.loads(lines[-1])
+def _spawn(side, *args):
+    """A probe role on `side`: a namespace path (or None) of this machine, or an object with
+    `spawn(*args)` returning a ProbeProcess-like handle (another host's; `rayprobe`)."""
+    if hasattr(side, "spawn"):
+        return side.spawn(*args)
+    return ProbeProcess(side, *args)
 
 
 def _percentile(xs, q):
@@ -302,19 +344,15 @@ def _percentile(xs, q):
 def measure_udp(src, dst, dst_ip, probes=PROBES, train=0, train_pps=1000.0):
     server = _spawn(dst, "udp-server", UDP_PORT, 60)
     try:
-        _wait_ready(server, "udp server")
+        server.ready("udp server")
         client = _spawn(src, "udp-client", dst_ip, UDP_PORT, probes, PROBE_INTERVAL_S, train,
                         train_pps)
-        c = _result(client, "udp client", probes * PROBE_INTERVAL_S + train / train_pps + 15)
-        try:
-            server.wait(timeout=1.0)   # it stops at the client's 'e' packet
-        except subprocess.TimeoutExpired:
+        c = client.result("udp client", probes * PROBE_INTERVAL_S + train / train_pps + 15)
+        if not server.exited(1.0):     # it stops at the client's 'e' packet
             server.terminate()         # 'e' was lost (link down): SIGTERM makes it report
-        s = _result(server, "udp server", 5)
+        s = server.result("udp server", 5)
     finally:
-        if server.poll() is None:
-            server.kill()
-            server.communicate()
+        server.close()
     return c, s
 
 
@@ -322,14 +360,12 @@ def measure_goodput(src, dst, dst_ip, duration_s):
     """TCP payload goodput (bit/s) of src -> dst; see GOODPUT_BASIS and the module docstring."""
     sink = _spawn(dst, "tcp-sink", TCP_PORT, duration_s)
     try:
-        _wait_ready(sink, "tcp sink")
+        sink.ready("tcp sink")
         source = _spawn(src, "tcp-source", dst_ip, TCP_PORT, duration_s)
-        r = _result(source, "tcp source", duration_s + WARMUP_S + 15)
-        rx = _result(sink, "tcp sink", 30)   # it reads what the source's buffer still held
+        r = source.result("tcp source", duration_s + WARMUP_S + 15)
+        rx = sink.result("tcp sink", 30)   # it reads what the source's buffer still held
     finally:
-        if sink.poll() is None:
-            sink.kill()
-            sink.communicate()
+        sink.close()
     if rx["bytes"] < r["window_bytes"]:
         raise NetworkError(f"probe tcp sink read {rx['bytes']} bytes, fewer than the "
                            f"{r['window_bytes']} the sender counted as delivered")
@@ -350,7 +386,7 @@ def measure_stalls(link, cuts, cut_s, period_s, warmup_s):
     sink = _spawn(link.dst, "tcp-sink", TCP_PORT, duration_s, cut_s / 2)
     windows = []
     try:
-        _wait_ready(sink, "tcp sink")
+        sink.ready("tcp sink")
         source = _spawn(link.src, "tcp-source", link.dst_ip, TCP_PORT, duration_s - WARMUP_S)
         t0 = time.monotonic()
         for k in range(cuts):
@@ -361,13 +397,10 @@ def measure_stalls(link, cuts, cut_s, period_s, warmup_s):
             up = time.monotonic()
             link.wan.set("kv", up=True)
             windows.append((up, time.monotonic()))
-        _result(source, "tcp source", duration_s + 15)
-        gaps = _result(sink, "tcp sink", 30)["gaps"]
+        source.result("tcp source", duration_s + 15)
+        gaps = sink.result("tcp sink", 30)["gaps"]
     finally:
-        for p in (sink,):
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+        sink.close()
     # The restore takes effect somewhere within its set() call (an iptables-restore, 5-30 ms
     # here): the stall is the longest pause overlapping that call.
     return [max((length for start, length in gaps if start <= end and start + length >= begin),
@@ -388,6 +421,9 @@ def measure_link(src_ns_path, dst_ns_path, dst_ip, configured, duration_s=2.0,
                  loss_packets=20000, probes=PROBES):
     """Configured vs measured for the src -> dst direction of a built link.
 
+    src_ns_path, dst_ns_path: the two ends, namespace paths of this machine or other hosts'
+    sides (`_spawn`).
+
     configured: the forward direction's emulated parameters {rate (bit/s), delay (s), jitter (s),
     loss}, optionally with a "reverse" dict of the same keys (else the link is symmetric).
     Returns {"configured", "measured": {goodput_bps, rtt_p50_ms, rtt_p99_ms, jitter_ms, loss,
@@ -403,7 +439,8 @@ def measure_link(src_ns_path, dst_ns_path, dst_ip, configured, duration_s=2.0,
     c, s = measure_udp(src_ns_path, dst_ns_path, dst_ip, probes, train, train_pps)
     goodput = measure_goodput(src_ns_path, dst_ns_path, dst_ip, duration_s)
     rtt_ms = [x / 1e6 for x in c["rtt_ns"]]
-    owd_ms = [x / 1e6 for x in s["owd_ns"]]
+    # one-way delays above the smallest: a constant offset between the two ends' clocks cancels
+    owd_ms = [(x - min(s["owd_ns"])) / 1e6 for x in s["owd_ns"]]
     measured = {
         "goodput_bps": goodput,
         "rtt_p50_ms": _percentile(rtt_ms, 0.5),
