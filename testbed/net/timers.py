@@ -50,13 +50,15 @@ class TcpTimers:
         """The timers for a run at `scale` (testbed.scale.Scale) on a kernel with `hz` ticks per
         second (None: this kernel's, `kernel_hz()`).
 
-        The RTO timer overshoots srtt + rto_min by about a jiffy: the kernel rounds the RTO up to
-        whole jiffies, and the timer wheel fires on the tick after the expiry (between 0 and 1
-        jiffy later, depending on where in a tick the timer was armed). A jiffy is the same
-        4 ms of emulated time at every scale, so at 1x it adds 2% to a 210 ms RTO and at 10x,
-        times ten, 20%. The floor that makes the real-world RTO the same is therefore
-        (200 ms + J) / scale.time - J for a jiffy J, to the nearest whole jiffy (the kernel
-        keeps rto_min in jiffies), and at least one."""
+        The RTO timer fires later than srtt + rto_min: the kernel keeps rto_min in whole
+        jiffies and rounds the RTO up to whole jiffies (+1 jiffy while srtt is under one), and
+        the timer wheel fires on the tick after the expiry (0-1 jiffy later, 0.5 on average).
+        A jiffy (J, 4 ms at HZ=250) is the same emulated time at every scale: at 1x the
+        overshoot is ~1 J on 200 ms (2%), at 10x it is ~1.5 J on 20 ms, times ten in real-world
+        time. The floor is therefore ((200 ms + J) / scale.time - 1.5 J), to the nearest whole
+        jiffy and at least one: at HZ=250, 96 ms at 2x, 36 ms at 5x, 16 ms at 10x, one jiffy
+        (4 ms) from 20x on; measured in docs/link.md.
+        Without a known tick, 200 ms / scale.time in whole ms."""
         if scale.time <= 1:
             return cls(rto_min_ms=None, quickack=False)
         hz = kernel_hz() if hz is None else hz
@@ -66,8 +68,8 @@ class TcpTimers:
             ms = round(scale.emulated_s(KERNEL_RTO_MIN_S) * 1e3)
             return cls(rto_min_ms=max(ROUTE_RTO_MIN_FLOOR_MS, ms), quickack=True, **sack)
         jiffy_ms = 1e3 / hz
-        jiffies = round((scale.emulated_s(KERNEL_RTO_MIN_S + jiffy_ms / 1e3) * 1e3 - jiffy_ms)
-                        / jiffy_ms)
+        jiffies = round((scale.emulated_s(KERNEL_RTO_MIN_S + jiffy_ms / 1e3) * 1e3
+                         - 1.5 * jiffy_ms) / jiffy_ms)
         # RTAX_RTO_MIN is whole ms, turned into jiffies rounding up: the largest ms in them
         return cls(rto_min_ms=math.floor(max(1, jiffies) * jiffy_ms + 1e-9), quickack=True,
                    **sack)
