@@ -17,6 +17,8 @@ link built alone. It measures, it never reads back what the shaper was told:
 - loss: when loss is configured, a paced UDP train of `loss_packets` one way (below half the link
   rate, so the bottleneck queue never drops), counted at the receiver; also the mean length of
   the runs of consecutive missing packets (`loss_burst`, 1 / (1 - loss) for independent loss).
+- loss recovery (`measure_requests`, not part of `measure_link`): message completion times
+  with chosen segments dropped, against the same message without the drop.
 - reordering: forward probes and train packets arriving below the highest sequence seen; the
   first few are kept with how late they came (`reorder_examples`), to tell a delay-line reorder
   (milliseconds) from one of the kernel's per-CPU receive queues (microseconds).
@@ -442,7 +444,9 @@ def _iptables(ns, rules, check=True):
 
 def measure_requests(link, segments, drop=(), trials=20, settle_s=0.05):
     """Message completion times over `link` (a `testbed.net.pair.routed_pair`), one fresh
-    connection per message, with chosen segments dropped at the sender.
+    connection per message, with chosen segments dropped as they reach the receiver (iptables in
+    its namespace, before TCP sees them: lost on the way, to the sender; a drop in the sender's
+    own OUTPUT chain would fail the send instead, and TCP would just send again).
 
     Each message is `segments` full segments (MSS_PAYLOAD bytes each: the src host sends single
     frames, its segmentation offload off); its time runs from the first write to the receiver's
