@@ -5,6 +5,9 @@ emulated at each scale; the hosts' routes carry the timers a run would set
 (`testbed.net.timers`), or the kernel's (200 ms RTO floor, delayed ACKs). A bulk TCP flow has its
 KV direction cut for 450 ms every 2 s (`probe.measure_stalls`); the receiver's stall across each
 cut is printed in real-world ms with its median, side by side. Not part of the test suite.
+The cut is made and undone by an iptables-restore that takes 5-30 ms of real time to act, so
+above 20x (a 450 ms cut is 11 ms at 40x) the cut itself is not what was asked and no stall is
+found; what one loss costs at each scale is benchmarks/loss_recovery.py.
 
     sudo .venv/bin/python benchmarks/tcp_timers.py [--cuts 7]
 """
@@ -23,7 +26,7 @@ from testbed.net.linkmodel import check_params  # noqa: E402
 from testbed.net.pair import routed_pair  # noqa: E402
 from testbed.scale import Scale  # noqa: E402
 
-POINTS = ((1.0, True), (10.0, True), (10.0, False), (40.0, True))
+POINTS = ((1.0, True), (10.0, True), (10.0, False), (20.0, True))
 RATE_BPS, DELAY_S, CUT_S, PERIOD_S, WARMUP_S = 20e6, 0.005, 0.45, 2.0, 1.0
 
 

@@ -23,6 +23,8 @@ link built alone. It measures, it never reads back what the shaper was told:
 - loss: when loss is configured, a paced UDP train of `loss_packets` one way (below half the link
   rate, so the bottleneck queue never drops), counted at the receiver; also the mean length of
   the runs of consecutive missing packets (`loss_burst`, 1 / (1 - loss) for independent loss).
+- loss recovery (`measure_requests`, not part of `measure_link`): message completion times
+  with chosen segments dropped, against the same message without the drop.
 - reordering: forward probes and train packets arriving below the highest sequence seen; the
   first few are kept with how late they came (`reorder_examples`), to tell a delay-line reorder
   (milliseconds) from one of the kernel's per-CPU receive queues (microseconds).
@@ -45,9 +47,10 @@ import sys
 import time
 
 from testbed.errors import NetworkError
-from testbed.net.ns import ns_argv
+from testbed.net.ns import disable_offloads, ns_argv, ns_run, sysctl
 
-TCP_PORT, UDP_PORT = 47001, 47002
+TCP_PORT, UDP_PORT, REQ_PORT = 47001, 47002, 47003
+MSS_PAYLOAD = 1448                # TCP payload of a 1500-byte MTU frame with timestamps
 WARMUP_S = 0.5                  # slow start at 40 ms RTT reaches 1 Gbit/s well within this
 PROBES, PROBE_INTERVAL_S = 200, 0.005
 HDR = struct.Struct("!cIq")     # kind ('p' probe, 't' train, 'e' end), seq, send time ns
@@ -255,6 +258,56 @@ def _tcp_source(ip, port, duration_s):
                       "rate_Bps": _slope(samples), "samples": len(samples)}), flush=True)
 
 
+def _tcp_replier(port, size, trials, timeout_s):
+    """Accept `trials` connections one after another; on each read `size` bytes, answer one byte
+    and read on to the sender's close."""
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("0.0.0.0", port))
+    srv.listen(4)
+    print("ready", flush=True)
+    srv.settimeout(timeout_s)
+    for _ in range(trials):
+        conn, _ = srv.accept()
+        conn.settimeout(timeout_s)
+        got = 0
+        while got < size:
+            n = len(conn.recv(size - got))
+            if n == 0:
+                break
+            got += n
+        conn.sendall(b"k")
+        while conn.recv(4096):
+            pass
+        conn.close()
+    print(json.dumps({"served": trials}), flush=True)
+
+
+def _tcp_requests(ip, port, size, trials, settle_s):
+    """`trials` fresh connections, one message of `size` bytes each; per message the time from
+    the first write to the receiver's one-byte answer, and the sender's retransmissions."""
+    from testbed.net.tcp import set_congestion_control
+    times, retrans, rto_us = [], [], []
+    msg = b"\0" * size
+    for _ in range(trials):
+        s = socket.socket()
+        set_congestion_control(s)
+        s.settimeout(10)
+        s.connect((ip, port))
+        time.sleep(settle_s)               # the handshake's last ACK is out; nothing in flight
+        t0 = time.monotonic()
+        s.sendall(msg)
+        if s.recv(1) != b"k":
+            raise SystemExit("tcp requests: the receiver closed before answering")
+        times.append(time.monotonic() - t0)
+        info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+        retrans.append(struct.unpack_from("I", info, 100)[0])     # tcpi_total_retrans
+        rto_us.append(struct.unpack_from("I", info, 8)[0])        # tcpi_rto
+        s.close()
+        time.sleep(settle_s)
+    print(json.dumps({"times": times, "retrans": retrans, "rto_us": rto_us}), flush=True)
+
+
 def _slope(points):
     """Least-squares slope of y over x for [(x, y), ...]; 0.0 with fewer than two points."""
     if len(points) < 2:
@@ -407,6 +460,57 @@ def measure_stalls(link, cuts, cut_s, period_s, warmup_s):
                 default=None) for begin, end in windows]
 
 
+def _drop_rules(op, port, packets):
+    """iptables argv lists adding (-A) or deleting (-D) a DROP of the connection's packets
+    numbered `packets` (conntrack's count in the original direction, 1 = the SYN)."""
+    return [["iptables", "-w", op, "INPUT", "-p", "tcp", "--dport", str(port), "-m",
+             "connbytes", "--connbytes", f"{n}:{n}", "--connbytes-dir", "original",
+             "--connbytes-mode", "packets", "-j", "DROP"] for n in packets]
+
+
+def _iptables(ns, rules, check=True):
+    for argv in rules:
+        r = ns_run(ns, argv, capture_output=True, text=True)
+        if check and r.returncode != 0:
+            raise NetworkError(f"{' '.join(argv[:4])} in {ns}: {r.stderr.strip() or r.returncode}")
+
+
+def measure_requests(link, segments, drop=(), trials=20, settle_s=0.05):
+    """Message completion times over `link` (a `testbed.net.pair.routed_pair`), one fresh
+    connection per message, with chosen segments dropped as they reach the receiver (iptables in
+    its namespace, before TCP sees them: lost on the way, to the sender; a drop in the sender's
+    own OUTPUT chain would fail the send instead, and TCP would just send again).
+
+    Each message is `segments` full segments (MSS_PAYLOAD bytes each: the src host sends single
+    frames, its segmentation offload off); its time runs from the first write to the receiver's
+    one-byte answer once it has read the whole message. `drop` numbers the packets to drop:
+    1 is the message's first segment, `segments` its last, `segments + 1` the first packet after
+    it (the last segment's retransmission, when nothing else is sent in between); every trial
+    loses the same packets. The hosts keep no TCP metrics between connections, so each trial
+    starts alike. Returns {"times": [s], "retrans": [segments retransmitted], "rto_us": [the
+    sender's RTO at the end]} in this link's (emulated) time; `settle_s` is the pause after the
+    handshake and after each message."""
+    src_if = f"{link.names[0]}0"
+    disable_offloads(link.src, src_if)
+    for end in (link.src, link.dst):
+        sysctl(end, "net.ipv4.tcp_no_metrics_save=1")
+    size = segments * MSS_PAYLOAD
+    packets = [n + 2 for n in drop]          # conntrack counts the SYN and the handshake's ACK
+    sink = _spawn(link.dst, "tcp-replier", REQ_PORT, size, trials, 30)
+    _iptables(link.dst, _drop_rules("-A", REQ_PORT, packets))
+    try:
+        _wait_ready(sink, "tcp replier")
+        source = _spawn(link.src, "tcp-requests", link.dst_ip, REQ_PORT, size, trials, settle_s)
+        out = _result(source, "tcp requests", 60 + trials * (1 + 2 * settle_s))
+        _result(sink, "tcp replier", 10)
+    finally:
+        _iptables(link.dst, _drop_rules("-D", REQ_PORT, packets), check=False)
+        if sink.poll() is None:
+            sink.kill()
+            sink.communicate()
+    return out
+
+
 def _expected(configured):
     fwd = configured
     rev = configured.get("reverse", configured)
@@ -511,6 +615,10 @@ def main(argv):
         _tcp_sink(int(args[0]), float(args[1]), *map(float, args[2:3]))
     elif role == "tcp-source":
         _tcp_source(args[0], int(args[1]), float(args[2]))
+    elif role == "tcp-replier":
+        _tcp_replier(int(args[0]), int(args[1]), int(args[2]), float(args[3]))
+    elif role == "tcp-requests":
+        _tcp_requests(args[0], int(args[1]), int(args[2]), int(args[3]), float(args[4]))
     else:
         raise SystemExit(f"unknown probe role {role!r}")
 

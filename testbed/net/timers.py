@@ -28,6 +28,8 @@ import socket
 
 KERNEL_RTO_MIN_S = 0.200        # TCP_RTO_MIN (HZ / 5)
 KERNEL_DELACK_MIN_S = 0.040     # TCP_DELACK_MIN (HZ / 25)
+SACK_DELAY_NS = 1_000_000       # net.ipv4.tcp_comp_sack_delay_ns default: SACK compression cap
+SACK_SLACK_NS = 100_000         # net.ipv4.tcp_comp_sack_slack_ns default: its timer's slack
 ROUTE_RTO_MIN_FLOOR_MS = 1      # RTAX_RTO_MIN is whole milliseconds
 RTAX_RTO_MIN = 13               # linux/rtnetlink.h; its bit in RTAX_LOCK
 MAIN_TABLE = 254
@@ -35,22 +37,55 @@ MAIN_TABLE = 254
 
 @dataclasses.dataclass(frozen=True)
 class TcpTimers:
-    """What the hosts' routes carry: rto_min in ms (None: kernel default) and quickack."""
+    """What the hosts' routes carry: rto_min in ms (None: kernel default) and quickack; and
+    the hosts' SACK compression sysctls in ns (None: kernel default)."""
 
     rto_min_ms: int | None
     quickack: bool
+    sack_delay_ns: int | None = None
+    sack_slack_ns: int | None = None
 
     @classmethod
-    def for_scale(cls, scale):
-        """The timers for a run at `scale` (testbed.scale.Scale)."""
+    def for_scale(cls, scale, hz=None):
+        """The timers for a run at `scale` (testbed.scale.Scale) on a kernel with `hz` ticks per
+        second (None: this kernel's, `kernel_hz()`).
+
+        The RTO timer fires later than srtt + rto_min: the kernel keeps rto_min in whole
+        jiffies and rounds the RTO up to whole jiffies (+1 jiffy while srtt is under one), and
+        the timer wheel fires on the tick after the expiry (0-1 jiffy later, 0.5 on average).
+        A jiffy (J, 4 ms at HZ=250) is the same emulated time at every scale: at 1x the
+        overshoot is ~1 J on 200 ms (2%), at 10x it is ~1.5 J on 20 ms, times ten in real-world
+        time. The floor is therefore ((200 ms + J) / scale.time - 1.5 J), to the nearest whole
+        jiffy and at least one: at HZ=250, 96 ms at 2x, 36 ms at 5x, 16 ms at 10x, one jiffy
+        (4 ms) from 20x on; measured in docs/link.md.
+        Without a known tick, 200 ms / scale.time in whole ms."""
         if scale.time <= 1:
             return cls(rto_min_ms=None, quickack=False)
-        ms = max(ROUTE_RTO_MIN_FLOOR_MS, round(scale.emulated_s(KERNEL_RTO_MIN_S) * 1e3))
-        return cls(rto_min_ms=int(ms), quickack=True)
+        hz = kernel_hz() if hz is None else hz
+        sack = {"sack_delay_ns": round(scale.emulated_s(SACK_DELAY_NS)),
+                "sack_slack_ns": round(scale.emulated_s(SACK_SLACK_NS))}
+        if not hz:      # tick unknown: scale the floor alone, whole ms
+            ms = round(scale.emulated_s(KERNEL_RTO_MIN_S) * 1e3)
+            return cls(rto_min_ms=max(ROUTE_RTO_MIN_FLOOR_MS, ms), quickack=True, **sack)
+        jiffy_ms = 1e3 / hz
+        jiffies = round((scale.emulated_s(KERNEL_RTO_MIN_S + jiffy_ms / 1e3) * 1e3
+                         - 1.5 * jiffy_ms) / jiffy_ms)
+        # RTAX_RTO_MIN is whole ms, turned into jiffies rounding up: the largest ms in them
+        return cls(rto_min_ms=math.floor(max(1, jiffies) * jiffy_ms + 1e-9), quickack=True,
+                   **sack)
 
     @property
     def active(self):
         return self.rto_min_ms is not None or self.quickack
+
+    def sysctls(self):
+        """The hosts' namespace sysctls ('name=value')."""
+        out = []
+        if self.sack_delay_ns is not None:
+            out.append(f"net.ipv4.tcp_comp_sack_delay_ns={self.sack_delay_ns}")
+        if self.sack_slack_ns is not None:
+            out.append(f"net.ipv4.tcp_comp_sack_slack_ns={self.sack_slack_ns}")
+        return out
 
     def metrics(self):
         """pyroute2's RTA_METRICS for a route."""
@@ -74,6 +109,7 @@ class TcpTimers:
         out["rto_min_real_ms"] = scale.real_s(rto_ms)
         out["delayed_ack_real_ms"] = 0.0 if self.quickack else scale.real_s(
             KERNEL_DELACK_MIN_S * 1e3)
+        out["sack_delay_ns"], out["sack_slack_ns"] = self.sack_delay_ns, self.sack_slack_ns
         return out
 
 
@@ -102,11 +138,16 @@ def _route_key(r):
 
 
 def apply(ns_path, timers):
-    """Put `timers` on every IPv4 route of the main table in the namespace at `ns_path`;
-    returns the routes changed ('dst/len'). Raises NetworkError naming the route and errno."""
+    """Put `timers` on every IPv4 route of the main table in the namespace at `ns_path`, and
+    its sysctls in that namespace; returns the routes changed ('dst/len'). Raises NetworkError
+    naming the route and errno, or the sysctl."""
     if not timers.active:
         return []
     from testbed.net import netlink
+    from testbed.net.ns import sysctl
+
+    if timers.sysctls():
+        sysctl(ns_path, *timers.sysctls())
 
     changed = []
     with netlink.open_netns(ns_path) as ns:
