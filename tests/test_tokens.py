@@ -1,82 +1,223 @@
-"""The token path's demultiplexing, no root: a decode worker's `TokenBatch` reaches each
-request's `Flight` (workers/tokens.py), and a request's chunks, which come on two streams that may
-overtake each other, are relayed in token order with the last chunk last (workers/recovery.py)."""
+"""The direct token path, no root (workers/tokens.py, workers/decode.py): a decode worker sends
+each client's tokens on that client's stream, first tokens at once and with a `direct` mark for
+the scheduler; the client merges them with the scheduler's `Submit` stream in token order, takes
+direct tokens only from the announced decode instance, and fails a request whose tokens would
+repeat or never come."""
 
 import asyncio
 import types
 
+import pytest
+
 from testbed.proto import testbed_pb2 as pb
-from workers.policy import Instance
-from workers.recovery import Flight
-from workers.tokens import TokenStreams
+from workers import tokens
+from workers.decode import DecodeService, Slot
+from workers.tokens import DirectCall, TokenStreams
 
 
-def _chunk(first, n, done=False):
-    return pb.TokenChunk(id=7, first_index=first, times=[float(first + i) for i in range(n)],
+def _chunk(first, n, done=False, rid=7):
+    return pb.TokenChunk(id=rid, first_index=first, times=[float(first + i) for i in range(n)],
                          done=done, status="ok" if done else "")
 
 
-def _flight():
-    svc = types.SimpleNamespace(rt=types.SimpleNamespace(
-        scheduler=types.SimpleNamespace(failover=True)))
-    return Flight(svc, pb.Request(id=7, output_len=6))
+def _announce(name, rid=7):
+    return pb.TokenChunk(id=rid, decode_instance=name)
 
 
-def test_chunks_are_relayed_in_token_order_and_the_last_waits_for_the_gap():
+class _Submit:
+    """A `Submit` call: yields what the test puts in, ends at None."""
+
+    def __init__(self):
+        self.q = asyncio.Queue()
+        self.cancelled = False
+
+    def cancel(self):
+        self.cancelled = True
+
+    async def _gen(self):
+        while (c := await self.q.get()) is not None:
+            yield c
+
+    def __aiter__(self):
+        return self._gen()
+
+
+def _streams():
+    return TokenStreams("client", [], types.SimpleNamespace(info=print, warning=print))
+
+
+async def _collect(call, steps):
+    """Run `steps` (callables, one per loop turn) while iterating `call`; its chunks."""
+    got = []
+
+    async def consume():
+        async for c in call:
+            got.append(c)
+    task = asyncio.ensure_future(consume())
+    for step in steps:
+        await asyncio.sleep(0.01)
+        step()
+    await asyncio.wait_for(task, 2.0)
+    return got
+
+
+def test_direct_and_relayed_chunks_come_in_token_order_and_the_last_waits_for_the_gap():
     async def go():
-        f = _flight()
-        got = f._in_order([_chunk(3, 2), _chunk(5, 1, done=True)])   # overtook tokens 0..2
-        assert got == [] and f.final_timer is not None
-        got = f._in_order([_chunk(0, 3)])
-        f.final_timer.cancel()
-        return got
-    got = asyncio.run(go())
+        streams, sub = _streams(), _Submit()
+        call = DirectCall(streams, sub, 7)
+        return await _collect(call, [
+            lambda: sub.q.put_nowait(_announce("ld0")),
+            lambda: call.queue.put_nowait(("ld0", _chunk(3, 2))),       # overtook tokens 0..2
+            lambda: sub.q.put_nowait(_chunk(5, 1, done=True)),
+            lambda: sub.q.put_nowait(_chunk(0, 3)),                     # relayed by the scheduler
+            lambda: sub.q.put_nowait(None)]), streams
+    got, streams = asyncio.run(go())
     assert [(c.first_index, c.done) for c in got] == [(0, False), (3, False), (5, True)]
     assert [t for c in got for t in c.times] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert not streams.calls
 
 
-def test_a_last_chunk_whose_tokens_never_come_fails_the_request():
+def test_a_last_chunk_whose_tokens_never_come_fails_the_request(monkeypatch):
+    monkeypatch.setattr(tokens, "HELD_FINAL_S", 0.05)
+
     async def go():
-        f = _flight()
-        f.d = types.SimpleNamespace(name="ld0")
-        f._in_order([_chunk(0, 2), _chunk(4, 2, done=True)])
-        f.final_timer.cancel()
-        return f._in_order([f._missing_tokens()])
-    (final,) = asyncio.run(go())
-    assert final.done and final.status == "failed" and "2 tokens" in final.error
-    assert final.first_index == 2 and not final.times
+        streams, sub = _streams(), _Submit()
+        call = DirectCall(streams, sub, 7)
+        return await _collect(call, [
+            lambda: sub.q.put_nowait(_announce("ld0")),
+            lambda: call.queue.put_nowait(("ld0", _chunk(0, 2))),
+            lambda: sub.q.put_nowait(_chunk(4, 2, done=True))])
+    got = asyncio.run(go())
+    final = got[-1]
+    assert [c.first_index for c in got] == [0, 2]
+    assert final.done and final.status == "failed" and "2 tokens from ld0" in final.error
+    assert not final.times
 
 
-class _Stub:
+def test_direct_tokens_count_only_from_the_announced_instance():
+    async def go():
+        streams, sub = _streams(), _Submit()
+        call = DirectCall(streams, sub, 7)
+        return await _collect(call, [
+            lambda: call.queue.put_nowait(("ld1", _chunk(0, 1))),   # before its announcement
+            lambda: sub.q.put_nowait(_announce("ld0")),
+            lambda: sub.q.put_nowait(_announce("ld1")),              # re-dispatched to ld1
+            lambda: call.queue.put_nowait(("ld0", _chunk(0, 2))),   # ld0 woke up: stale
+            lambda: call.queue.put_nowait(("ld1", _chunk(1, 2))),
+            lambda: sub.q.put_nowait(_chunk(3, 0, done=True)),
+            lambda: sub.q.put_nowait(None)])
+    got = asyncio.run(go())
+    assert [(c.first_index, len(c.times), c.done) for c in got] == [
+        (0, 1, False), (1, 2, False), (3, 0, True)]
+    assert got[-1].status == "ok"
+
+
+def test_tokens_that_come_twice_fail_the_request_and_end_it_at_the_scheduler():
+    async def go():
+        streams, sub = _streams(), _Submit()
+        call = DirectCall(streams, sub, 7)
+        got = await _collect(call, [
+            lambda: sub.q.put_nowait(_announce("ld0")),
+            lambda: call.queue.put_nowait(("ld0", _chunk(0, 1))),   # then ld0 died
+            lambda: sub.q.put_nowait(_announce("ld1")),              # the scheduler missed it
+            lambda: call.queue.put_nowait(("ld1", _chunk(0, 1)))])
+        return got, sub
+    got, sub = asyncio.run(go())
+    assert [c.done for c in got] == [False, True]
+    assert got[-1].status == "failed" and "came again from ld1" in got[-1].error
+    assert sub.cancelled
+
+
+def test_a_failure_from_the_scheduler_ends_the_request_at_once():
+    async def go():
+        streams, sub = _streams(), _Submit()
+        call = DirectCall(streams, sub, 7)
+        return await _collect(call, [
+            lambda: sub.q.put_nowait(_announce("ld0")),
+            lambda: call.queue.put_nowait(("ld0", _chunk(0, 3))),
+            lambda: sub.q.put_nowait(pb.TokenChunk(id=7, done=True, status="failed",
+                                                   error="decode ld0 failed after 3 tokens"))])
+    got = asyncio.run(go())
+    assert [(c.first_index, c.done) for c in got] == [(0, False), (3, True)]
+    assert got[-1].error == "decode ld0 failed after 3 tokens"
+
+
+class _DecodeStub:
     def __init__(self, batches):
         self.batches = batches
+        self.asked = []
 
     async def Tokens(self, request):
+        self.asked.append(request.client)
         for b in self.batches:
             await asyncio.sleep(0)
             yield b
+        await asyncio.sleep(10)
 
 
-def test_a_worker_batch_reaches_each_attached_flight_once():
-    d = Instance(name="ld0", role="decode", dc="local", accelerator="h20", addr="x:1")
-    seen = []
-    batch = pb.TokenBatch(chunks=[_chunk(0, 1), pb.TokenChunk(id=8, first_index=0, times=[1.0])])
+def test_a_worker_batch_reaches_each_open_call_once():
+    batch = pb.TokenBatch(chunks=[_chunk(0, 1), _chunk(0, 1, rid=8), _chunk(0, 1, rid=9)])
 
     async def go():
-        svc = types.SimpleNamespace(decode_stub={"ld0": _Stub([batch, batch])},
-                                    health=types.SimpleNamespace(seen=seen.append))
-        streams = TokenStreams(svc, types.SimpleNamespace(info=lambda *a: None))
-        f7, f8 = types.SimpleNamespace(inbox=asyncio.Queue()), types.SimpleNamespace(
-            inbox=asyncio.Queue())
-        streams.attach(d, 7, f7)
-        streams.attach(d, 8, f8)
-        await asyncio.sleep(0)
-        await asyncio.sleep(0)
-        streams.detach(d, 8)                  # request 8 moved elsewhere: its chunks stop here
-        await asyncio.wait_for(streams.readers["ld0"], 1.0)
-        return f7.inbox, f8.inbox, streams
-    q7, q8, streams = asyncio.run(go())
-    assert q7.qsize() == 2 and q8.qsize() == 1
-    inst, chunk = q7.get_nowait()
-    assert inst is d and chunk.id == 7
-    assert seen == [d, d] and not streams.readers
+        streams = _streams()
+        stub = streams.stubs["ld0"] = _DecodeStub([pb.TokenBatch(), batch])
+        streams.channels["ld0"] = None
+        streams.opened["ld0"] = asyncio.Event()
+        c7, c8 = DirectCall(streams, _Submit(), 7), DirectCall(streams, _Submit(), 8)
+        await streams.start(1.0)
+        for _ in range(5):
+            await asyncio.sleep(0)
+        for t in streams.readers:
+            t.cancel()
+        return c7.queue, c8.queue, stub
+    q7, q8, stub = asyncio.run(go())
+    assert stub.asked == ["client"]
+    assert q7.qsize() == 1 and q8.qsize() == 1
+    name, chunk = q7.get_nowait()
+    assert name == "ld0" and chunk.id == 7
+
+
+def _decode_service():
+    rt = types.SimpleNamespace(token_flush_s=0.5, kv_deadline_s=1.0)
+    return DecodeService(rt, "ld0", types.SimpleNamespace(), None)
+
+
+def _slot(rid, client, n, emitted=0):
+    s = Slot(rid)
+    s.client, s.times, s.token_ids, s.emitted = client, [float(i) for i in range(n)], [0] * n, emitted
+    return s
+
+
+def test_decode_sends_each_clients_tokens_on_its_stream_and_wakes_first_tokens():
+    async def go():
+        svc = _decode_service()
+        svc.last_flush = 100.0
+        svc.token_streams = {"a": asyncio.Queue(), "b": asyncio.Queue()}
+        first_a, first_b = _slot(1, "a", 1), _slot(2, "b", 1)
+        later_a, relayed = _slot(3, "a", 4, emitted=1), _slot(4, "", 1)
+        svc._send_batch([first_a, first_b, later_a, relayed], 100.1)     # not a flush
+        between = {c: [[ch.id for ch in q.get_nowait().chunks]] for c, q in
+                   svc.token_streams.items()}
+        svc._send_batch([first_a, later_a], 100.7)                        # a flush
+        flush = [ch.id for ch in svc.token_streams["a"].get_nowait().chunks]
+        return between, flush, first_a, later_a, relayed
+    between, flush, first_a, later_a, relayed = asyncio.run(go())
+    assert between == {"a": [[1]], "b": [[2]]}
+    assert flush == [3]             # request 1's token already went
+    assert first_a.wake.is_set() and not later_a.wake.is_set()
+    assert first_a.emitted == 1 and later_a.emitted == 4 and relayed.emitted == 0
+
+
+def test_a_tokens_stream_needs_a_client_name():
+    class Aborted(Exception):
+        pass
+
+    class Ctx:
+        async def abort(self, code, details):
+            raise Aborted(details)
+
+    async def go():
+        gen = _decode_service().Tokens(pb.TokensRequest(), Ctx())
+        await gen.__anext__()
+    with pytest.raises(Aborted, match="client name"):
+        asyncio.run(go())

@@ -6,16 +6,22 @@ the KV deadline) until its KV has fully arrived, then joins the continuous batch
 boundary, up to BS_max. Every step emits one token per batched request, stamped with this
 worker's clock; the first token is sent at once, later ones are coalesced into chunks (every
 `flush_s`, and always the last one) so the control plane stays cheap while each token keeps its
-exact time. While the scheduler holds this worker's `Tokens` stream, the chunks of every batched
-request go out together in one `TokenBatch` per flush (first tokens at once, in a batch of their
-own) and a request's `Decode` stream carries only its last chunk; without it each request's
-chunks go on its own stream.
+exact time.
+
+Tokens go straight to the client: while the request's client (`Request.client`) holds its
+`Tokens` stream on this worker (workers/tokens.py), the chunks of every batched request of that
+client go out together in one `TokenBatch` per flush (first tokens at once, in a batch of their
+own), and the request's `Decode` stream, the scheduler's, carries one `direct` mark when the
+first token has gone (so the scheduler knows the request has begun: no failover after that) and
+the last chunk. Without such a stream each request's chunks go on its `Decode` stream, and the
+scheduler relays them.
 """
 
 import asyncio
 import collections
 import time
 
+import grpc
 
 from testbed.proto import testbed_pb2 as pb
 from testbed.proto import testbed_pb2_grpc as pbg
@@ -46,6 +52,8 @@ class Slot:
         self.wake = asyncio.Event()
         self.finished = False
         self.attempt = -1            # the prefill attempt whose KV this slot takes
+        self.client = ""             # Request.client: whose Tokens stream takes the tokens
+        self.marked = False          # the scheduler was told the first token went direct
         self.cache_bytes = 0
         self.cache_tokens = 0
 
@@ -62,7 +70,7 @@ class DecodeService(pbg.DecodeServicer):
         self.flush_s = rt.token_flush_s
         self.orphan_s = rt.kv_deadline_s
         self.has_work = asyncio.Event()
-        self.token_streams = []     # queues of the open `Tokens` streams (the newest is used)
+        self.token_streams = {}     # client -> queue of its open `Tokens` stream (the newest)
         self.last_flush = 0.0
         # The torch engine assembles the shipped state from the KV frames, steps in a thread
         # (the loop keeps receiving KV meanwhile) and emits, at each step, the token fed in:
@@ -145,6 +153,7 @@ class DecodeService(pbg.DecodeServicer):
         if slot is None:
             slot = self.slots[req.id] = Slot(req.id)
         slot.claimed = True
+        slot.client = req.client
         slot.output_len = max(1, req.output_len)
         slot.input_len = req.input_len
         slot.kv_need = (self.engine.kv_need(req.input_len, slot.output_len) if self.paced
@@ -183,8 +192,11 @@ class DecodeService(pbg.DecodeServicer):
                 if slot.finished:
                     yield self._final(slot, "ok", "")
                     return
-                if len(slot.times) > slot.emitted:      # not already sent in a TokenBatch
+                if len(slot.times) > slot.emitted:      # no Tokens stream took them
                     yield self._chunk(slot)
+                elif slot.emitted and not slot.marked:  # the first token went to the client
+                    slot.marked = True
+                    yield pb.TokenChunk(id=slot.rid, direct=slot.emitted)
         finally:
             if prefix is not None and not prefix.done():
                 prefix.cancel()
@@ -197,14 +209,20 @@ class DecodeService(pbg.DecodeServicer):
             self.engine.release(req.id)
 
     async def Tokens(self, request, context):
-        """Every batched request's new tokens, one `TokenBatch` per flush (the scheduler's)."""
+        """The new tokens of every batched request of `request.client`, one `TokenBatch` per
+        flush; the first batch is empty (the stream is open). A newer stream of the same client
+        replaces this one."""
+        if not request.client:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Tokens needs a client name")
         queue = asyncio.Queue()
-        self.token_streams.append(queue)
+        self.token_streams[request.client] = queue
         try:
+            yield pb.TokenBatch()
             while True:
                 yield await queue.get()
         finally:
-            self.token_streams.remove(queue)
+            if self.token_streams.get(request.client) is queue:
+                del self.token_streams[request.client]
 
     def _chunk(self, slot):
         i = slot.emitted
@@ -282,7 +300,7 @@ class DecodeService(pbg.DecodeServicer):
                     slot.finished = True
                     slot.wake.set()
                     continue
-                if not self.token_streams and (
+                if slot.client not in self.token_streams and (
                         first or now - last_flush.get(slot.rid, 0.0) >= self.flush_s):
                     last_flush[slot.rid] = now
                     slot.wake.set()
@@ -298,16 +316,21 @@ class DecodeService(pbg.DecodeServicer):
             self.batch = keep
 
     def _send_batch(self, batch, now):
-        """One `TokenBatch` on the newest `Tokens` stream: every request's pending tokens each
-        `flush_s`, and in between the requests whose first token this step made."""
-        if now - self.last_flush >= self.flush_s:
+        """One `TokenBatch` per client on its `Tokens` stream: every request's pending tokens
+        each `flush_s`, and in between the requests whose first token this step made. A first
+        token sent wakes the request's `Decode` stream, which marks it for the scheduler."""
+        flush = now - self.last_flush >= self.flush_s
+        if flush:
             self.last_flush = now
-            ready = [s for s in batch if len(s.times) > s.emitted]
-        else:
-            ready = [s for s in batch if len(s.times) == 1 and not s.emitted]
-        if ready:
-            self.token_streams[-1].put_nowait(
-                pb.TokenBatch(chunks=[self._chunk(s) for s in ready]))
+        out = {}
+        for s in batch:
+            if (len(s.times) > s.emitted if flush else len(s.times) == 1 and not s.emitted) \
+                    and s.client in self.token_streams:
+                if not s.emitted:
+                    s.wake.set()
+                out.setdefault(s.client, []).append(self._chunk(s))
+        for client, chunks in out.items():
+            self.token_streams[client].put_nowait(pb.TokenBatch(chunks=chunks))
 
     def _reap_orphans(self):
         """KV that arrived for a request whose Decode stream never came is freed after a while."""

@@ -301,7 +301,10 @@ class SchedulerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Submit(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The request's token chunks; with `Request.client` set, an announcement of its decode
+        instance (`decode_instance`, no times, not done) each time one is chosen, and the tokens
+        the decode worker could not send to the client directly, then the last chunk.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -560,7 +563,7 @@ class DecodeStub:
                 _registered_method=True)
         self.Tokens = channel.unary_stream(
                 '/testbed.Decode/Tokens',
-                request_serializer=testbed_dot_proto_dot_testbed__pb2.Empty.SerializeToString,
+                request_serializer=testbed_dot_proto_dot_testbed__pb2.TokensRequest.SerializeToString,
                 response_deserializer=testbed_dot_proto_dot_testbed__pb2.TokenBatch.FromString,
                 _registered_method=True)
         self.Health = channel.unary_unary(
@@ -574,15 +577,16 @@ class DecodeServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Decode(self, request, context):
-        """A request's token stream. While a `Tokens` stream is open its tokens go there and this
-        stream carries only the last chunk (done, with any tokens not sent yet).
+        """A request's token stream (the scheduler's). While its client's `Tokens` stream is open the
+        tokens go there, straight to the client, and this stream carries one `direct` mark (at the
+        first token) and the last chunk (done, with any tokens not sent yet).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Tokens(self, request, context):
-        """the scheduler's one stream per worker
+        """one per client process and worker
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -604,7 +608,7 @@ def add_DecodeServicer_to_server(servicer, server):
             ),
             'Tokens': grpc.unary_stream_rpc_method_handler(
                     servicer.Tokens,
-                    request_deserializer=testbed_dot_proto_dot_testbed__pb2.Empty.FromString,
+                    request_deserializer=testbed_dot_proto_dot_testbed__pb2.TokensRequest.FromString,
                     response_serializer=testbed_dot_proto_dot_testbed__pb2.TokenBatch.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
@@ -665,7 +669,7 @@ class Decode:
             request,
             target,
             '/testbed.Decode/Tokens',
-            testbed_dot_proto_dot_testbed__pb2.Empty.SerializeToString,
+            testbed_dot_proto_dot_testbed__pb2.TokensRequest.SerializeToString,
             testbed_dot_proto_dot_testbed__pb2.TokenBatch.FromString,
             options,
             channel_credentials,
