@@ -221,3 +221,83 @@ def test_a_tokens_stream_needs_a_client_name():
         await gen.__anext__()
     with pytest.raises(Aborted, match="client name"):
         asyncio.run(go())
+
+
+def _paced_service(tmp_path):
+    import logging
+
+    from conftest import SMALL_EXPERIMENT
+    from testbed import config, deploy
+    from workers.engine_profile import ProfileDecodeEngine
+
+    p = tmp_path / "exp.yaml"
+    p.write_text(SMALL_EXPERIMENT)
+    (exp,) = config.load_experiment(p)
+    rt = deploy.compile(exp).runtime
+    return DecodeService(rt, "ld0", ProfileDecodeEngine(rt, rt.instance("ld0")),
+                         logging.getLogger("t"))
+
+
+def test_the_paced_loop_stamps_every_step_on_schedule_and_wakes_only_for_events(tmp_path):
+    svc = _paced_service(tmp_path)
+    svc.flush_s = 10.0              # one flush in the test: the first tokens, then the last
+    events = []
+    svc.events = lambda kind, **f: events.append((kind, f))
+
+    async def go():
+        svc.token_streams = {"c": asyncio.Queue()}
+        slots = [_slot(rid, "c", 0) for rid in (1, 2)]
+        for s, n in zip(slots, (60, 90)):
+            s.output_len, s.input_len = n, 1000
+        loop = asyncio.create_task(svc.step_loop())
+        svc.waiting.extend(slots[:1])
+        svc._kick()
+        await asyncio.sleep(0.02)
+        svc.waiting.extend(slots[1:])       # joins at the next step boundary
+        svc._kick()
+        while not slots[1].finished:
+            await asyncio.sleep(0.01)
+        loop.cancel()
+        return slots, svc.token_streams["c"]
+    (a, b), queue = asyncio.run(go())
+    eng = svc.engine
+    for s in (a, b):
+        assert len(s.times) == s.output_len and s.finished
+    # A step's end minus its start is T_step(B, C) of the batch and context it ran with.
+    joined = a.times.index(next(t for t in a.times if t >= b.times[0]))
+    want = [eng.step_seconds(1, 1000 + i) if i < joined else
+            eng.step_seconds(2, 2000 + i + (i - joined)) for i in range(1, 60)]
+    got = [y - x for x, y in zip(a.times, a.times[1:])]
+    assert 0 < joined < 30
+    # A step the loop woke for is stamped when it ran (a late wake-up lengthens it and
+    # shortens the next); every other step is exactly on schedule, and the schedule holds.
+    off = [i for i, (g, w) in enumerate(zip(got, want)) if abs(g - w) > 2e-6]
+    assert len(off) <= 2 * svc.wakeups
+    assert sum(got) == pytest.approx(sum(want), abs=svc.late_max + 2e-6)
+    assert b.times[0] == a.times[joined]        # one step, one stamp
+    assert svc.steps == 90 + joined
+    # Wake-ups: the two first tokens, the two last ones, the arrival; not one per step.
+    assert svc.wakeups <= 8 < svc.steps
+    firsts = [[c.id for c in queue.get_nowait().chunks] for _ in range(2)]
+    assert firsts == [[1], [2]]
+    svc.report_wakeups()
+    (kind, row), = events
+    assert kind == "decode_wakeups" and row["wakeups"] == svc.wakeups
+    assert row["late_p50_ms"] <= row["late_max_ms"]
+
+
+def test_the_run_reports_the_worst_decode_wakeup_lateness(tmp_path):
+    from testbed import metrics
+    from testbed.measure import EventLog
+    from testbed.rundir import RunDir
+
+    log = EventLog(tmp_path / "events.csv")
+    log("decode_wakeups", instance="ld0", steps=900, wakeups=40, late_p50_ms=0.2,
+        late_p99_ms=3.0, late_max_ms=9.5)
+    log("decode_wakeups", instance="ld1", steps=100, wakeups=10, late_p50_ms=0.4,
+        late_p99_ms=1.0, late_max_ms=2.0)
+    log.close()
+    got = metrics.decode_wakeups(RunDir(tmp_path))
+    assert got == {"instances": 2, "steps": 1000, "wakeups": 50, "late_p50_ms": 0.4,
+                   "late_p99_ms": 3.0, "late_max_ms": 9.5}
+    assert metrics.decode_wakeups(RunDir(tmp_path / "none")) == {}

@@ -95,6 +95,7 @@ async def main():
         kv_server.close()
         pre.pool.close()
         dec.flush_discarded(0.0)
+        dec.report_wakeups()
 
     await common.serve_until_signalled(server, cleanup)
 
