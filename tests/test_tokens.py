@@ -67,7 +67,7 @@ def test_direct_and_relayed_chunks_come_in_token_order_and_the_last_waits_for_th
         call = DirectCall(streams, sub, 7)
         return await _collect(call, [
             lambda: sub.q.put_nowait(_announce("ld0")),
-            lambda: call.queue.put_nowait(("ld0", _chunk(3, 2))),       # overtook tokens 0..2
+            lambda: call.queue.put_nowait(("ld0", _chunk(3, 2), 1.0)),       # overtook tokens 0..2
             lambda: sub.q.put_nowait(_chunk(5, 1, done=True)),
             lambda: sub.q.put_nowait(_chunk(0, 3)),                     # relayed by the scheduler
             lambda: sub.q.put_nowait(None)]), streams
@@ -85,7 +85,7 @@ def test_a_last_chunk_whose_tokens_never_come_fails_the_request(monkeypatch):
         call = DirectCall(streams, sub, 7)
         return await _collect(call, [
             lambda: sub.q.put_nowait(_announce("ld0")),
-            lambda: call.queue.put_nowait(("ld0", _chunk(0, 2))),
+            lambda: call.queue.put_nowait(("ld0", _chunk(0, 2), 1.0)),
             lambda: sub.q.put_nowait(_chunk(4, 2, done=True))])
     got = asyncio.run(go())
     final = got[-1]
@@ -99,11 +99,11 @@ def test_direct_tokens_count_only_from_the_announced_instance():
         streams, sub = _streams(), _Submit()
         call = DirectCall(streams, sub, 7)
         return await _collect(call, [
-            lambda: call.queue.put_nowait(("ld1", _chunk(0, 1))),   # before its announcement
+            lambda: call.queue.put_nowait(("ld1", _chunk(0, 1), 1.0)),   # before its announcement
             lambda: sub.q.put_nowait(_announce("ld0")),
             lambda: sub.q.put_nowait(_announce("ld1")),              # re-dispatched to ld1
-            lambda: call.queue.put_nowait(("ld0", _chunk(0, 2))),   # ld0 woke up: stale
-            lambda: call.queue.put_nowait(("ld1", _chunk(1, 2))),
+            lambda: call.queue.put_nowait(("ld0", _chunk(0, 2), 1.0)),   # ld0 woke up: stale
+            lambda: call.queue.put_nowait(("ld1", _chunk(1, 2), 1.0)),
             lambda: sub.q.put_nowait(_chunk(3, 0, done=True)),
             lambda: sub.q.put_nowait(None)])
     got = asyncio.run(go())
@@ -118,9 +118,9 @@ def test_tokens_that_come_twice_fail_the_request_and_end_it_at_the_scheduler():
         call = DirectCall(streams, sub, 7)
         got = await _collect(call, [
             lambda: sub.q.put_nowait(_announce("ld0")),
-            lambda: call.queue.put_nowait(("ld0", _chunk(0, 1))),   # then ld0 died
+            lambda: call.queue.put_nowait(("ld0", _chunk(0, 1), 1.0)),   # then ld0 died
             lambda: sub.q.put_nowait(_announce("ld1")),              # the scheduler missed it
-            lambda: call.queue.put_nowait(("ld1", _chunk(0, 1)))])
+            lambda: call.queue.put_nowait(("ld1", _chunk(0, 1), 1.0))])
         return got, sub
     got, sub = asyncio.run(go())
     assert [c.done for c in got] == [False, True]
@@ -134,7 +134,7 @@ def test_a_failure_from_the_scheduler_ends_the_request_at_once():
         call = DirectCall(streams, sub, 7)
         return await _collect(call, [
             lambda: sub.q.put_nowait(_announce("ld0")),
-            lambda: call.queue.put_nowait(("ld0", _chunk(0, 3))),
+            lambda: call.queue.put_nowait(("ld0", _chunk(0, 3), 1.0)),
             lambda: sub.q.put_nowait(pb.TokenChunk(id=7, done=True, status="failed",
                                                    error="decode ld0 failed after 3 tokens"))])
     got = asyncio.run(go())
@@ -142,39 +142,47 @@ def test_a_failure_from_the_scheduler_ends_the_request_at_once():
     assert got[-1].error == "decode ld0 failed after 3 tokens"
 
 
-class _DecodeStub:
-    def __init__(self, batches):
-        self.batches = batches
-        self.asked = []
-
-    async def Tokens(self, request):
-        self.asked.append(request.client)
-        for b in self.batches:
-            await asyncio.sleep(0)
-            yield b
-        await asyncio.sleep(10)
-
-
-def test_a_worker_batch_reaches_each_open_call_once():
+def test_a_worker_batch_reaches_each_open_call_once_over_the_token_port():
+    """A decode worker's token port (tokens.serve) and a client's streams (TokenStreams) on
+    loopback: the client says its name, the worker says open, each chunk of a batch reaches its
+    request's call with its arrival time, and a closed worker stream is reopened."""
+    inst = types.SimpleNamespace(name="ld0", ip="127.0.0.1", token_port=0)
     batch = pb.TokenBatch(chunks=[_chunk(0, 1), _chunk(0, 1, rid=8), _chunk(0, 1, rid=9)])
 
     async def go():
-        streams = _streams()
-        stub = streams.stubs["ld0"] = _DecodeStub([pb.TokenBatch(), batch])
-        streams.channels["ld0"] = None
-        streams.opened["ld0"] = asyncio.Event()
+        sinks = {}
+        server = await tokens.serve("127.0.0.1", 0, sinks)
+        port = server.sockets[0].getsockname()[1]
+        streams = TokenStreams("cli", [types.SimpleNamespace(**{**vars(inst),
+                                                                 "token_port": port})],
+                               types.SimpleNamespace(info=print, warning=print))
         c7, c8 = DirectCall(streams, _Submit(), 7), DirectCall(streams, _Submit(), 8)
-        await streams.start(1.0)
-        for _ in range(5):
-            await asyncio.sleep(0)
-        for t in streams.readers:
-            t.cancel()
-        return c7.queue, c8.queue, stub
-    q7, q8, stub = asyncio.run(go())
-    assert stub.asked == ["client"]
-    assert q7.qsize() == 1 and q8.qsize() == 1
-    name, chunk = q7.get_nowait()
-    assert name == "ld0" and chunk.id == 7
+        await streams.start(2.0)
+        assert list(sinks) == ["cli"]
+        sinks["cli"].send_batch(batch)
+        sinks["cli"].send_batch(pb.TokenBatch(chunks=[_chunk(1, 2)]))
+        item7 = await asyncio.wait_for(c7.queue.get(), 2.0)
+        item8 = await asyncio.wait_for(c8.queue.get(), 2.0)
+        again = await asyncio.wait_for(c7.queue.get(), 2.0)
+        sinks["cli"].transport.abort()          # the stream breaks: the client reopens it
+        await asyncio.sleep(0.05)
+        await asyncio.wait_for(streams.opened["ld0"].wait(), 2.0)
+        reopened = "cli" in sinks
+        await streams.close()
+        server.close()
+        return item7, item8, again, reopened
+    item7, item8, again, reopened = asyncio.run(go())
+    assert item7[0] == "ld0" and item7[1].id == 7 and item7[2] > 0
+    assert item8[1].id == 8 and (again[1].first_index, len(again[1].times)) == (1, 2)
+    assert reopened
+
+
+class _Sink:
+    def __init__(self):
+        self.batches = []
+
+    def send_batch(self, batch):
+        self.batches.append(batch)
 
 
 def _decode_service():
@@ -192,35 +200,20 @@ def test_decode_sends_each_clients_tokens_on_its_stream_and_wakes_first_tokens()
     async def go():
         svc = _decode_service()
         svc.last_flush = 100.0
-        svc.token_streams = {"a": asyncio.Queue(), "b": asyncio.Queue()}
+        svc.token_streams = {"a": _Sink(), "b": _Sink()}
         first_a, first_b = _slot(1, "a", 1), _slot(2, "b", 1)
         later_a, relayed = _slot(3, "a", 4, emitted=1), _slot(4, "", 1)
         svc._send_batch([first_a, first_b, later_a, relayed], 100.1)     # not a flush
-        between = {c: [[ch.id for ch in q.get_nowait().chunks]] for c, q in
+        between = {c: [[ch.id for ch in b.chunks] for b in q.batches] for c, q in
                    svc.token_streams.items()}
         svc._send_batch([first_a, later_a], 100.7)                        # a flush
-        flush = [ch.id for ch in svc.token_streams["a"].get_nowait().chunks]
+        flush = [ch.id for ch in svc.token_streams["a"].batches[-1].chunks]
         return between, flush, first_a, later_a, relayed
     between, flush, first_a, later_a, relayed = asyncio.run(go())
     assert between == {"a": [[1]], "b": [[2]]}
     assert flush == [3]             # request 1's token already went
     assert first_a.wake.is_set() and not later_a.wake.is_set()
     assert first_a.emitted == 1 and later_a.emitted == 4 and relayed.emitted == 0
-
-
-def test_a_tokens_stream_needs_a_client_name():
-    class Aborted(Exception):
-        pass
-
-    class Ctx:
-        async def abort(self, code, details):
-            raise Aborted(details)
-
-    async def go():
-        gen = _decode_service().Tokens(pb.TokensRequest(), Ctx())
-        await gen.__anext__()
-    with pytest.raises(Aborted, match="client name"):
-        asyncio.run(go())
 
 
 def _paced_service(tmp_path):
@@ -245,7 +238,7 @@ def test_the_paced_loop_stamps_every_step_on_schedule_and_wakes_only_for_events(
     svc.events = lambda kind, **f: events.append((kind, f))
 
     async def go():
-        svc.token_streams = {"c": asyncio.Queue()}
+        svc.token_streams = {"c": _Sink()}
         slots = [_slot(rid, "c", 0) for rid in (1, 2)]
         for s, n in zip(slots, (60, 90)):
             s.output_len, s.input_len = n, 1000
@@ -278,7 +271,7 @@ def test_the_paced_loop_stamps_every_step_on_schedule_and_wakes_only_for_events(
     assert svc.steps == 90 + joined
     # Wake-ups: the two first tokens, the two last ones, the arrival; not one per step.
     assert svc.wakeups <= 8 < svc.steps
-    firsts = [[c.id for c in queue.get_nowait().chunks] for _ in range(2)]
+    firsts = [[c.id for c in b.chunks] for b in queue.batches[:2]]
     assert firsts == [[1], [2]]
     svc.report_wakeups()
     (kind, row), = events

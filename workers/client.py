@@ -119,7 +119,7 @@ async def one_request(stub, row, scheduled, rec, timeout_s):
     try:
         call = stub.Submit(req, timeout=timeout_s)
         async for chunk in call:
-            track.add(chunk, time.time())
+            track.add(chunk, tokens.received(call))
     except grpc.aio.AioRpcError as e:
         error = f"scheduler: {e.code().name}: {e.details()}"
     except asyncio.CancelledError:

@@ -9,7 +9,8 @@ worker's clock; the first token is sent at once, later ones are coalesced into c
 exact time.
 
 Tokens go straight to the client: while the request's client (`Request.client`) holds its
-`Tokens` stream on this worker (workers/tokens.py), the chunks of every batched request of that
+token stream on this worker (a plain TCP connection to the token port, workers/tokens.py), the
+chunks of every batched request of that
 client go out together in one `TokenBatch` per flush (first tokens at once, in a batch of their
 own), and the request's `Decode` stream, the scheduler's, carries one `direct` mark when the
 first token has gone (so the scheduler knows the request has begun: no failover after that) and
@@ -22,11 +23,9 @@ import collections
 import random
 import time
 
-import grpc
-
 from testbed.proto import testbed_pb2 as pb
 from testbed.proto import testbed_pb2_grpc as pbg
-from workers import common, control, kvwire
+from workers import common, control, kvwire, tokens
 from workers.engine import AssemblingDecodeEngine, DecodeEngine, PacedDecodeEngine
 
 
@@ -61,7 +60,7 @@ class Slot:
         self.wake = asyncio.Event()
         self.finished = False
         self.attempt = -1            # the prefill attempt whose KV this slot takes
-        self.client = ""             # Request.client: whose Tokens stream takes the tokens
+        self.client = ""             # Request.client: whose token stream takes the tokens
         self.marked = False          # the scheduler was told the first token went direct
         self.cache_bytes = 0
         self.cache_tokens = 0
@@ -79,9 +78,9 @@ class DecodeService(pbg.DecodeServicer):
         self.flush_s = rt.token_flush_s
         self.orphan_s = rt.kv_deadline_s
         self.has_work = asyncio.Event()
-        self.token_streams = {}     # client -> queue of its open `Tokens` stream (the newest)
+        self.token_streams = {}     # client -> its open token stream (workers/tokens.py)
         self.last_flush = 0.0       # the last worker-wide flush (Unix time)
-        self.slot_flush = {}        # request id -> its last flush, without a Tokens stream
+        self.slot_flush = {}        # request id -> its last flush, without a token stream
         self._waiter = None         # the paced loop's sleep, ended early by `_kick`
         self.steps = self.wakeups = 0
         self.last_stamp = 0.0
@@ -206,7 +205,7 @@ class DecodeService(pbg.DecodeServicer):
                 if slot.finished:
                     yield self._final(slot, "ok", "")
                     return
-                if len(slot.times) > slot.emitted:      # no Tokens stream took them
+                if len(slot.times) > slot.emitted:      # no token stream took them
                     yield self._chunk(slot)
                 elif slot.emitted and not slot.marked:  # the first token went to the client
                     slot.marked = True
@@ -223,22 +222,6 @@ class DecodeService(pbg.DecodeServicer):
             while len(self.served) > 100_000:
                 self.served.popitem(last=False)
             self.engine.release(req.id)
-
-    async def Tokens(self, request, context):
-        """The new tokens of every batched request of `request.client`, one `TokenBatch` per
-        flush; the first batch is empty (the stream is open). A newer stream of the same client
-        replaces this one."""
-        if not request.client:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Tokens needs a client name")
-        queue = asyncio.Queue()
-        self.token_streams[request.client] = queue
-        try:
-            yield pb.TokenBatch()
-            while True:
-                yield await queue.get()
-        finally:
-            if self.token_streams.get(request.client) is queue:
-                del self.token_streams[request.client]
 
     def _chunk(self, slot):
         i = slot.emitted
@@ -444,7 +427,7 @@ class DecodeService(pbg.DecodeServicer):
         self.batch = keep
 
     def _send_batch(self, batch, now):
-        """One `TokenBatch` per client on its `Tokens` stream: every request's pending tokens
+        """One `TokenBatch` per client on its token stream: every request's pending tokens
         each `flush_s`, and in between the requests whose first token this step made. A first
         token sent wakes the request's `Decode` stream, which marks it for the scheduler."""
         flush = now - self.last_flush >= self.flush_s
@@ -458,7 +441,7 @@ class DecodeService(pbg.DecodeServicer):
                     s.wake.set()
                 out.setdefault(s.client, []).append(self._chunk(s))
         for client, chunks in out.items():
-            self.token_streams[client].put_nowait(pb.TokenBatch(chunks=chunks))
+            self.token_streams[client].send_batch(pb.TokenBatch(chunks=chunks))
 
     def _reap_orphans(self):
         """KV that arrived for a request whose Decode stream never came is freed after a while."""
@@ -491,6 +474,7 @@ async def main():
     kv_server = await kvwire.serve(
         inst.ip, inst.kv_port, service.on_frame, service.on_kv_error,
         payload_buffer=frame_buffer and (lambda wire, *a: frame_buffer(wire & control.RID_MASK, *a)))
+    token_server = await tokens.serve(inst.ip, inst.token_port, service.token_streams)
     server = await common.start_grpc(inst, pbg.add_DecodeServicer_to_server, service)
     loop_task = asyncio.create_task(service.step_loop())
     discard_task = asyncio.create_task(service.discard_loop())
@@ -502,6 +486,7 @@ async def main():
         loop_task.cancel()
         discard_task.cancel()
         kv_server.close()
+        token_server.close()
         service.flush_discarded(0.0)
         service.report_wakeups()
         if service.cache is not None:

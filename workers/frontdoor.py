@@ -304,7 +304,7 @@ class FrontDoor:
         call = self.stub.Submit(req, timeout=self.timeout_s)
         try:
             async for chunk in call:
-                n = track.add(chunk, time.time())
+                n = track.add(chunk, tokens.received(call))
                 if not n or not p.stream:
                     n_out += n
                     continue

@@ -1,14 +1,21 @@
-"""Tokens straight from the decode workers to the client, off the scheduler.
+"""Tokens straight from the decode workers to the client, off the scheduler and off gRPC.
 
-The client process (workers/client.py, or the front door, workers/frontdoor.py) opens one
-`Decode.Tokens` stream to every instance that may decode, under its own name, and sets that name
-in each request (`Request.client`). A decode worker then sends the new tokens of every request
-of that client in its batch together, one `TokenBatch` per flush, each request's first token at
-once (workers/decode.py). The scheduler keeps routing, accounting, failover and health: it holds
-each request's `Decode` stream, which carries a `direct` mark at the first token and the last
-chunk (with any tokens not sent yet, the prefill report, the route, the re-dispatches), and its
-`Submit` stream tells the client which decode instance serves the request, again after each
-re-dispatch (workers/recovery.py).
+The client process (workers/client.py, or the front door, workers/frontdoor.py) opens one token
+stream to every instance that may decode, a plain TCP connection to its token port, under its
+own name, and sets that name in each request (`Request.client`). A decode worker then sends the
+new tokens of every request of that client in its batch together, one `TokenBatch` per flush,
+each request's first token at once (workers/decode.py). The scheduler keeps routing, accounting,
+failover and health: it holds each request's `Decode` stream, which carries a `direct` mark at
+the first token and the last chunk (with any tokens not sent yet, the prefill report, the
+route, the re-dispatches), and its `Submit` stream tells the client which decode instance serves
+the request, again after each re-dispatch (workers/recovery.py).
+
+The wire, like workers/kvwire.py for KV: frames of a 4-byte big-endian length and that many
+bytes. The client's first frame is its name (UTF-8); every frame after that, from the worker,
+is a serialized `TokenBatch`, the first one empty (the stream is open). No gRPC on this path:
+each batch is one `write` at the worker and is read in the client's event loop itself, with no
+hand-off between gRPC's threads and the loop on either side. The client stamps each batch's
+arrival as it reads it.
 
 `DirectStub` wraps the scheduler's stub: its `Submit` returns a call that yields one request's
 chunks in token order, as the scheduler alone used to, merged from the `Submit` stream and the
@@ -24,41 +31,132 @@ token streams:
   request: its output would repeat;
 - a failure from the scheduler (a last chunk without tokens, not `ok`) ends the request at once.
 
-A worker without an open stream (not reachable yet, restarted, broken) sends everything through
-the scheduler: no token is lost, only the path changes. Every token keeps its decode stamp; the
-client stamps each chunk's arrival as before (workers/client.py `Tracker`).
+`received` is when the chunk just yielded could be delivered (the arrival of the frame that
+brought it, or filled the gap before it). A worker without an open stream (not reachable yet,
+restarted, broken) sends everything through the scheduler: no token is lost, only the path
+changes. Every token keeps its decode stamp.
 """
 
 import asyncio
+import struct
+import time
 
 import grpc
 
 from testbed.proto import testbed_pb2 as pb
-from testbed.proto import testbed_pb2_grpc as pbg
 from workers import common
 
-# How long the last chunk waits for earlier tokens still on a Tokens stream (real seconds).
+# How long the last chunk waits for earlier tokens still on a token stream (real seconds).
 HELD_FINAL_S = 5.0
 RETRY_S = (0.1, 1.0)        # reopening a broken token stream: first and longest wait
+LENGTH = struct.Struct("!I")
+MAX_FRAME = 64 << 20
 _END = object()
 
 
+class _Framed(asyncio.Protocol):
+    """Length-prefixed frames in, `on_frame(bytes)` per frame, from the read callback."""
+
+    def __init__(self):
+        self.transport = None
+        self.buf = bytearray()
+
+    def connection_made(self, transport):
+        self.transport = transport
+
+    def data_received(self, data):
+        self.buf += data
+        buf, pos = self.buf, 0
+        while len(buf) - pos >= 4:
+            (n,) = LENGTH.unpack_from(buf, pos)
+            if n > MAX_FRAME:
+                self.transport.abort()
+                return
+            if len(buf) - pos - 4 < n:
+                break
+            self.on_frame(bytes(buf[pos + 4:pos + 4 + n]))
+            pos += 4 + n
+        del buf[:pos]
+
+    def send(self, payload):
+        self.transport.write(LENGTH.pack(len(payload)) + payload)
+
+
+class _Sink(_Framed):
+    """A decode worker's end of one client's stream: `send_batch` writes a TokenBatch."""
+
+    def __init__(self, streams):
+        super().__init__()
+        self.streams, self.client = streams, None
+
+    def on_frame(self, payload):
+        if self.client is not None:
+            return                          # the client sends nothing after its name
+        self.client = payload.decode("utf-8", "replace")
+        if not self.client:
+            self.transport.abort()
+            return
+        old = self.streams.get(self.client)
+        self.streams[self.client] = self    # a newer stream of the same client replaces it
+        if old is not None:
+            old.transport.abort()
+        self.send(b"")                      # open
+
+    def send_batch(self, batch):
+        self.send(batch.SerializeToString())
+
+    def connection_lost(self, exc):
+        if self.client is not None and self.streams.get(self.client) is self:
+            del self.streams[self.client]
+
+
+async def serve(host, port, streams):
+    """A decode worker's token port: each client's stream lands in `streams[client]`."""
+    loop = asyncio.get_running_loop()
+    return await loop.create_server(lambda: _Sink(streams), host, port, reuse_address=True)
+
+
+class _Source(_Framed):
+    """The client's end of one decode worker's stream."""
+
+    def __init__(self, streams, name):
+        super().__init__()
+        self.streams, self.name = streams, name
+        self.lost = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport):
+        super().connection_made(transport)
+        self.send(self.streams.client.encode())
+
+    def on_frame(self, payload):
+        if not payload:
+            self.streams.opened[self.name].set()
+            return
+        now = time.time()
+        calls = self.streams.calls
+        for chunk in pb.TokenBatch.FromString(payload).chunks:
+            call = calls.get(chunk.id)
+            if call is not None:
+                call.queue.put_nowait((self.name, chunk, now))
+
+    def connection_lost(self, exc):
+        if not self.lost.done():
+            self.lost.set_result(exc)
+
+
 class TokenStreams:
-    """One `Tokens` stream per decode-capable instance, read into each request's call."""
+    """One token stream per decode-capable instance, read into each request's call."""
 
     def __init__(self, client, instances, log):
         self.client, self.log = client, log
-        opts = common.grpc_options()
-        self.channels = {i.name: grpc.aio.insecure_channel(i.addr, options=opts)
-                         for i in instances}
-        self.stubs = {name: pbg.DecodeStub(ch) for name, ch in self.channels.items()}
+        self.addrs = {i.name: (i.ip, i.token_port) for i in instances}
         self.calls = {}             # request id -> DirectCall
-        self.opened = {name: asyncio.Event() for name in self.channels}
+        self.opened = {name: asyncio.Event() for name in self.addrs}
         self.readers = []
 
     async def start(self, timeout_s=common.WARM_TIMEOUT_S):
         """Open every stream; wait (bounded) until each worker has said it is open."""
-        self.readers = [asyncio.create_task(self._read(name)) for name in self.channels]
+        self.readers = [asyncio.create_task(self._read(name)) for name in self.addrs]
 
         async def one(name):
             try:
@@ -66,25 +164,28 @@ class TokenStreams:
             except asyncio.TimeoutError:
                 self.log.warning("no token stream from %s after %.0fs; its tokens go through "
                                  "the scheduler until it opens", name, timeout_s)
-        await asyncio.gather(*(one(n) for n in self.channels))
+        await asyncio.gather(*(one(n) for n in self.addrs))
         return self
 
     async def _read(self, name):
-        """Read `name`'s stream into the calls of its requests; reopen it when it breaks."""
-        stub = self.stubs[name]
+        """Keep `name`'s stream open: reopen it when it breaks or cannot be opened."""
+        loop = asyncio.get_running_loop()
+        host, port = self.addrs[name]
         wait = RETRY_S[0]
         while True:
             try:
-                async for batch in stub.Tokens(pb.TokensRequest(client=self.client)):
-                    self.opened[name].set()
-                    wait = RETRY_S[0]
-                    for chunk in batch.chunks:
-                        call = self.calls.get(chunk.id)
-                        if call is not None:
-                            call.queue.put_nowait((name, chunk))
-            except grpc.aio.AioRpcError as e:
+                transport, source = await loop.create_connection(
+                    lambda: _Source(self, name), host, port)
+            except OSError:
+                pass
+            else:
+                try:
+                    exc = await source.lost
+                finally:
+                    transport.close()
                 if self.opened[name].is_set():
-                    self.log.info("token stream of %s ended: %s", name, e.code().name)
+                    self.log.info("token stream of %s ended: %s", name, exc or "closed")
+                    wait = RETRY_S[0]
             self.opened[name].clear()
             await asyncio.sleep(wait)
             wait = min(2 * wait, RETRY_S[1])
@@ -93,8 +194,11 @@ class TokenStreams:
         for t in self.readers:
             t.cancel()
         await asyncio.gather(*self.readers, return_exceptions=True)
-        for ch in self.channels.values():
-            await ch.close()
+
+
+def received(call):
+    """When the chunk `call` just yielded reached this process (now, for a plain call)."""
+    return getattr(call, "received", None) or time.time()
 
 
 class DirectStub:
@@ -117,7 +221,8 @@ class DirectCall:
 
     def __init__(self, streams, call, rid):
         self.streams, self.call, self.rid = streams, call, rid
-        self.queue = asyncio.Queue()    # (decode instance name or None: the scheduler, chunk)
+        self.queue = asyncio.Queue()    # (decode instance or None: the scheduler, chunk, arrival)
+        self.received = None            # when the chunk just yielded could be delivered
         streams.calls[rid] = self
         self.reader = None
         self.decode = None              # the decode instance the scheduler announced last
@@ -138,10 +243,10 @@ class DirectCall:
     async def _read_submit(self):
         try:
             async for chunk in self.call:
-                self.queue.put_nowait((None, chunk))
-            self.queue.put_nowait((_END, None))
+                self.queue.put_nowait((None, chunk, time.time()))
+            self.queue.put_nowait((_END, None, None))
         except grpc.aio.AioRpcError as e:
-            self.queue.put_nowait((_END, e))
+            self.queue.put_nowait((_END, e, None))
 
     def __aiter__(self):
         return self._chunks()
@@ -154,13 +259,14 @@ class DirectCall:
         try:
             while True:
                 if deadline is None:
-                    source, chunk = await self.queue.get()
+                    source, chunk, self.received = await self.queue.get()
                 else:
                     try:
-                        source, chunk = await asyncio.wait_for(
+                        source, chunk, self.received = await asyncio.wait_for(
                             self.queue.get(), max(0.0, deadline - loop.time()))
                     except asyncio.TimeoutError:
                         ended = True
+                        self.received = time.time()
                         yield self._missing_tokens()
                         return
                 if source is _END:
