@@ -231,7 +231,10 @@ def _paced_service(tmp_path):
                          logging.getLogger("t"))
 
 
-def test_the_paced_loop_stamps_every_step_on_schedule_and_wakes_only_for_events(tmp_path):
+def test_the_paced_loop_stamps_every_step_on_schedule_and_wakes_only_for_events(
+        tmp_path, monkeypatch):
+    from workers import decode
+    monkeypatch.setattr(decode, "MAX_WAKE_S", 1.0)      # no periodic wake-up in this test
     svc = _paced_service(tmp_path)
     svc.flush_s = 10.0              # one flush in the test: the first tokens, then the last
     events = []

@@ -30,6 +30,9 @@ from workers.engine import AssemblingDecodeEngine, DecodeEngine, PacedDecodeEngi
 
 
 LATE_SAMPLES = 100_000      # wake-up lateness samples kept (uniformly over the run)
+# The paced loop wakes at least this often (real seconds) while it has a batch: the steps one
+# wake-up computes hold the event loop, and the KV receiver stamps arrivals from that loop.
+MAX_WAKE_S = 0.01
 
 
 def _resolve(fut, value):
@@ -332,7 +335,8 @@ class DecodeService(pbg.DecodeServicer):
 
     def _next_event(self, start, until=None):
         """Monotonic end of the first step from `start` that changes something outside the
-        batch (see `_paced_loop`), or of the one in progress at `until`, within a second."""
+        batch (see `_paced_loop`), or of the one in progress at `until`, or of the first one
+        `MAX_WAKE_S` after `start`."""
         batch = self.batch
         n = len(batch)
         context = sum(s.input_len + len(s.times) for s in batch)
@@ -347,7 +351,7 @@ class DecodeService(pbg.DecodeServicer):
             t += self.engine.step_seconds(n, context) * factor
             context += n
             j += 1
-            if (first or j >= steps_left or t + offset >= flush or t - start >= 1.0
+            if (first or j >= steps_left or t + offset >= flush or t - start >= MAX_WAKE_S
                     or (until is not None and t >= until)):
                 return t
 
