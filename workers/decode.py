@@ -30,7 +30,7 @@ from workers.engine import AssemblingDecodeEngine, DecodeEngine, PacedDecodeEngi
 
 
 LATE_SAMPLES = 100_000      # wake-up lateness samples kept (uniformly over the run)
-# The paced loop wakes at least this often (real seconds) while it has a batch: the steps one
+# The paced loop wakes at least this often (emulated seconds) while it has a batch: the steps one
 # wake-up computes hold the event loop, and the KV receiver stamps arrivals from that loop.
 MAX_WAKE_S = 0.01
 
@@ -379,7 +379,7 @@ class DecodeService(pbg.DecodeServicer):
             _resolve(self._waiter, True)
 
     def _late(self, late_s):
-        """One wake-up's lateness against its schedule (real seconds), a bounded sample."""
+        """One wake-up's lateness against its schedule (emulated s), a bounded sample."""
         self.wakeups += 1
         self.late_max = max(self.late_max, late_s)
         if len(self.lateness) < LATE_SAMPLES:
@@ -390,7 +390,7 @@ class DecodeService(pbg.DecodeServicer):
                 self.lateness[i] = late_s
 
     def report_wakeups(self):
-        """The `decode_wakeups` row of events.csv: steps, wake-ups, lateness (real ms)."""
+        """The `decode_wakeups` row of events.csv: steps, wake-ups, lateness (emulated ms)."""
         if self.events is None or not self.wakeups:
             return
         late = sorted(self.lateness)

@@ -46,7 +46,7 @@ import grpc
 from testbed.proto import testbed_pb2 as pb
 from workers import common
 
-# How long the last chunk waits for earlier tokens still on a token stream (real seconds).
+# How long the last chunk waits for earlier tokens still on a token stream (emulated s).
 HELD_FINAL_S = 5.0
 RETRY_S = (0.1, 1.0)        # reopening a broken token stream: first and longest wait
 LENGTH = struct.Struct("!I")
