@@ -49,6 +49,7 @@ from workers import common
 # How long the last chunk waits for earlier tokens still on a token stream (emulated s).
 HELD_FINAL_S = 5.0
 RETRY_S = (0.1, 1.0)        # reopening a broken token stream: first and longest wait
+CONNECT_S = 2.0             # one attempt to open it (a dead host's SYNs go unanswered)
 LENGTH = struct.Struct("!I")
 MAX_FRAME = 64 << 20
 _END = object()
@@ -174,9 +175,9 @@ class TokenStreams:
         wait = RETRY_S[0]
         while True:
             try:
-                transport, source = await loop.create_connection(
-                    lambda: _Source(self, name), host, port)
-            except OSError:
+                transport, source = await asyncio.wait_for(loop.create_connection(
+                    lambda: _Source(self, name), host, port), CONNECT_S)
+            except (OSError, asyncio.TimeoutError):
                 pass
             else:
                 try:
