@@ -12,10 +12,10 @@ with the prefix cache, the placement policy of workers/placement.py, so that und
 it prefills where its prefix lives), opens the decode worker's `Decode` stream, asks a prefill
 worker for the KV and relays what that stream carries. A request whose client holds token
 streams (`Request.client`, workers/tokens.py) gets its tokens from the decode worker directly:
-the scheduler announces each decode instance it chooses to the client and learns from the
-worker's `direct` mark that the first token has gone, and relays only the last chunk. Re-dispatches route with `SchedulerService.route`; with the
-cache they stay in the cluster the request was placed in while an instance there is up. With
-failover on it recovers:
+the scheduler announces each decode instance it chooses to the client, learns from the worker's
+`direct` mark that the first token has gone, and relays only the last chunk. Re-dispatches
+route with `SchedulerService.route`; with the cache they stay in the cluster the request was
+placed in while an instance there is up. With failover on it recovers:
 
 - prefill instance down (health check) or unreachable (RPC error), or its prefill failed: the
   request's prefill is re-dispatched to an instance that is up (at-least-once prefill). Each

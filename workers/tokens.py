@@ -298,6 +298,7 @@ class DirectCall:
             if not chunk.done:      # an announcement: direct tokens come from there from now on
                 self.decode = chunk.decode_instance
                 self.announced.add(self.decode)
+                self.held = {}      # ahead of a gap from an instance replaced since: never due
                 early = [e for e in self.early if e[0] == self.decode]
                 self.early = [e for e in self.early if e[0] not in self.announced]
                 return [c for s, e in early for c in self._take(s, e)]
