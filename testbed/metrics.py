@@ -361,6 +361,14 @@ def emulation_fidelity(ok: pd.DataFrame, run: RunInfo, tolerance=0.05) -> dict:
                 f"first tokens reached the client {out['first_token_lag_ms']:.0f} ms (median, "
                 f"real-world) after the decode worker made them: the control plane is CPU-bound "
                 f"at scale.time {scale.time:g}; TTFT includes that lag")
+    wake = decode_wakeups(run.dir, scale)
+    if wake:
+        out["decode_wakeups"] = wake
+        if wake["late_p50_ms"] > WAKE_LATE_WARN_MS:
+            out["warnings"].append(
+                f"decode workers woke {wake['late_p50_ms']:.0f} ms (median, real-world) after "
+                f"their schedule: first tokens, last chunks and admissions came that late at "
+                f"scale.time {scale.time:g}")
     for key, what in (("decode_step_ratio", "decode steps"), ("prefill_ratio", "prefills")):
         r = out.get(key)
         if r is not None and abs(r - 1) > tolerance:
@@ -368,6 +376,26 @@ def emulation_fidelity(ok: pd.DataFrame, run: RunInfo, tolerance=0.05) -> dict:
                 f"{what} took {r:.2f}x their profiled time: this machine could not keep up "
                 f"at scale.time {scale.time:g}; lower it for exact timing")
     return out
+
+
+WAKE_LATE_WARN_MS = 50.0    # real-world: a decode worker's median wake-up lateness
+
+
+def decode_wakeups(rd, scale: Scale) -> dict:
+    """The decode workers' `decode_wakeups` rows of events.csv (workers/decode.py, at exit):
+    steps and wake-ups summed, wake-up lateness against the schedule (real-world ms) of the
+    worst instance. A paced decode worker stamps the steps between its wake-ups with their
+    scheduled times; a late wake-up lengthens the step it woke for (in the step ratio) and
+    delays what that step sends: first tokens, last chunks, admissions."""
+    from testbed.faults import read_events
+    rows = [f for _, k, f in read_events(rd.events) if k == "decode_wakeups"]
+    if not rows:
+        return {}
+    worst = lambda key: scale.real_ms(max(float(f[key]) for f in rows) / 1e3)   # noqa: E731
+    return {"instances": len(rows), "steps": sum(int(f["steps"]) for f in rows),
+            "wakeups": sum(int(f["wakeups"]) for f in rows),
+            "late_p50_ms": worst("late_p50_ms"), "late_p99_ms": worst("late_p99_ms"),
+            "late_max_ms": worst("late_max_ms")}
 
 
 def egress(ts: pd.DataFrame | None, t0: float, t1: float, scale: Scale) -> dict:

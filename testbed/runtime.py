@@ -23,7 +23,7 @@ import typing
 
 from testbed.scale import Scale
 
-GRPC_PORT, KV_PORT, CACHE_PORT = 50051, 50052, 50053
+GRPC_PORT, KV_PORT, CACHE_PORT, TOKEN_PORT = 50051, 50052, 50053, 50054
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -40,6 +40,7 @@ class InstanceRuntime:
     grpc_port: int = GRPC_PORT
     kv_port: int = KV_PORT
     cache_port: int = CACHE_PORT
+    token_port: int = TOKEN_PORT    # a decode worker's token streams to clients (workers/tokens.py)
     cache_capacity_bytes: int = 0   # a cache pool's capacity (emulated bytes)
 
     @property

@@ -85,3 +85,35 @@ def test_workers_find_engine_capabilities_by_protocol(tmp_path):
     assert isinstance(pre, engine.PrefillEngine)
     assert PrefillService(rt, "rp0", pre, logging.getLogger("t")).frame_crc
     assert TorchPrefill.frames_checksummed and engine.PrefillEngine in TorchPrefill.__mro__
+
+
+def test_a_profile_prefill_instance_keeps_its_schedule_across_queued_requests(tmp_path):
+    """A request that arrived while the previous one computed starts when that compute was due
+    to end (not when the event loop got round to it); an idle instance starts at once."""
+    import asyncio
+    import time
+
+    from conftest import SMALL_EXPERIMENT
+    from testbed import config, deploy
+    from testbed.proto import testbed_pb2 as pb
+
+    p = tmp_path / "exp.yaml"
+    p.write_text(SMALL_EXPERIMENT)
+    (exp,) = config.load_experiment(p)
+    rt = deploy.compile(exp).runtime
+    eng = ProfilePrefillEngine(rt, rt.instance("rp0"))
+    req = pb.Request(id=1, input_len=1024, output_len=16)
+    t = eng.compute_s(1024)
+    emitted = []
+
+    async def go():
+        arrived = time.monotonic()
+        a = await eng.prefill(req, lambda *x: emitted.append(time.time()), arrived)
+        b = await eng.prefill(req, lambda *x: emitted.append(time.time()), arrived)  # queued
+        await asyncio.sleep(2 * t)
+        c = await eng.prefill(req, lambda *x: None, time.monotonic())              # idle
+        return a, b, c, time.time()
+    a, b, c, end = asyncio.run(go())
+    assert b["start"] == pytest.approx(a["start"] + t, abs=1e-4)
+    assert c["start"] >= b["start"] + 2 * t
+    assert emitted[-1] >= b["start"] + t - 1e-4        # never before it is ready

@@ -5,7 +5,9 @@ loop); how late each send was is recorded. For every request the client appends 
 `requests.jsonl` a `sent` line when it sends and a `done` line when the stream ends, flushed at
 once, so a crash keeps everything measured so far. Times are the client's own clock: TTFT is the
 first token's arrival here minus the send time (vLLM `bench serve` definition); the decode
-worker's per-token stamps come along for ITL (written compactly: testbed/tokentimes.py).
+worker's per-token stamps come along for ITL (written compactly: testbed/tokentimes.py). The
+tokens come straight from the decode workers, one stream per worker (workers/tokens.py); the
+scheduler's `Submit` stream brings the route and the last chunk.
 """
 
 import argparse
@@ -20,7 +22,7 @@ import pandas as pd
 from testbed import tokentimes
 from testbed.proto import testbed_pb2 as pb
 from testbed.proto import testbed_pb2_grpc as pbg
-from workers import common
+from workers import common, tokens
 
 
 class Recorder:
@@ -117,7 +119,7 @@ async def one_request(stub, row, scheduled, rec, timeout_s):
     try:
         call = stub.Submit(req, timeout=timeout_s)
         async for chunk in call:
-            track.add(chunk, time.time())
+            track.add(chunk, tokens.received(call))
     except grpc.aio.AioRpcError as e:
         error = f"scheduler: {e.code().name}: {e.details()}"
     except asyncio.CancelledError:
@@ -144,7 +146,10 @@ async def run(args):
     channel = grpc.aio.insecure_channel(sched.addr,
                                         options=common.grpc_options())
     await asyncio.wait_for(channel.channel_ready(), 10.0)
-    stub = pbg.SchedulerStub(channel)
+    streams = await tokens.TokenStreams(
+        args.name, [i for i in rt.instances.values() if i.may_decode],
+        common.setup_logging(args.name)).start()
+    stub = tokens.DirectStub(pbg.SchedulerStub(channel), streams)
     start_at = args.start_at
     if args.start_file:
         # Ready (workload loaded, scheduler connected); the runner then picks arrival 0, the
@@ -168,6 +173,7 @@ async def run(args):
         await asyncio.gather(*pending, return_exceptions=True)
     rec.write({"ev": "finished", "time": time.time()})
     rec.close()
+    await streams.close()
     await channel.close()
 
 

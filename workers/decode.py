@@ -6,21 +6,38 @@ the KV deadline) until its KV has fully arrived, then joins the continuous batch
 boundary, up to BS_max. Every step emits one token per batched request, stamped with this
 worker's clock; the first token is sent at once, later ones are coalesced into chunks (every
 `flush_s`, and always the last one) so the control plane stays cheap while each token keeps its
-exact time. While the scheduler holds this worker's `Tokens` stream, the chunks of every batched
-request go out together in one `TokenBatch` per flush (first tokens at once, in a batch of their
-own) and a request's `Decode` stream carries only its last chunk; without it each request's
-chunks go on its own stream.
+exact time.
+
+Tokens go straight to the client: while the request's client (`Request.client`) holds its
+token stream on this worker (a plain TCP connection to the token port, workers/tokens.py), the
+chunks of every batched request of that
+client go out together in one `TokenBatch` per flush (first tokens at once, in a batch of their
+own), and the request's `Decode` stream, the scheduler's, carries one `direct` mark when the
+first token has gone (so the scheduler knows the request has begun: no failover after that) and
+the last chunk. Without such a stream each request's chunks go on its `Decode` stream, and the
+scheduler relays them.
 """
 
 import asyncio
 import collections
+import random
 import time
-
 
 from testbed.proto import testbed_pb2 as pb
 from testbed.proto import testbed_pb2_grpc as pbg
-from workers import common, control, kvwire
+from workers import common, control, kvwire, tokens
 from workers.engine import AssemblingDecodeEngine, DecodeEngine, PacedDecodeEngine
+
+
+LATE_SAMPLES = 100_000      # wake-up lateness samples kept (uniformly over the run)
+# The paced loop wakes at least this often (emulated seconds) while it has a batch: the steps one
+# wake-up computes hold the event loop, and the KV receiver stamps arrivals from that loop.
+MAX_WAKE_S = 0.01
+
+
+def _resolve(fut, value):
+    if not fut.done():
+        fut.set_result(value)
 
 
 class Slot:
@@ -46,6 +63,8 @@ class Slot:
         self.wake = asyncio.Event()
         self.finished = False
         self.attempt = -1            # the prefill attempt whose KV this slot takes
+        self.client = ""             # Request.client: whose token stream takes the tokens
+        self.marked = False          # the scheduler was told the first token went direct
         self.cache_bytes = 0
         self.cache_tokens = 0
 
@@ -62,8 +81,13 @@ class DecodeService(pbg.DecodeServicer):
         self.flush_s = rt.token_flush_s
         self.orphan_s = rt.kv_deadline_s
         self.has_work = asyncio.Event()
-        self.token_streams = []     # queues of the open `Tokens` streams (the newest is used)
-        self.last_flush = 0.0
+        self.token_streams = {}     # client -> its open token stream (workers/tokens.py)
+        self.last_flush = 0.0       # the last worker-wide flush (Unix time)
+        self.slot_flush = {}        # request id -> its last flush, without a token stream
+        self._waiter = None         # the paced loop's sleep, ended early by `_kick`
+        self.steps = self.wakeups = 0
+        self.last_stamp = 0.0
+        self.lateness, self.late_max = [], 0.0
         # The torch engine assembles the shipped state from the KV frames, steps in a thread
         # (the loop keeps receiving KV meanwhile) and emits, at each step, the token fed in:
         # the first is the one prefill predicted.
@@ -145,6 +169,7 @@ class DecodeService(pbg.DecodeServicer):
         if slot is None:
             slot = self.slots[req.id] = Slot(req.id)
         slot.claimed = True
+        slot.client = req.client
         slot.output_len = max(1, req.output_len)
         slot.input_len = req.input_len
         slot.kv_need = (self.engine.kv_need(req.input_len, slot.output_len) if self.paced
@@ -176,18 +201,23 @@ class DecodeService(pbg.DecodeServicer):
                 yield self._final(slot, "failed", f"{self.name}: {error}")
                 return
             self.waiting.append(slot)
-            self.has_work.set()
+            self._kick()
             while True:
                 await slot.wake.wait()
                 slot.wake.clear()
                 if slot.finished:
                     yield self._final(slot, "ok", "")
                     return
-                if len(slot.times) > slot.emitted:      # not already sent in a TokenBatch
+                if len(slot.times) > slot.emitted:      # no token stream took them
                     yield self._chunk(slot)
+                elif slot.emitted and not slot.marked:  # the first token went to the client
+                    slot.marked = True
+                    yield pb.TokenChunk(id=slot.rid, direct=slot.emitted)
         finally:
             if prefix is not None and not prefix.done():
                 prefix.cancel()
+            if not slot.finished and slot in self.batch:
+                self._kick()            # cancelled while batched: the batch changes now
             slot.finished = True
             if self.slots.get(req.id) is slot:
                 self.slots.pop(req.id, None)
@@ -195,16 +225,6 @@ class DecodeService(pbg.DecodeServicer):
             while len(self.served) > 100_000:
                 self.served.popitem(last=False)
             self.engine.release(req.id)
-
-    async def Tokens(self, request, context):
-        """Every batched request's new tokens, one `TokenBatch` per flush (the scheduler's)."""
-        queue = asyncio.Queue()
-        self.token_streams.append(queue)
-        try:
-            while True:
-                yield await queue.get()
-        finally:
-            self.token_streams.remove(queue)
 
     def _chunk(self, slot):
         i = slot.emitted
@@ -244,22 +264,29 @@ class DecodeService(pbg.DecodeServicer):
             self.batch.append(slot)
 
     async def step_loop(self):
+        if self.paced:
+            await self._paced_loop()
+        else:
+            await self._timed_loop()
+
+    async def _idle(self):
+        """Wait for work (reaping unclaimed KV every second meanwhile)."""
+        self.has_work.clear()
+        try:
+            await asyncio.wait_for(self.has_work.wait(), 1.0)
+        except asyncio.TimeoutError:
+            self._reap_orphans()
+
+    async def _timed_loop(self):
+        """An engine that computes for real: one wake-up per step, stamped when it ends."""
         next_tick = time.monotonic()
-        last_flush = {}
         while True:
             self._admit()
             if not self.batch:
-                self.has_work.clear()
-                try:
-                    await asyncio.wait_for(self.has_work.wait(), 1.0)
-                except asyncio.TimeoutError:
-                    self._reap_orphans()
+                await self._idle()
                 next_tick = time.monotonic()
                 continue
-            step_s = (self.engine.step_seconds(
-                len(self.batch), sum(s.input_len + len(s.times) for s in self.batch))
-                if self.paced else self.engine.step_s)
-            next_tick += step_s * self.engine.clock_factor
+            next_tick += self.engine.step_s * self.engine.clock_factor
             delay = next_tick - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
@@ -267,47 +294,158 @@ class DecodeService(pbg.DecodeServicer):
             ids = [s.rid for s in self.batch]
             tokens = (await self.engine.aemit_step(ids) if self.assembling
                       else self.engine.step(ids))
+            self._emit(tokens, time.time(), max(self.engine.step_s, time.monotonic() - t_step))
+
+    async def _paced_loop(self):
+        """The modelled engine: steps follow T_step(B, C) back to back, and the loop wakes only
+        for a step that changes something outside it (a first token, a request's last, a
+        flush), or when work arrives (admission at the next step boundary) or a request is
+        cancelled. Every step in between is computed at that wake-up and stamped with its
+        scheduled end, so each token keeps the time the model gives it. The step the loop woke
+        for is stamped when it runs, as every step was when the loop woke for each: its tokens
+        leave then, and a late wake-up (the event loop's timers round up to the millisecond)
+        lengthens that step and shortens the next, as it did then. How late each wake-up came
+        against its schedule is recorded (`decode_wakeups` at exit)."""
+        next_tick = time.monotonic()        # end of the last step run = start of the next
+        while True:
+            self.has_work.clear()
+            self._admit()
+            if not self.batch:
+                await self._idle()
+                next_tick = time.monotonic()
+                continue
+            end = self._next_event(next_tick)
+            if await self._sleep_until(end):        # work came: stop at the step in progress
+                end = self._next_event(next_tick, until=time.monotonic())
+                await self._sleep_until(end, wake=False)
+            self._late(time.monotonic() - end)
             now = time.time()
-            self.busy_s += max(step_s, time.monotonic() - t_step)
-            keep = []
-            for slot in self.batch:
-                if slot.finished:        # its stream was cancelled
-                    continue
-                slot.times.append(now)
-                if tokens:
-                    slot.token_ids.append(int(tokens.get(slot.rid, 0)))
-                done = len(slot.times) >= slot.output_len
-                first = len(slot.times) == 1
-                if done:
-                    slot.finished = True
-                    slot.wake.set()
-                    continue
-                if not self.token_streams and (
-                        first or now - last_flush.get(slot.rid, 0.0) >= self.flush_s):
-                    last_flush[slot.rid] = now
-                    slot.wake.set()
-                keep.append(slot)
-            if self.token_streams:
-                self._send_batch(keep, now)
-            for s in self.batch:
-                if s.finished:
-                    last_flush.pop(s.rid, None)
-                    if s.reserved:
-                        self.engine.free(s.reserved)
-                        s.reserved = 0.0
-            self.batch = keep
+            offset = now - time.monotonic()
+            while self.batch:
+                step_s = self.engine.step_seconds(
+                    len(self.batch), sum(s.input_len + len(s.times) for s in self.batch))
+                t = next_tick + step_s * self.engine.clock_factor
+                if t > end + 1e-9:
+                    break
+                next_tick = t
+                self.steps += 1
+                stamp = max(t + offset, now if t >= end - 1e-9 else 0.0, self.last_stamp + 1e-6)
+                self.last_stamp = stamp       # distinct and rising: one stamp is one step
+                self._emit(self.engine.step([s.rid for s in self.batch]), stamp, step_s)
+
+    def _next_event(self, start, until=None):
+        """Monotonic end of the first step from `start` that changes something outside the
+        batch (see `_paced_loop`), or of the one in progress at `until`, or of the first one
+        `MAX_WAKE_S` after `start`."""
+        batch = self.batch
+        n = len(batch)
+        context = sum(s.input_len + len(s.times) for s in batch)
+        steps_left = min(s.output_len - len(s.times) for s in batch)
+        first = any(not s.times for s in batch)
+        flush = min((self.last_flush if s.client in self.token_streams else
+                     self.slot_flush.get(s.rid, 0.0)) for s in batch) + self.flush_s
+        offset = time.time() - time.monotonic()
+        factor = self.engine.clock_factor
+        t, j = start, 0
+        while True:
+            t += self.engine.step_seconds(n, context) * factor
+            context += n
+            j += 1
+            if (first or j >= steps_left or t + offset >= flush or t - start >= MAX_WAKE_S
+                    or (until is not None and t >= until)):
+                return t
+
+    async def _sleep_until(self, t, wake=True):
+        """Sleep until monotonic `t`; True if work arrived first (with `wake`)."""
+        if wake and self.has_work.is_set():
+            return True
+        if t <= time.monotonic():
+            return False
+        loop = asyncio.get_running_loop()       # its clock is time.monotonic()
+        fut = loop.create_future()
+        timer = loop.call_at(t, _resolve, fut, False)
+        if wake:
+            self._waiter = fut
+        try:
+            return await fut
+        finally:
+            timer.cancel()
+            self._waiter = None
+
+    def _kick(self):
+        """Work for the step loop: a request waits to join, or one left the batch."""
+        self.has_work.set()
+        if self._waiter is not None:
+            _resolve(self._waiter, True)
+
+    def _late(self, late_s):
+        """One wake-up's lateness against its schedule (emulated s), a bounded sample."""
+        self.wakeups += 1
+        self.late_max = max(self.late_max, late_s)
+        if len(self.lateness) < LATE_SAMPLES:
+            self.lateness.append(late_s)
+        else:
+            i = random.randrange(self.wakeups)
+            if i < LATE_SAMPLES:
+                self.lateness[i] = late_s
+
+    def report_wakeups(self):
+        """The `decode_wakeups` row of events.csv: steps, wake-ups, lateness (emulated ms)."""
+        if self.events is None or not self.wakeups:
+            return
+        late = sorted(self.lateness)
+        q = lambda f: round(late[min(len(late) - 1, int(f * len(late)))] * 1e3, 3)  # noqa: E731
+        self.events("decode_wakeups", instance=self.name, steps=self.steps,
+                    wakeups=self.wakeups, late_p50_ms=q(0.5), late_p99_ms=q(0.99),
+                    late_max_ms=round(self.late_max * 1e3, 3))
+
+    def _emit(self, tokens, now, step_s):
+        """One step's tokens, stamped `now` (Unix time): append, send what is due, and let
+        finished requests go."""
+        self.busy_s += step_s
+        keep = []
+        for slot in self.batch:
+            if slot.finished:        # its stream was cancelled
+                continue
+            slot.times.append(now)
+            if tokens:
+                slot.token_ids.append(int(tokens.get(slot.rid, 0)))
+            if len(slot.times) >= slot.output_len:
+                slot.finished = True
+                slot.wake.set()
+                continue
+            if slot.client not in self.token_streams and (
+                    len(slot.times) == 1 or now - self.slot_flush.get(slot.rid, 0.0)
+                    >= self.flush_s):
+                self.slot_flush[slot.rid] = now
+                slot.wake.set()
+            keep.append(slot)
+        if self.token_streams:
+            self._send_batch(keep, now)
+        for s in self.batch:
+            if s.finished:
+                self.slot_flush.pop(s.rid, None)
+                if s.reserved:
+                    self.engine.free(s.reserved)
+                    s.reserved = 0.0
+        self.batch = keep
 
     def _send_batch(self, batch, now):
-        """One `TokenBatch` on the newest `Tokens` stream: every request's pending tokens each
-        `flush_s`, and in between the requests whose first token this step made."""
-        if now - self.last_flush >= self.flush_s:
+        """One `TokenBatch` per client on its token stream: every request's pending tokens
+        each `flush_s`, and in between the requests whose first token this step made. A first
+        token sent wakes the request's `Decode` stream, which marks it for the scheduler."""
+        flush = now - self.last_flush >= self.flush_s
+        if flush:
             self.last_flush = now
-            ready = [s for s in batch if len(s.times) > s.emitted]
-        else:
-            ready = [s for s in batch if len(s.times) == 1 and not s.emitted]
-        if ready:
-            self.token_streams[-1].put_nowait(
-                pb.TokenBatch(chunks=[self._chunk(s) for s in ready]))
+        out = {}
+        for s in batch:
+            if (len(s.times) > s.emitted if flush else len(s.times) == 1 and not s.emitted) \
+                    and s.client in self.token_streams:
+                if not s.emitted:
+                    s.wake.set()
+                out.setdefault(s.client, []).append(self._chunk(s))
+        for client, chunks in out.items():
+            self.token_streams[client].send_batch(pb.TokenBatch(chunks=chunks))
 
     def _reap_orphans(self):
         """KV that arrived for a request whose Decode stream never came is freed after a while."""
@@ -340,6 +478,7 @@ async def main():
     kv_server = await kvwire.serve(
         inst.ip, inst.kv_port, service.on_frame, service.on_kv_error,
         payload_buffer=frame_buffer and (lambda wire, *a: frame_buffer(wire & control.RID_MASK, *a)))
+    token_server = await tokens.serve(inst.ip, inst.token_port, service.token_streams)
     server = await common.start_grpc(inst, pbg.add_DecodeServicer_to_server, service)
     loop_task = asyncio.create_task(service.step_loop())
     discard_task = asyncio.create_task(service.discard_loop())
@@ -351,7 +490,9 @@ async def main():
         loop_task.cancel()
         discard_task.cancel()
         kv_server.close()
+        token_server.close()
         service.flush_discarded(0.0)
+        service.report_wakeups()
         if service.cache is not None:
             service.cache.close()
 

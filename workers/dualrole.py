@@ -16,7 +16,7 @@ import grpc
 
 from testbed.proto import testbed_pb2 as pb
 from testbed.proto import testbed_pb2_grpc as pbg
-from workers import common, control, decode, kvwire, prefill
+from workers import common, control, decode, kvwire, prefill, tokens
 
 DRAIN_POLL_S = 0.01
 
@@ -66,6 +66,7 @@ async def main():
     role = RoleService(args.name, inst.role, pre, dec, log)
     kvwire.keep_receive_memory()
     kv_server = await kvwire.serve(inst.ip, inst.kv_port, dec.on_frame, dec.on_kv_error)
+    token_server = await tokens.serve(inst.ip, inst.token_port, dec.token_streams)
     server = grpc.aio.server(options=common.grpc_options())
     pbg.add_PrefillServicer_to_server(pre, server)
     pbg.add_DecodeServicer_to_server(dec, server)
@@ -93,8 +94,10 @@ async def main():
         for t in tasks:
             t.cancel()
         kv_server.close()
+        token_server.close()
         pre.pool.close()
         dec.flush_discarded(0.0)
+        dec.report_wakeups()
 
     await common.serve_until_signalled(server, cleanup)
 

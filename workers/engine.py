@@ -34,8 +34,11 @@ class PrefillEngine(Protocol):
     frames_checksummed: bool    # the KV pieces carry their own checksums (no kvwire crc32)
     clock_factor: float         # 1: profiled speed; the `slow` fault sets it (workers/control.py)
 
-    async def prefill(self, request: Any, emit: Emit) -> dict:
-        """Run (or emulate) the prefill; returns at least {"kv_bytes": bytes handed to emit}."""
+    async def prefill(self, request: Any, emit: Emit, arrived: float | None = None) -> dict:
+        """Run (or emulate) the prefill; returns at least {"kv_bytes": bytes handed to emit},
+        and "start" (Unix time) when compute started if that is not when the call came.
+        `arrived`: when the request reached the instance (monotonic), for an engine that keeps
+        its own schedule."""
         ...
 
 

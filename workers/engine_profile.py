@@ -37,6 +37,7 @@ class ProfilePrefillEngine(PrefillEngine):
         self.scale = rt.scale
         self.chunks = max(1, int(self.profile.stream_chunks))
         self.clock_factor = 1.0    # > 1: a slowed instance (the `slow` fault, workers/control.py)
+        self.free_at = 0.0         # scheduled end of the last compute (monotonic)
 
     def compute_s(self, input_len, cached=0):
         """T_prefill(L | P cached) / scale.time (`Profile.t_prefill_cached`, docs/cache.md)."""
@@ -50,12 +51,19 @@ class ProfilePrefillEngine(PrefillEngine):
         full = a + b * max(input_len, 1) - b * min(decode_cached, input_len)
         return max(1, int(round(self.scale.emulated_bytes(full))))
 
-    async def prefill(self, request, emit):
-        """Emulate one prefill; `emit(seq, payload, last)` is called as each piece is ready."""
+    async def prefill(self, request, emit, arrived=None):
+        """Emulate one prefill; `emit(seq, payload, last)` is called as each piece is ready.
+
+        The instance keeps its schedule: a request that `arrived` while the previous one
+        computed starts when that compute was due to end, not when the event loop got round to
+        it (a timer fires up to a millisecond late), so queued prefills run back to back at the
+        profiled rate. Pieces are emitted when ready or later, never earlier."""
         t_compute = self.compute_s(request.input_len, request.cached_len)
         size = self.kv_bytes(request.input_len, request.decode_cached_len)
         n = min(self.chunks, size)
-        ready_at = time.monotonic()
+        now = time.monotonic()
+        ready_at = now if arrived is None else min(now, max(arrived, self.free_at))
+        start = time.time() - (now - ready_at)
         sent = 0
         for i in range(n):
             # Each piece's compute at the clock factor in force when it starts.
@@ -66,7 +74,8 @@ class ProfilePrefillEngine(PrefillEngine):
             piece = size // n + (1 if i < size % n else 0)
             emit(i, _payload(piece), i == n - 1)
             sent += piece
-        return {"kv_bytes": sent}
+        self.free_at = ready_at
+        return {"kv_bytes": sent, "start": start}
 
 
 class ProfileDecodeEngine(PacedDecodeEngine):

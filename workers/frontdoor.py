@@ -10,7 +10,8 @@ It runs in the client host (`cli`, inside the emulated local datacenter) when
 - `GET /v1/models` (the one model: the run's profile name) and `GET /health`.
 
 Each request becomes one scheduler `Submit`, the same `Request` the built-in client sends; its
-output tokens are the decode worker's tokens, each streamed as the text " tok". The prompt's
+output tokens are the decode worker's tokens, which come straight from the decode workers as to
+the built-in client (workers/tokens.py), each streamed as the text " tok". The prompt's
 length is its token count under the testbed's tokenizer: a token is a maximal run of
 non-whitespace characters (`count_tokens`; `testbed/tokenizer/` is the same rule as a Hugging
 Face tokenizer, for tools that need one). A prompt given as token ids (a list of integers) has
@@ -45,7 +46,7 @@ from aiohttp import web
 
 from testbed.proto import testbed_pb2 as pb
 from testbed.proto import testbed_pb2_grpc as pbg
-from workers import common
+from workers import common, tokens
 from workers.client import Recorder, Tracker
 
 DEFAULT_MAX_TOKENS = 16       # OpenAI's completions default
@@ -303,7 +304,7 @@ class FrontDoor:
         call = self.stub.Submit(req, timeout=self.timeout_s)
         try:
             async for chunk in call:
-                n = track.add(chunk, time.time())
+                n = track.add(chunk, tokens.received(call))
                 if not n or not p.stream:
                     n_out += n
                     continue
@@ -413,7 +414,9 @@ async def main_async(args):
     channel = grpc.aio.insecure_channel(rt.instance("scheduler").addr,
                                         options=common.grpc_options())
     await asyncio.wait_for(channel.channel_ready(), 10.0)
-    door = FrontDoor(pbg.SchedulerStub(channel), fd.model, fd.max_context, args.out,
+    streams = await tokens.TokenStreams(
+        args.name, [i for i in rt.instances.values() if i.may_decode], log).start()
+    door = FrontDoor(tokens.DirectStub(pbg.SchedulerStub(channel), streams), fd.model, fd.max_context, args.out,
                      args.http_log, rt.request_timeout_s,
                      first_request_path=args.first_request_file and pathlib.Path(
                          args.first_request_file))
@@ -431,6 +434,7 @@ async def main_async(args):
     await door.stop()
     await runner.cleanup()
     door.close()
+    await streams.close()
     await channel.close()
     log.info("front door stopped: %s", dict(door.counts))
 

@@ -38,14 +38,16 @@ class PrefillService(pbg.PrefillServicer):
         send = asyncio.create_task(self._send(control.wire_id(req.id, preq.attempt), host,
                                               int(port), queue, reply))
         self.waiting += 1
+        arrived = time.monotonic()
         try:
             async with self.lock:
                 self.waiting -= 1
                 self.active = 1
                 reply.start = time.time()
                 try:
-                    await self.engine.prefill(req, lambda seq, data, last:
-                                              queue.put_nowait((seq, data, last)))
+                    done = await self.engine.prefill(req, lambda seq, data, last:
+                                                     queue.put_nowait((seq, data, last)), arrived)
+                    reply.start = done.get("start", reply.start)
                 finally:
                     reply.end = time.time()
                     self.busy_s += reply.end - reply.start
@@ -121,7 +123,7 @@ class TorchPrefill(PrefillEngine):
         self.engine = TorchPrefillEngine(rt.torch, rt.device, seed=rt.seed,
                                          scale=rt.scale, threads=1)
 
-    async def prefill(self, request, emit):
+    async def prefill(self, request, emit, arrived=None):
         from workers.engine_torch import emit_sender
         return await self.engine.prefill(request, emit_sender(emit))
 

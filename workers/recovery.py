@@ -3,16 +3,19 @@
 `Health` keeps every prefill and decode instance's state. With failover on it health-checks them
 all (`health_interval_s`, `health_timeout_s`; down after two missed checks in a row, up again at
 the first answer, so a restarted worker rejoins; a late answer does not count as a miss while the
-instance's tokens keep arriving, so an overloaded decode worker is not taken for a dead one); an
+instance's chunks keep arriving, so an overloaded decode worker is not taken for a dead one); an
 RPC that finds an instance unreachable marks it down at once. Every transition is a `health` row
 in the run's events.csv.
 
 `Flight` serves one request (the scheduler's `Submit`): it places it (`SchedulerService.place`:
 with the prefix cache, the placement policy of workers/placement.py, so that under `cache_aware`
-it prefills where its prefix lives), opens the decode worker's token stream, asks a prefill
-worker for the KV and relays tokens. Re-dispatches route with `SchedulerService.route`; with the
-cache they stay in the cluster the request was placed in while an instance there is up. With
-failover on it recovers:
+it prefills where its prefix lives), opens the decode worker's `Decode` stream, asks a prefill
+worker for the KV and relays what that stream carries. A request whose client holds token
+streams (`Request.client`, workers/tokens.py) gets its tokens from the decode worker directly:
+the scheduler announces each decode instance it chooses to the client, learns from the worker's
+`direct` mark that the first token has gone, and relays only the last chunk. Re-dispatches
+route with `SchedulerService.route`; with the cache they stay in the cluster the request was
+placed in while an instance there is up. With failover on it recovers:
 
 - prefill instance down (health check) or unreachable (RPC error), or its prefill failed: the
   request's prefill is re-dispatched to an instance that is up (at-least-once prefill). Each
@@ -20,9 +23,9 @@ failover on it recovers:
   discards, and counts, the others. If no instance is up for it (e.g. `max_local` keeps a long
   request on PrfaaS), a paused instance keeps it and a dead one is retried when an instance
   comes back up.
-- decode instance down or its stream broken: a request that has no token yet is re-prefilled
-  for another decode instance; one that has tokens (or has nowhere to go) fails at once with the
-  reason, so nothing waits for the request timeout.
+- decode instance down or its stream broken: a request that has no token yet (none relayed, no
+  `direct` mark) is re-prefilled for another decode instance; one that has tokens (or has
+  nowhere to go) fails at once with the reason, so nothing waits for the request timeout.
 
 Every move is a `redispatch` row in events.csv and a `Redispatch` in the request's last chunk
 (the client's record). Without failover a failure fails the request with its reason, as before.
@@ -38,8 +41,6 @@ from workers import control
 
 UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 MAX_ATTEMPTS = 4          # prefill attempts per request before it fails
-# How long the last chunk waits for earlier tokens still on the worker's Tokens stream (real s).
-HELD_FINAL_S = 5.0
 
 
 class Health:
@@ -48,10 +49,11 @@ class Health:
         self.events = control.event_log(rt, "scheduler")
         self.flights = set()
         self._up = asyncio.Event()
-        self.last_seen = {}         # instance name -> monotonic time of its last token chunk
+        self.last_seen = {}         # instance name -> monotonic time of its last chunk
 
     def seen(self, inst):
-        """Traffic from `inst` (a token chunk) is a sign of life, as a health reply is."""
+        """Traffic from `inst` (a chunk on a `Decode` stream: tokens, a `direct` mark, a last
+        chunk) is a sign of life, as a health reply is."""
         self.last_seen[inst.name] = time.monotonic()
 
     def set(self, inst, down, reason):
@@ -98,7 +100,7 @@ class Health:
                 misses[inst.name] = 0
             except grpc.aio.AioRpcError as e:
                 # A busy worker may answer late (its event loop is stepping a batch on a loaded
-                # machine) while its tokens still flow: passive liveness, not a miss. Tokens must
+                # machine) while its chunks still flow: passive liveness, not a miss. Chunks must
                 # still be arriving halfway through the wait: what a worker sent just before it
                 # froze lands within milliseconds and must not excuse the check.
                 if self.last_seen.get(inst.name, -1e9) > asked + timeout / 2:
@@ -137,11 +139,10 @@ class Flight:
         self.ptask = None
         self.replies = {}
         self.moves = []
-        self.tokens = 0
+        self.tokens = 0             # tokens known to have left the decode worker
         self.decode_call = None
         self.next_chunk = None
-        self.held = {}              # first_index -> chunk that came before the tokens ahead of it
-        self.final_timer = None
+        self.announce = False       # the client has not been told the decode instance yet
 
     def notify(self, inst, reason):
         if inst is self.p or inst is self.d:
@@ -161,8 +162,7 @@ class Flight:
     def _start_decode(self, d):
         self.d = d
         d.inflight += 1
-        self.held = {}
-        self.svc.tokens.attach(d, self.req.id, self)
+        self.announce = bool(self.req.client)
         self.decode_call = self.svc.decode_stub[d.name].Decode(pb.DecodeRequest(
             request=self.req, prefill="", kv_deadline_s=self.svc.rt.kv_deadline_s,
             **self.svc.decode_fields(self.kind)))
@@ -176,7 +176,6 @@ class Flight:
             self.decode_call.cancel()
             self.decode_call = None
             self.d.inflight -= 1
-            self.svc.tokens.detach(self.d, self.req.id)
 
     def _start_prefill(self, p):
         self.p = p
@@ -287,23 +286,22 @@ class Flight:
         inbox = asyncio.ensure_future(self.inbox.get())
         try:
             while True:
+                if self.announce:       # the client takes this instance's direct tokens
+                    self.announce = False
+                    yield pb.TokenChunk(id=self.req.id, decode_instance=self.d.name)
                 waits = {inbox}
-                for f in (self.next_chunk, self.final_timer):
-                    if f is not None:
-                        waits.add(f)
+                if self.next_chunk is not None:
+                    waits.add(self.next_chunk)
                 ptask = self.ptask
                 if not ptask.done():
                     waits.add(ptask)
                 done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
                 error = None
-                chunks = []
+                chunk = None
                 if inbox in done:
                     inst, reason = inbox.result()
                     inbox = asyncio.ensure_future(self.inbox.get())
-                    if isinstance(reason, pb.TokenChunk):   # from the worker's Tokens stream
-                        if inst is self.d:
-                            chunks.append(reason)
-                    elif self.failover and inst is self.d:
+                    if self.failover and inst is self.d:
                         error = self._reroute_decode(f"{inst.name} down: {reason}")
                     elif self.failover and inst is self.p and not self.ptask.done():
                         # A paused instance keeps the request when there is nowhere else to go.
@@ -332,19 +330,16 @@ class Flight:
                         error = self._reroute_decode(e.code().name)
                         chunk = None
                     if chunk is not None:
-                        if chunk.done:
-                            self.next_chunk = None
-                        else:
-                            self.svc.health.seen(self.d)
-                            self.next_chunk = asyncio.ensure_future(self.stream.__anext__())
-                        chunks.append(chunk)
-                if error is None:
-                    if self.final_timer is not None and self.final_timer in done:
-                        chunks.append(self._missing_tokens())
-                    for chunk in self._in_order(chunks):
-                        if chunk.done:
-                            yield await self._finish(chunk)
-                            return
+                        self.svc.health.seen(self.d)
+                        self.next_chunk = (None if chunk.done else
+                                           asyncio.ensure_future(self.stream.__anext__()))
+                        self.tokens = max(self.tokens, chunk.direct,
+                                          chunk.first_index + len(chunk.times))
+                if error is None and chunk is not None:
+                    if chunk.done:
+                        yield await self._finish(chunk)
+                        return
+                    if chunk.times:     # not a `direct` mark: tokens the client gets from here
                         yield chunk
                 if error is not None:
                     svc.stats.failed += 1
@@ -352,39 +347,6 @@ class Flight:
                     return
         finally:
             inbox.cancel()
-            if self.final_timer is not None:
-                self.final_timer.cancel()
-
-    def _in_order(self, chunks):
-        """This request's chunks in token order. They come on two streams, its own `Decode`
-        stream and its worker's `Tokens` stream (workers/tokens.py), which may overtake each
-        other: a chunk ahead of a gap is held until the gap is filled."""
-        for c in chunks:
-            if c.done or c.times:
-                self.held[c.first_index] = c
-        out = []
-        while self.tokens in self.held:
-            c = self.held.pop(self.tokens)
-            out.append(c)
-            if c.done:
-                return out
-            self.tokens += len(c.times)
-        if self.final_timer is None and any(c.done for c in self.held.values()):
-            self.final_timer = asyncio.ensure_future(asyncio.sleep(HELD_FINAL_S))
-        return out
-
-    def _missing_tokens(self):
-        """The held last chunk, after the tokens ahead of it never came: the request fails."""
-        final = next(c for c in self.held.values() if c.done)
-        self.held = {final.first_index: final}
-        gap = final.first_index - self.tokens
-        final.status = "failed"
-        final.error = (final.error or f"{gap} tokens from {self.d.name} did not arrive "
-                       f"within {HELD_FINAL_S:g}s")
-        final.first_index = self.tokens
-        del final.times[:]
-        del final.token_ids[:]
-        return final
 
     async def _finish(self, chunk):
         """The decode worker's last chunk, with the route and the admitted attempt's report."""

@@ -1,10 +1,12 @@
 """Scheduler: the global router. A gRPC `Submit(request)` returns the request's token stream.
 
 For each request it picks a prefill and a decode instance (`workers.policy.Router`), opens the
-decode worker's token stream, asks the prefill worker to prefill and ship the KV to that decode
-worker, and relays token chunks to the client (`workers.recovery.Flight`); the chunks come
-batched per decode worker on one stream each (`workers.tokens.TokenStreams`). The last chunk
-carries the route, the prefill worker's report and any re-dispatches. With failover on, a failed
+decode worker's `Decode` stream, asks the prefill worker to prefill and ship the KV to that decode
+worker, and relays the last chunk to the client (`workers.recovery.Flight`). The tokens go from
+the decode worker to the client directly, batched per worker on one stream per client
+(workers/tokens.py), when the client holds such streams (`Request.client`); otherwise the
+scheduler relays them too. The last chunk carries the route, the prefill worker's report and any
+re-dispatches. With failover on, a failed
 instance's requests are re-dispatched or fail fast (workers/recovery.py); any failure that cannot
 be recovered ends the request `failed` with the reason; no request vanishes.
 """
@@ -19,7 +21,6 @@ from testbed.proto import testbed_pb2_grpc as pbg
 from workers import common
 from workers.policy import Instance, Router
 from workers.recovery import Flight, Health
-from workers.tokens import TokenStreams
 
 
 class SchedulerService(pbg.SchedulerServicer):
@@ -42,7 +43,6 @@ class SchedulerService(pbg.SchedulerServicer):
                             for i in instances if i.role == "decode"}
         self.stats = pb.SchedulerStats(threshold=rt.scheduler.threshold)
         self.health = Health(self, rt, log)     # instance states, failover (workers/recovery.py)
-        self.tokens = TokenStreams(self, log)   # one token stream per decode worker
         self.placer = None          # workers.placement.CachePlacer when the cache is on
         self.on_request = []        # callables(request): workers/adaptive.py, workers/roles.py
         if rt.cache.enabled:
@@ -117,7 +117,7 @@ async def main():
     common.mark_ready(rt, args.name)
     log.info("scheduler up on %s, policy %s", inst.addr, rt.scheduler.policy)
     await common.serve_until_signalled(
-        server, lambda: [t.cancel() for t in tasks] + [service.tokens.close()])
+        server, lambda: [t.cancel() for t in tasks])
 
 
 if __name__ == "__main__":

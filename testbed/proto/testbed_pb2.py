@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btestbed/proto/testbed.proto\x12\x07testbed\"\xbf\x01\n\x07Request\x12\n\n\x02id\x18\x01 \x01(\x03\x12\x11\n\tinput_len\x18\x02 \x01(\x05\x12\x12\n\noutput_len\x18\x03 \x01(\x05\x12\x12\n\ncached_len\x18\x04 \x01(\x05\x12\x15\n\rprefix_blocks\x18\x05 \x03(\x03\x12\x11\n\tsend_time\x18\x06 \x01(\x01\x12\x19\n\x11\x64\x65\x63ode_cached_len\x18\x07 \x01(\x05\x12\x12\n\ncache_pool\x18\x08 \x01(\t\x12\x14\n\x0c\x63\x61\x63he_source\x18\t \x01(\t\"\xbf\x01\n\x05Route\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0f\n\x07prefill\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65\x63ode\x18\x03 \x01(\t\x12\x11\n\tthreshold\x18\x04 \x01(\x05\x12\x12\n\ncached_len\x18\x05 \x01(\x05\x12\x14\n\x0c\x63\x61\x63he_source\x18\x06 \x01(\t\x12\x1d\n\x15prefix_transfer_bytes\x18\x07 \x01(\x03\x12\x14\n\x0clookup_local\x18\x08 \x01(\x05\x12\x15\n\rlookup_prfaas\x18\t \x01(\x05\"l\n\x0ePrefillRequest\x12!\n\x07request\x18\x01 \x01(\x0b\x32\x10.testbed.Request\x12\x0e\n\x06\x64\x65\x63ode\x18\x02 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_kv_addr\x18\x03 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x04 \x01(\x05\"\x95\x02\n\x0cPrefillReply\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x10\n\x08instance\x18\x03 \x01(\t\x12\x0e\n\x06queued\x18\x04 \x01(\x01\x12\r\n\x05start\x18\x05 \x01(\x01\x12\x0b\n\x03\x65nd\x18\x06 \x01(\x01\x12\x10\n\x08kv_bytes\x18\x07 \x01(\x03\x12\x12\n\nsend_start\x18\x08 \x01(\x01\x12\x10\n\x08send_end\x18\t \x01(\x01\x12\x11\n\toverlap_s\x18\n \x01(\x01\x12\x12\n\ncached_len\x18\x0b \x01(\x05\x12\x19\n\x11\x63\x61\x63he_fetch_bytes\x18\x0c \x01(\x03\x12\x17\n\x0f\x63\x61\x63he_put_bytes\x18\r \x01(\x03\x12\x15\n\rcache_fetch_s\x18\x0e \x01(\x01\"\x83\x01\n\rDecodeRequest\x12!\n\x07request\x18\x01 \x01(\x0b\x32\x10.testbed.Request\x12\x0f\n\x07prefill\x18\x02 \x01(\t\x12\x15\n\rkv_deadline_s\x18\x03 \x01(\x01\x12\x12\n\ncache_pool\x18\x04 \x01(\t\x12\x13\n\x0bput_to_pool\x18\x05 \x01(\x08\"\xbb\x03\n\nTokenChunk\x12\n\n\x02id\x18\x01 \x01(\x03\x12\x13\n\x0b\x66irst_index\x18\x02 \x01(\x05\x12\r\n\x05times\x18\x03 \x03(\x01\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x0c\n\x04\x64one\x18\x05 \x01(\x08\x12\x0e\n\x06status\x18\x06 \x01(\t\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x1d\n\x05route\x18\x08 \x01(\x0b\x32\x0e.testbed.Route\x12&\n\x07prefill\x18\t \x01(\x0b\x32\x15.testbed.PrefillReply\x12\x15\n\rkv_recv_start\x18\n \x01(\x01\x12\x13\n\x0bkv_recv_end\x18\x0b \x01(\x01\x12\x15\n\rkv_recv_bytes\x18\x0c \x01(\x03\x12\x17\n\x0f\x64\x65\x63ode_instance\x18\r \x01(\t\x12\x13\n\x0b\x64\x65\x63ode_join\x18\x0e \x01(\x01\x12\x12\n\nkv_attempt\x18\x0f \x01(\x05\x12\x10\n\x08\x61ttempts\x18\x10 \x01(\x05\x12)\n\x0credispatches\x18\x11 \x03(\x0b\x32\x13.testbed.Redispatch\x12\x19\n\x11\x63\x61\x63he_fetch_bytes\x18\x12 \x01(\x03\x12\x19\n\x11\x64\x65\x63ode_cached_len\x18\x13 \x01(\x05\"1\n\nTokenBatch\x12#\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x13.testbed.TokenChunk\"d\n\nRedispatch\x12\x0c\n\x04time\x18\x01 \x01(\x01\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x15\n\rfrom_instance\x18\x03 \x01(\t\x12\x13\n\x0bto_instance\x18\x04 \x01(\t\x12\x0e\n\x06reason\x18\x05 \x01(\t\"\x07\n\x05\x45mpty\"^\n\x0bHealthReply\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0bqueue_depth\x18\x03 \x01(\x05\x12\x0e\n\x06\x61\x63tive\x18\x04 \x01(\x05\x12\x0e\n\x06\x62usy_s\x18\x05 \x01(\x01\"s\n\x0eSchedulerStats\x12\x11\n\tthreshold\x18\x01 \x01(\x05\x12\x15\n\rrouted_remote\x18\x02 \x01(\x03\x12\x14\n\x0crouted_local\x18\x03 \x01(\x03\x12\x0e\n\x06\x66\x61iled\x18\x04 \x01(\x03\x12\x11\n\tfailovers\x18\x05 \x01(\x03\"\x1b\n\tBlockList\x12\x0e\n\x06\x62locks\x18\x01 \x03(\x03\"6\n\x0bLookupReply\x12\x11\n\tkv_blocks\x18\x01 \x01(\x05\x12\x14\n\x0cstate_blocks\x18\x02 \x01(\x05\"[\n\x0c\x46\x65tchRequest\x12\x0e\n\x06\x62locks\x18\x01 \x03(\x03\x12\x10\n\x08state_at\x18\x02 \x01(\x05\x12\x0c\n\x04\x64\x65st\x18\x03 \x01(\t\x12\x0b\n\x03tag\x18\x04 \x01(\x03\x12\x0e\n\x06source\x18\x05 \x01(\t\"=\n\nFetchReply\x12\x11\n\tkv_blocks\x18\x01 \x01(\x05\x12\r\n\x05state\x18\x02 \x01(\x08\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\">\n\x0fTransferRequest\x12\x0b\n\x03tag\x18\x01 \x01(\x03\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\x12\x0f\n\x07release\x18\x03 \x01(\x08\"\x19\n\tPoolStats\x12\x0c\n\x04json\x18\x01 \x01(\t\"+\n\x0bRoleRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0e\n\x06\x63ost_s\x18\x02 \x01(\x01\"K\n\tRoleReply\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x64rain_s\x18\x03 \x01(\x01\x12\x11\n\tconvert_s\x18\x04 \x01(\x01\x32\x8b\x02\n\tCachePool\x12\x32\n\x06Lookup\x12\x12.testbed.BlockList\x1a\x14.testbed.LookupReply\x12\x33\n\x05\x46\x65tch\x12\x15.testbed.FetchRequest\x1a\x13.testbed.FetchReply\x12\x32\n\x04Pull\x12\x15.testbed.FetchRequest\x1a\x13.testbed.FetchReply\x12\x34\n\x08Transfer\x12\x18.testbed.TransferRequest\x1a\x0e.testbed.Empty\x12+\n\x05Stats\x12\x0e.testbed.Empty\x1a\x12.testbed.PoolStats2\xa0\x01\n\tScheduler\x12\x31\n\x06Submit\x12\x10.testbed.Request\x1a\x13.testbed.TokenChunk0\x01\x12\x30\n\x05Stats\x12\x0e.testbed.Empty\x1a\x17.testbed.SchedulerStats\x12.\n\x06Health\x12\x0e.testbed.Empty\x1a\x14.testbed.HealthReply2t\n\x07Prefill\x12\x39\n\x07Prefill\x12\x17.testbed.PrefillRequest\x1a\x15.testbed.PrefillReply\x12.\n\x06Health\x12\x0e.testbed.Empty\x1a\x14.testbed.HealthReply2\xa2\x01\n\x06\x44\x65\x63ode\x12\x37\n\x06\x44\x65\x63ode\x12\x16.testbed.DecodeRequest\x1a\x13.testbed.TokenChunk0\x01\x12/\n\x06Tokens\x12\x0e.testbed.Empty\x1a\x13.testbed.TokenBatch0\x01\x12.\n\x06Health\x12\x0e.testbed.Empty\x1a\x14.testbed.HealthReply2k\n\x04Role\x12\x33\n\x07SetRole\x12\x14.testbed.RoleRequest\x1a\x12.testbed.RoleReply\x12.\n\x06Health\x12\x0e.testbed.Empty\x1a\x14.testbed.HealthReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btestbed/proto/testbed.proto\x12\x07testbed\"\xcf\x01\n\x07Request\x12\n\n\x02id\x18\x01 \x01(\x03\x12\x11\n\tinput_len\x18\x02 \x01(\x05\x12\x12\n\noutput_len\x18\x03 \x01(\x05\x12\x12\n\ncached_len\x18\x04 \x01(\x05\x12\x15\n\rprefix_blocks\x18\x05 \x03(\x03\x12\x11\n\tsend_time\x18\x06 \x01(\x01\x12\x19\n\x11\x64\x65\x63ode_cached_len\x18\x07 \x01(\x05\x12\x12\n\ncache_pool\x18\x08 \x01(\t\x12\x14\n\x0c\x63\x61\x63he_source\x18\t \x01(\t\x12\x0e\n\x06\x63lient\x18\n \x01(\t\"\xbf\x01\n\x05Route\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0f\n\x07prefill\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65\x63ode\x18\x03 \x01(\t\x12\x11\n\tthreshold\x18\x04 \x01(\x05\x12\x12\n\ncached_len\x18\x05 \x01(\x05\x12\x14\n\x0c\x63\x61\x63he_source\x18\x06 \x01(\t\x12\x1d\n\x15prefix_transfer_bytes\x18\x07 \x01(\x03\x12\x14\n\x0clookup_local\x18\x08 \x01(\x05\x12\x15\n\rlookup_prfaas\x18\t \x01(\x05\"l\n\x0ePrefillRequest\x12!\n\x07request\x18\x01 \x01(\x0b\x32\x10.testbed.Request\x12\x0e\n\x06\x64\x65\x63ode\x18\x02 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_kv_addr\x18\x03 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x04 \x01(\x05\"\x95\x02\n\x0cPrefillReply\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x10\n\x08instance\x18\x03 \x01(\t\x12\x0e\n\x06queued\x18\x04 \x01(\x01\x12\r\n\x05start\x18\x05 \x01(\x01\x12\x0b\n\x03\x65nd\x18\x06 \x01(\x01\x12\x10\n\x08kv_bytes\x18\x07 \x01(\x03\x12\x12\n\nsend_start\x18\x08 \x01(\x01\x12\x10\n\x08send_end\x18\t \x01(\x01\x12\x11\n\toverlap_s\x18\n \x01(\x01\x12\x12\n\ncached_len\x18\x0b \x01(\x05\x12\x19\n\x11\x63\x61\x63he_fetch_bytes\x18\x0c \x01(\x03\x12\x17\n\x0f\x63\x61\x63he_put_bytes\x18\r \x01(\x03\x12\x15\n\rcache_fetch_s\x18\x0e \x01(\x01\"\x83\x01\n\rDecodeRequest\x12!\n\x07request\x18\x01 \x01(\x0b\x32\x10.testbed.Request\x12\x0f\n\x07prefill\x18\x02 \x01(\t\x12\x15\n\rkv_deadline_s\x18\x03 \x01(\x01\x12\x12\n\ncache_pool\x18\x04 \x01(\t\x12\x13\n\x0bput_to_pool\x18\x05 \x01(\x08\"\xcb\x03\n\nTokenChunk\x12\n\n\x02id\x18\x01 \x01(\x03\x12\x13\n\x0b\x66irst_index\x18\x02 \x01(\x05\x12\r\n\x05times\x18\x03 \x03(\x01\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x0c\n\x04\x64one\x18\x05 \x01(\x08\x12\x0e\n\x06status\x18\x06 \x01(\t\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x1d\n\x05route\x18\x08 \x01(\x0b\x32\x0e.testbed.Route\x12&\n\x07prefill\x18\t \x01(\x0b\x32\x15.testbed.PrefillReply\x12\x15\n\rkv_recv_start\x18\n \x01(\x01\x12\x13\n\x0bkv_recv_end\x18\x0b \x01(\x01\x12\x15\n\rkv_recv_bytes\x18\x0c \x01(\x03\x12\x17\n\x0f\x64\x65\x63ode_instance\x18\r \x01(\t\x12\x13\n\x0b\x64\x65\x63ode_join\x18\x0e \x01(\x01\x12\x12\n\nkv_attempt\x18\x0f \x01(\x05\x12\x10\n\x08\x61ttempts\x18\x10 \x01(\x05\x12)\n\x0credispatches\x18\x11 \x03(\x0b\x32\x13.testbed.Redispatch\x12\x19\n\x11\x63\x61\x63he_fetch_bytes\x18\x12 \x01(\x03\x12\x19\n\x11\x64\x65\x63ode_cached_len\x18\x13 \x01(\x05\x12\x0e\n\x06\x64irect\x18\x14 \x01(\x05\"1\n\nTokenBatch\x12#\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x13.testbed.TokenChunk\"d\n\nRedispatch\x12\x0c\n\x04time\x18\x01 \x01(\x01\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x15\n\rfrom_instance\x18\x03 \x01(\t\x12\x13\n\x0bto_instance\x18\x04 \x01(\t\x12\x0e\n\x06reason\x18\x05 \x01(\t\"\x07\n\x05\x45mpty\"^\n\x0bHealthReply\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0bqueue_depth\x18\x03 \x01(\x05\x12\x0e\n\x06\x61\x63tive\x18\x04 \x01(\x05\x12\x0e\n\x06\x62usy_s\x18\x05 \x01(\x01\"s\n\x0eSchedulerStats\x12\x11\n\tthreshold\x18\x01 \x01(\x05\x12\x15\n\rrouted_remote\x18\x02 \x01(\x03\x12\x14\n\x0crouted_local\x18\x03 \x01(\x03\x12\x0e\n\x06\x66\x61iled\x18\x04 \x01(\x03\x12\x11\n\tfailovers\x18\x05 \x01(\x03\"\x1b\n\tBlockList\x12\x0e\n\x06\x62locks\x18\x01 \x03(\x03\"6\n\x0bLookupReply\x12\x11\n\tkv_blocks\x18\x01 \x01(\x05\x12\x14\n\x0cstate_blocks\x18\x02 \x01(\x05\"[\n\x0c\x46\x65tchRequest\x12\x0e\n\x06\x62locks\x18\x01 \x03(\x03\x12\x10\n\x08state_at\x18\x02 \x01(\x05\x12\x0c\n\x04\x64\x65st\x18\x03 \x01(\t\x12\x0b\n\x03tag\x18\x04 \x01(\x03\x12\x0e\n\x06source\x18\x05 \x01(\t\"=\n\nFetchReply\x12\x11\n\tkv_blocks\x18\x01 \x01(\x05\x12\r\n\x05state\x18\x02 \x01(\x08\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\">\n\x0fTransferRequest\x12\x0b\n\x03tag\x18\x01 \x01(\x03\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\x12\x0f\n\x07release\x18\x03 \x01(\x08\"\x19\n\tPoolStats\x12\x0c\n\x04json\x18\x01 \x01(\t\"+\n\x0bRoleRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0e\n\x06\x63ost_s\x18\x02 \x01(\x01\"K\n\tRoleReply\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x64rain_s\x18\x03 \x01(\x01\x12\x11\n\tconvert_s\x18\x04 \x01(\x01\x32\x8b\x02\n\tCachePool\x12\x32\n\x06Lookup\x12\x12.testbed.BlockList\x1a\x14.testbed.LookupReply\x12\x33\n\x05\x46\x65tch\x12\x15.testbed.FetchRequest\x1a\x13.testbed.FetchReply\x12\x32\n\x04Pull\x12\x15.testbed.FetchRequest\x1a\x13.testbed.FetchReply\x12\x34\n\x08Transfer\x12\x18.testbed.TransferRequest\x1a\x0e.testbed.Empty\x12+\n\x05Stats\x12\x0e.testbed.Empty\x1a\x12.testbed.PoolStats2\xa0\x01\n\tScheduler\x12\x31\n\x06Submit\x12\x10.testbed.Request\x1a\x13.testbed.TokenChunk0\x01\x12\x30\n\x05Stats\x12\x0e.testbed.Empty\x1a\x17.testbed.SchedulerStats\x12.\n\x06Health\x12\x0e.testbed.Empty\x1a\x14.testbed.HealthReply2t\n\x07Prefill\x12\x39\n\x07Prefill\x12\x17.testbed.PrefillRequest\x1a\x15.testbed.PrefillReply\x12.\n\x06Health\x12\x0e.testbed.Empty\x1a\x14.testbed.HealthReply2q\n\x06\x44\x65\x63ode\x12\x37\n\x06\x44\x65\x63ode\x12\x16.testbed.DecodeRequest\x1a\x13.testbed.TokenChunk0\x01\x12.\n\x06Health\x12\x0e.testbed.Empty\x1a\x14.testbed.HealthReply2k\n\x04Role\x12\x33\n\x07SetRole\x12\x14.testbed.RoleRequest\x1a\x12.testbed.RoleReply\x12.\n\x06Health\x12\x0e.testbed.Empty\x1a\x14.testbed.HealthReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,51 +32,51 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'testbed.proto.testbed_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_REQUEST']._serialized_start=41
-  _globals['_REQUEST']._serialized_end=232
-  _globals['_ROUTE']._serialized_start=235
-  _globals['_ROUTE']._serialized_end=426
-  _globals['_PREFILLREQUEST']._serialized_start=428
-  _globals['_PREFILLREQUEST']._serialized_end=536
-  _globals['_PREFILLREPLY']._serialized_start=539
-  _globals['_PREFILLREPLY']._serialized_end=816
-  _globals['_DECODEREQUEST']._serialized_start=819
-  _globals['_DECODEREQUEST']._serialized_end=950
-  _globals['_TOKENCHUNK']._serialized_start=953
-  _globals['_TOKENCHUNK']._serialized_end=1396
-  _globals['_TOKENBATCH']._serialized_start=1398
-  _globals['_TOKENBATCH']._serialized_end=1447
-  _globals['_REDISPATCH']._serialized_start=1449
-  _globals['_REDISPATCH']._serialized_end=1549
-  _globals['_EMPTY']._serialized_start=1551
-  _globals['_EMPTY']._serialized_end=1558
-  _globals['_HEALTHREPLY']._serialized_start=1560
-  _globals['_HEALTHREPLY']._serialized_end=1654
-  _globals['_SCHEDULERSTATS']._serialized_start=1656
-  _globals['_SCHEDULERSTATS']._serialized_end=1771
-  _globals['_BLOCKLIST']._serialized_start=1773
-  _globals['_BLOCKLIST']._serialized_end=1800
-  _globals['_LOOKUPREPLY']._serialized_start=1802
-  _globals['_LOOKUPREPLY']._serialized_end=1856
-  _globals['_FETCHREQUEST']._serialized_start=1858
-  _globals['_FETCHREQUEST']._serialized_end=1949
-  _globals['_FETCHREPLY']._serialized_start=1951
-  _globals['_FETCHREPLY']._serialized_end=2012
-  _globals['_TRANSFERREQUEST']._serialized_start=2014
-  _globals['_TRANSFERREQUEST']._serialized_end=2076
-  _globals['_POOLSTATS']._serialized_start=2078
-  _globals['_POOLSTATS']._serialized_end=2103
-  _globals['_ROLEREQUEST']._serialized_start=2105
-  _globals['_ROLEREQUEST']._serialized_end=2148
-  _globals['_ROLEREPLY']._serialized_start=2150
-  _globals['_ROLEREPLY']._serialized_end=2225
-  _globals['_CACHEPOOL']._serialized_start=2228
-  _globals['_CACHEPOOL']._serialized_end=2495
-  _globals['_SCHEDULER']._serialized_start=2498
-  _globals['_SCHEDULER']._serialized_end=2658
-  _globals['_PREFILL']._serialized_start=2660
-  _globals['_PREFILL']._serialized_end=2776
-  _globals['_DECODE']._serialized_start=2779
-  _globals['_DECODE']._serialized_end=2941
-  _globals['_ROLE']._serialized_start=2943
-  _globals['_ROLE']._serialized_end=3050
+  _globals['_REQUEST']._serialized_end=248
+  _globals['_ROUTE']._serialized_start=251
+  _globals['_ROUTE']._serialized_end=442
+  _globals['_PREFILLREQUEST']._serialized_start=444
+  _globals['_PREFILLREQUEST']._serialized_end=552
+  _globals['_PREFILLREPLY']._serialized_start=555
+  _globals['_PREFILLREPLY']._serialized_end=832
+  _globals['_DECODEREQUEST']._serialized_start=835
+  _globals['_DECODEREQUEST']._serialized_end=966
+  _globals['_TOKENCHUNK']._serialized_start=969
+  _globals['_TOKENCHUNK']._serialized_end=1428
+  _globals['_TOKENBATCH']._serialized_start=1430
+  _globals['_TOKENBATCH']._serialized_end=1479
+  _globals['_REDISPATCH']._serialized_start=1481
+  _globals['_REDISPATCH']._serialized_end=1581
+  _globals['_EMPTY']._serialized_start=1583
+  _globals['_EMPTY']._serialized_end=1590
+  _globals['_HEALTHREPLY']._serialized_start=1592
+  _globals['_HEALTHREPLY']._serialized_end=1686
+  _globals['_SCHEDULERSTATS']._serialized_start=1688
+  _globals['_SCHEDULERSTATS']._serialized_end=1803
+  _globals['_BLOCKLIST']._serialized_start=1805
+  _globals['_BLOCKLIST']._serialized_end=1832
+  _globals['_LOOKUPREPLY']._serialized_start=1834
+  _globals['_LOOKUPREPLY']._serialized_end=1888
+  _globals['_FETCHREQUEST']._serialized_start=1890
+  _globals['_FETCHREQUEST']._serialized_end=1981
+  _globals['_FETCHREPLY']._serialized_start=1983
+  _globals['_FETCHREPLY']._serialized_end=2044
+  _globals['_TRANSFERREQUEST']._serialized_start=2046
+  _globals['_TRANSFERREQUEST']._serialized_end=2108
+  _globals['_POOLSTATS']._serialized_start=2110
+  _globals['_POOLSTATS']._serialized_end=2135
+  _globals['_ROLEREQUEST']._serialized_start=2137
+  _globals['_ROLEREQUEST']._serialized_end=2180
+  _globals['_ROLEREPLY']._serialized_start=2182
+  _globals['_ROLEREPLY']._serialized_end=2257
+  _globals['_CACHEPOOL']._serialized_start=2260
+  _globals['_CACHEPOOL']._serialized_end=2527
+  _globals['_SCHEDULER']._serialized_start=2530
+  _globals['_SCHEDULER']._serialized_end=2690
+  _globals['_PREFILL']._serialized_start=2692
+  _globals['_PREFILL']._serialized_end=2808
+  _globals['_DECODE']._serialized_start=2810
+  _globals['_DECODE']._serialized_end=2923
+  _globals['_ROLE']._serialized_start=2925
+  _globals['_ROLE']._serialized_end=3032
 # @@protoc_insertion_point(module_scope)

@@ -301,7 +301,10 @@ class SchedulerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Submit(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The request's token chunks; with `Request.client` set, an announcement of its decode
+        instance (`decode_instance`, no times, not done) each time one is chosen, and the tokens
+        the decode worker could not send to the client directly, then the last chunk.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -558,11 +561,6 @@ class DecodeStub:
                 request_serializer=testbed_dot_proto_dot_testbed__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=testbed_dot_proto_dot_testbed__pb2.TokenChunk.FromString,
                 _registered_method=True)
-        self.Tokens = channel.unary_stream(
-                '/testbed.Decode/Tokens',
-                request_serializer=testbed_dot_proto_dot_testbed__pb2.Empty.SerializeToString,
-                response_deserializer=testbed_dot_proto_dot_testbed__pb2.TokenBatch.FromString,
-                _registered_method=True)
         self.Health = channel.unary_unary(
                 '/testbed.Decode/Health',
                 request_serializer=testbed_dot_proto_dot_testbed__pb2.Empty.SerializeToString,
@@ -574,15 +572,9 @@ class DecodeServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Decode(self, request, context):
-        """A request's token stream. While a `Tokens` stream is open its tokens go there and this
-        stream carries only the last chunk (done, with any tokens not sent yet).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Tokens(self, request, context):
-        """the scheduler's one stream per worker
+        """A request's token stream (the scheduler's). While its client's token stream is open
+        (workers/tokens.py) the tokens go there, straight to the client, and this stream carries one
+        `direct` mark (at the first token) and the last chunk (done, with any tokens not sent yet).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -601,11 +593,6 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=testbed_dot_proto_dot_testbed__pb2.DecodeRequest.FromString,
                     response_serializer=testbed_dot_proto_dot_testbed__pb2.TokenChunk.SerializeToString,
-            ),
-            'Tokens': grpc.unary_stream_rpc_method_handler(
-                    servicer.Tokens,
-                    request_deserializer=testbed_dot_proto_dot_testbed__pb2.Empty.FromString,
-                    response_serializer=testbed_dot_proto_dot_testbed__pb2.TokenBatch.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
@@ -640,33 +627,6 @@ class Decode:
             '/testbed.Decode/Decode',
             testbed_dot_proto_dot_testbed__pb2.DecodeRequest.SerializeToString,
             testbed_dot_proto_dot_testbed__pb2.TokenChunk.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Tokens(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/testbed.Decode/Tokens',
-            testbed_dot_proto_dot_testbed__pb2.Empty.SerializeToString,
-            testbed_dot_proto_dot_testbed__pb2.TokenBatch.FromString,
             options,
             channel_credentials,
             insecure,
