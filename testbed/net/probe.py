@@ -499,15 +499,13 @@ def measure_requests(link, segments, drop=(), trials=20, settle_s=0.05):
     sink = _spawn(link.dst, "tcp-replier", REQ_PORT, size, trials, 30)
     _iptables(link.dst, _drop_rules("-A", REQ_PORT, packets))
     try:
-        _wait_ready(sink, "tcp replier")
+        sink.ready("tcp replier")
         source = _spawn(link.src, "tcp-requests", link.dst_ip, REQ_PORT, size, trials, settle_s)
-        out = _result(source, "tcp requests", 60 + trials * (1 + 2 * settle_s))
-        _result(sink, "tcp replier", 10)
+        out = source.result("tcp requests", 60 + trials * (1 + 2 * settle_s))
+        sink.result("tcp replier", 10)
     finally:
         _iptables(link.dst, _drop_rules("-D", REQ_PORT, packets), check=False)
-        if sink.poll() is None:
-            sink.kill()
-            sink.communicate()
+        sink.close()
     return out
 
 
