@@ -12,8 +12,9 @@ Wall time is the whole `testbed run` (all three variants, set-up and analysis in
 variant the span in its metadata.json; the lag is real-world ms from the decode worker's first
 token stamp to its arrival at the client; capacity is the steady throughput over the planner's
 expected-latency prediction. `--sweep` also runs the delay-line rate sweep of
-benchmarks/link_fidelity.py in the same invocation and prints its goodput as a ratio of the raw
-veth rate measured alongside (it takes a few minutes).
+benchmarks/link_fidelity.py in the same invocation and prints its table: goodput over the
+configured rate and over the raw veth rate measured alongside, delay error (idle RTT, loaded
+one-way delay), reordering and the delay line's CPU, without and with loss (about a minute).
 
 Needs root (it starts `testbed run`): on a shared machine run it under the root lock, e.g.
 
@@ -80,21 +81,19 @@ def table_rows(scale_time, wall_s, run_dir):
 
 
 def sweep_rows():
-    """The delay-line sweep as lines: goodput over the configured rate and over the raw veth."""
+    """The delay-line sweep as lines (benchmarks/link_fidelity.py's table): goodput over the
+    configured rate and over the raw veth, delay error, reordering, the delay line's CPU."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     import link_fidelity   # noqa: E402  (a sibling benchmark: the sweep lives there)
 
-    lines = ["| rate | loss | goodput Gbit/s | goodput / raw veth | goodput / rate |",
-             "|---:|---:|---:|---:|---:|"]
-    raw_seen = set()
+    lines, raw_seen = [], set()
     for raw, p in link_fidelity.delayline_sweep():
         for r in raw.values():
             if r.per_frame not in raw_seen:
                 raw_seen.add(r.per_frame)
                 print(link_fidelity.fmt_raw(r))
-        lines.append(f"| {p.rate_bps / 1e9:g}G | {p.loss:.1%} | {p.goodput_bps / 1e9:.2f} "
-                     f"| {p.goodput_bps / p.raw_bps:.3f} | {p.goodput_bps / p.rate_bps:.3f} |")
-    return lines
+        lines.append(link_fidelity.fmt_sweep_row(p))
+    return [link_fidelity.SWEEP_HEADER, *lines]
 
 
 def main():

@@ -103,6 +103,30 @@ def test_a_stalled_transfer_is_inflated_and_reported_in_real_world_time(exp):
     assert "1 of 2 KV transfers" in warn[0] and "real-world" in warn[0]
 
 
+def _zero_delay_40x(metadata=None):
+    """The case study's naive variant at 40x: a 0 ms WAN of 1 Gbit/s emulated."""
+    runs = config.load_experiment("experiments/paper_case_study.yaml",
+                                  ["scale.time=40", "scale.bytes=2.5e-4"])
+    return RunInfo.of(next(r for r in runs if r.label == "naive"), metadata=metadata)
+
+
+def test_the_path_allowance_is_what_the_probe_measured_at_rest_when_larger():
+    kb56 = 56_000 / fidelity.WIRE_PER_PAYLOAD        # 0.448 ms on the wire at 1 Gbit/s
+    # handed over at once; the stack's 0.15 ms at rest, then one 2 ms late (a busy receiver)
+    rows = [(0.0, 0.00005, 0.000598, kb56), (1.0, 1.00005, 1.002448, kb56)]
+    configured, _ = fidelity.kv_transfers(_transfers(rows), _zero_delay_40x(), None)
+    assert configured["inflated"] == 2 and configured["path_basis"] == "configured"
+    probe = {"link_fidelity": {"measured": {"rtt_p50_ms": 0.12, "jitter_ms": 0.5}}}
+    out, warn = fidelity.kv_transfers(_transfers(rows), _zero_delay_40x(probe), None)
+    assert out["path_basis"] == "measured"
+    assert out["path_allowance_ms"] == pytest.approx(0.12 * 40)   # real-world; jitter unused
+    assert out["inflated"] == 1 and "1 of 2 KV transfers" in warn[0]
+    # a configured round trip longer than the probe's median stays (quickstart: 0.5 ms each way)
+    quick = config.load_experiment(QUICK)[2]
+    assert fidelity.path_allowance(RunInfo.of(quick, metadata=probe)) == (
+        pytest.approx(0.001), "configured")
+
+
 def test_a_link_cut_is_allowed_for(exp):
     mb = 1_000_000 / fidelity.WIRE_PER_PAYLOAD
     ts = _timeseries([0.0] * 20, dt=0.05)
