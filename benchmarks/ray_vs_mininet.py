@@ -19,16 +19,12 @@ Root. Each `testbed run`, and the hosts' setup and teardown, holds the shared lo
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import json
 import pathlib
-import secrets
 import statistics
 import sys
 import tempfile
 
-from testbed import lifecycle
 from testbed.net import nshosts
 from testbed.net.ns import ns_run
 
@@ -37,19 +33,9 @@ METRICS = (("steady_throughput", "steady req/s", 0.05), ("median_ttft_ms", "TTFT
            ("p90_ttft_ms", "TTFT p90", 0.10))
 
 
-@contextlib.contextmanager
-def root_lock(path):
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def run_testbed(argv, out, ns=None, env=None, lock="/tmp/prfaas-root.lock"):
+def run_testbed(argv, out, ns=None, env=None, lock=nshosts.ROOT_LOCK):
     """One `testbed run` into `out` under the lock; exits with its output on failure."""
-    with root_lock(lock):
+    with nshosts.root_lock(lock):
         r = ns_run(ns, [sys.executable, "-m", "testbed.cli", "run", *argv, "--out", str(out),
                         "--no-probe", "--no-progress"],
                    capture_output=True, text=True, cwd=ROOT, env=env, timeout=1200)
@@ -68,13 +54,9 @@ def summaries(out):
     return found
 
 
-@contextlib.contextmanager
-def ray_cluster(args, tmp):
-    """The namespace hosts with their Ray nodes; yields (local host namespace, head)."""
-    tag = secrets.token_hex(2)
-    reg = lifecycle.Registry(f"raybench{tag}", kind="ray-test")
-    procs, inodes = [], set()
-
+def node_env(args, tmp):
+    """Each Ray node's environment: its own run directory (`--storage own`), the PrfaaS
+    node's clock skew (`--skew`)."""
     def env_of(h):
         extra = {}
         if args.storage == "own":
@@ -82,19 +64,7 @@ def ray_cluster(args, tmp):
         if args.skew and h.dc == "prfaas":
             extra["TESTBED_CLOCK_SKEW_S"] = repr(args.skew)
         return nshosts.ray_env(**extra)
-    try:
-        with root_lock(args.lock):
-            hosts = nshosts.build_router_hosts(reg, tag)
-            inodes = {nshosts.netns_inode(h.name) for h in hosts.values()}
-            head, procs = nshosts.start_ray(reg, list(hosts.values()), tmp, env_of)
-        yield hosts["local"].name, head
-    finally:
-        with root_lock(args.lock):
-            left = nshosts.stop_ray(procs, inodes)
-            reg.close()
-        if left:
-            print(f"ray_vs_mininet: processes left in the hosts' namespaces: {left}",
-                  file=sys.stderr)
+    return env_of
 
 
 def measure(args):
@@ -103,7 +73,9 @@ def measure(args):
     out = pathlib.Path(args.out)
     if args.backend in ("both", "ray"):
         with tempfile.TemporaryDirectory(prefix="raybench-") as tmp, \
-                ray_cluster(args, pathlib.Path(tmp)) as (local, head):
+                nshosts.running(pathlib.Path(tmp), node_env(args, pathlib.Path(tmp)),
+                                lambda: nshosts.root_lock(args.lock)) as (hosts, head):
+            local = next(h.name for h in hosts if h.dc == "local")
             for seed in args.seeds:
                 d = out / f"ray-seed{seed}"
                 run_testbed([args.experiment, "--backend", "ray", "--address", head,
@@ -163,7 +135,7 @@ def main(argv=None):
     ap.add_argument("--skew", type=float, default=0.0,
                     help="seconds the PrfaaS node's clock runs ahead (test-only)")
     ap.add_argument("--out", required=True, help="directory for the run directories")
-    ap.add_argument("--lock", default="/tmp/prfaas-root.lock")
+    ap.add_argument("--lock", default=nshosts.ROOT_LOCK)
     args = ap.parse_args(argv)
     print("| variant | backend | seed | steady req/s | TTFT p50 ms | TTFT p90 ms | "
           "WAN bytes (kernel) | KV bytes sent | WAN / KV | ok |")

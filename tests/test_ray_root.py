@@ -8,8 +8,10 @@ hosts' interfaces. Asserts on what was measured: every request ok, TTFT on the c
 the kernel's count in the agents' shaped classes at least the KV bytes sent, and nothing of the
 agents (qdisc, state file) left after the run. Also: `testbed linktest --backend ray` within
 linktest's tolerances (with loss: offload off during, restored after), `testbed clean --backend
-ray` after a SIGKILLed lossy run (offload restored), and a worker kill plus a link cut on Ray
-(nothing delivered during the cut, by the receiving hosts' kernel counters).
+ray` after a SIGKILLed lossy run (offload restored), a worker kill plus a link cut on Ray
+(nothing delivered during the cut, by the receiving hosts' kernel counters), and, with two local
+hosts on one bridge, tokens streamed across hosts from a decode worker to the client (the token
+port). The hosts and Ray nodes are `testbed.net.nshosts`'s.
 
 The namespace hosts share this machine's disk and clock, so the test takes both away: each Ray
 node keeps its own copy of the run directory (`TESTBED_NODE_DIR`, a directory of its own, not
@@ -27,7 +29,6 @@ import importlib.util
 import json
 import os
 import pathlib
-import secrets
 import signal
 import subprocess
 import sys
@@ -72,20 +73,9 @@ def ray_hosts(tmp_path, request):
     """The namespace hosts and their Ray nodes; `request.param` (indirect): "own" (default)
     for nodes keeping their own run directories, "shared" for the orchestrator's."""
     storage = getattr(request, "param", "own")
-    tag = secrets.token_hex(2)
-    reg = lifecycle.Registry(f"raytest{tag}", kind="ray-test")
-    procs, inodes = [], set()
-    try:
-        built = nshosts.build_router_hosts(reg, tag)
-        hosts = {dc: h.name for dc, h in built.items()}
-        inodes = {_netns_inode(h) for h in hosts.values()}
-        head, procs = nshosts.start_ray(reg, list(built.values()), tmp_path,
-                                        lambda h: _node_env(h.dc, tmp_path, storage))
-        yield hosts, head
-    finally:
-        left = nshosts.stop_ray(procs, inodes)
-        reg.close()
-        assert not left, f"processes left in the test's namespaces: {left}"
+    with nshosts.running(tmp_path, lambda h: _node_env(h.dc, tmp_path, storage)) as (
+            built, head):
+        yield {h.dc: h.name for h in built}, head
 
 
 def test_tiny_run_on_ray_namespace_hosts(ray_hosts, tmp_path):
@@ -258,6 +248,42 @@ def test_sigkilled_orchestrator_then_clean_leaves_nothing(ray_hosts, tmp_path):
     for f in lifecycle.STATE_DIR.glob("*.json"):      # nor the orchestrator's own record
         with contextlib.suppress(OSError, lifecycle.CorruptState):
             assert lifecycle.read_state(f)["owner_pid"] != orch.pid, f
+
+
+@pytest.fixture
+def two_local_hosts(tmp_path):
+    """Three namespace hosts on one bridge (`nshosts.build_bridged_hosts`): one PrfaaS, two
+    local, with their Ray nodes (on the orchestrator's run directory); yields ({dc: [Host]},
+    head)."""
+    with nshosts.running(tmp_path, lambda h: _ray_env(),
+                         bridged=("local", "prfaas", "local")) as (built, head):
+        yield {dc: [h for h in built if h.dc == dc] for dc in ("prfaas", "local")}, head
+
+
+def test_token_streams_cross_hosts_to_the_client(two_local_hosts, tmp_path):
+    """With two local hosts, a decode worker placed on another host than the client streams its
+    tokens to the client across hosts (the token port): every request ok with all its tokens,
+    those of the other host's decode worker included."""
+    hosts, head = two_local_hosts
+    out = tmp_path / "run"
+    r = ns_run(hosts["local"][0].name,
+               [sys.executable, "-m", "testbed.cli", "run", str(TINY), "--backend", "ray",
+                "--address", head, "--out", str(out), "--no-progress", "--no-probe",
+                "--set", "clusters.local.instances=3", "--set", "clusters.local.decode=2"],
+               capture_output=True, text=True, timeout=400, cwd=ROOT, env=_ray_env())
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    placed = json.loads((out / "metadata.json").read_text())["topology"]["placement"]
+    far = [d for d in ("ld0", "ld1") if placed[d] != placed["client"]]
+    assert far, placed
+    df = pd.read_parquet(out / "requests.parquet")
+    assert (df.status == "ok").all(), df[df.status != "ok"].error.tolist()
+    assert (df.n_tokens == df.output_len).all(), df[["id", "n_tokens", "output_len"]]
+    crossed = df[df.decode_instance.isin(far)]
+    assert len(crossed) > 0, df.decode_instance.value_counts()
+    tokens = pd.read_parquet(out / "tokens.parquet")
+    assert tokens.id.isin(crossed.id).sum() == crossed.n_tokens.sum()
+    print(f"placement {placed}; {len(crossed)} requests decoded on {far} "
+          f"({int(crossed.n_tokens.sum())} tokens) across hosts to the client")
 
 
 def _linktest(hosts, head, *args):

@@ -22,13 +22,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import os
 import pathlib
+import secrets
 import signal
 import subprocess
 import sys
 import time
 
+from testbed import lifecycle
 from testbed.net import pair
 from testbed.net.ns import ns_path, ns_run, sysctl
 
@@ -43,6 +46,9 @@ NODE_WAIT_S = 90.0
 NODE_ONLY_ENV = ("TESTBED_NODE_DIR", "TESTBED_CLOCK_SKEW_S")
 
 
+ROOT_LOCK = "/tmp/prfaas-root.lock"     # the lock every user of root networking here holds
+
+
 class HostsError(RuntimeError):
     """The namespace hosts or their Ray nodes could not be set up."""
 
@@ -52,6 +58,17 @@ class Host:
     name: str     # the network namespace; its interface is `<name>0`
     dc: str
     ip: str
+
+
+@contextlib.contextmanager
+def root_lock(path=ROOT_LOCK):
+    """Hold the shared root-networking lock (`flock`) for the block."""
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def ray_bin():
@@ -200,3 +217,28 @@ def stop_ray(procs, inodes):
                 os.kill(pid, signal.SIGKILL)
         time.sleep(0.2)
     return pids_in(inodes)
+
+
+@contextlib.contextmanager
+def running(log_dir, env_of, hold=contextlib.nullcontext, bridged=None):
+    """The hosts with their Ray nodes: yields ([Host], head). One host per datacenter behind a
+    router, or hosts on one bridge for the datacenters in `bridged` (one name per host).
+    `env_of(host)` is each node's environment; `hold()` a context held while the hosts are set
+    up and again while they are taken down (a root lock). Raises HostsError, after taking
+    everything down, if processes were left in the hosts' namespaces."""
+    tag = secrets.token_hex(2)
+    reg = lifecycle.Registry(f"raytest{tag}", kind="ray-test")
+    procs, inodes, left = [], set(), []
+    try:
+        with hold():
+            hosts = (build_bridged_hosts(reg, tag, bridged) if bridged
+                     else list(build_router_hosts(reg, tag).values()))
+            inodes = {netns_inode(h.name) for h in hosts}
+            head, procs = start_ray(reg, hosts, log_dir, env_of)
+        yield hosts, head
+    finally:
+        with hold():
+            left = stop_ray(procs, inodes)
+            reg.close()
+    if left:
+        raise HostsError(f"processes left in the hosts' namespaces: {left}")
