@@ -44,6 +44,7 @@ from testbed.backend import agents
 from testbed.net import nshosts, probe
 from testbed.net.hostshape import offload_state
 from testbed.net.ns import ns_path, ns_run
+from testbed.runtime import TOKEN_PORT
 
 pytestmark = [pytest.mark.root, pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("ray") is None,
@@ -260,11 +261,31 @@ def two_local_hosts(tmp_path):
         yield {dc: [h for h in built if h.dc == dc] for dc in ("prfaas", "local")}, head
 
 
+def _token_bytes_in(host):
+    """Bytes that arrived on `host`'s interface from a token port (an iptables counting rule
+    that `_count_token_bytes` added)."""
+    r = ns_run(host.name, ["iptables", "-nvxL", "INPUT"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    rows = [ln.split() for ln in r.stdout.splitlines() if f"spt:{TOKEN_PORT}" in ln]
+    assert len(rows) == 1, r.stdout
+    return int(rows[0][1])
+
+
+def _count_token_bytes(host):
+    r = ns_run(host.name, ["iptables", "-I", "INPUT", "-i", f"{host.name}0", "-p", "tcp",
+                           "--sport", str(TOKEN_PORT)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
 def test_token_streams_cross_hosts_to_the_client(two_local_hosts, tmp_path):
     """With two local hosts, a decode worker placed on another host than the client streams its
-    tokens to the client across hosts (the token port): every request ok with all its tokens,
-    those of the other host's decode worker included."""
+    tokens to the client across hosts on its token port: every request ok with all its tokens,
+    and the client's host's kernel counted bytes arriving from the token port (an iptables
+    counting rule on its interface; a worker without a stream would send through the scheduler
+    instead, on the gRPC port)."""
     hosts, head = two_local_hosts
+    for h in hosts["local"]:
+        _count_token_bytes(h)
     out = tmp_path / "run"
     r = ns_run(hosts["local"][0].name,
                [sys.executable, "-m", "testbed.cli", "run", str(TINY), "--backend", "ray",
@@ -280,10 +301,11 @@ def test_token_streams_cross_hosts_to_the_client(two_local_hosts, tmp_path):
     assert (df.n_tokens == df.output_len).all(), df[["id", "n_tokens", "output_len"]]
     crossed = df[df.decode_instance.isin(far)]
     assert len(crossed) > 0, df.decode_instance.value_counts()
-    tokens = pd.read_parquet(out / "tokens.parquet")
-    assert tokens.id.isin(crossed.id).sum() == crossed.n_tokens.sum()
-    print(f"placement {placed}; {len(crossed)} requests decoded on {far} "
-          f"({int(crossed.n_tokens.sum())} tokens) across hosts to the client")
+    client_host = next(h for h in hosts["local"] if h.ip == placed["client"])
+    arrived = _token_bytes_in(client_host)
+    assert arrived > 0, placed
+    print(f"placement {placed}; {len(crossed)} requests ({int(crossed.n_tokens.sum())} tokens) "
+          f"decoded on {far}; {arrived} bytes from the token port arrived on the client's host")
 
 
 def _linktest(hosts, head, *args):
