@@ -261,14 +261,14 @@ def two_local_hosts(tmp_path):
         yield {dc: [h for h in built if h.dc == dc] for dc in ("prfaas", "local")}, head
 
 
-def _token_bytes_in(host):
-    """Bytes that arrived on `host`'s interface from a token port (an iptables counting rule
-    that `_count_token_bytes` added)."""
+def _token_packets_in(host):
+    """(packets, bytes) that arrived on `host`'s interface from a token port (the iptables
+    counting rule of `_count_token_bytes`)."""
     r = ns_run(host.name, ["iptables", "-nvxL", "INPUT"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     rows = [ln.split() for ln in r.stdout.splitlines() if f"spt:{TOKEN_PORT}" in ln]
     assert len(rows) == 1, r.stdout
-    return int(rows[0][1])
+    return int(rows[0][0]), int(rows[0][1])
 
 
 def _count_token_bytes(host):
@@ -302,10 +302,15 @@ def test_token_streams_cross_hosts_to_the_client(two_local_hosts, tmp_path):
     crossed = df[df.decode_instance.isin(far)]
     assert len(crossed) > 0, df.decode_instance.value_counts()
     client_host = next(h for h in hosts["local"] if h.ip == placed["client"])
-    arrived = _token_bytes_in(client_host)
-    assert arrived > 0, placed
+    packets, arrived = _token_packets_in(client_host)
+    # TCP/IP headers are at most 60 bytes here (timestamps, SYN options); what is left is the
+    # streams' payload: more than the opening empty frame (4 bytes) and each crossed request's
+    # first token, which goes direct at once (a TokenChunk: id, a double stamp, a token id).
+    payload_min = arrived - 60 * packets
+    assert payload_min >= 4 + 12 * len(crossed), (packets, arrived, placed)
     print(f"placement {placed}; {len(crossed)} requests ({int(crossed.n_tokens.sum())} tokens) "
-          f"decoded on {far}; {arrived} bytes from the token port arrived on the client's host")
+          f"decoded on {far}; {packets} packets, {arrived} bytes from the token port arrived on "
+          f"the client's host (payload at least {payload_min} bytes)")
 
 
 def _linktest(hosts, head, *args):

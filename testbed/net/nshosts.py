@@ -40,7 +40,7 @@ ROUTER_NET = {"local": "10.250.2", "prfaas": "10.250.1"}     # router fabric: ho
 BRIDGE_NET = "10.250.0"
 DC_NET = {"prfaas": "10.1.0.0/16", "local": "10.2.0.0/16"}
 RAY_PORT = 6391
-NODE_WAIT_S = 90.0
+NODE_WAIT_S = 150.0     # three nodes on a loaded 2-core machine took over 90 s once
 # A node's own settings, never inherited from the caller (testbed.backend.agents.NODE_DIR_ENV,
 # testbed.clocks.SKEW_ENV; named here so that this module imports neither).
 NODE_ONLY_ENV = ("TESTBED_NODE_DIR", "TESTBED_CLOCK_SKEW_S")
