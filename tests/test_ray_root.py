@@ -8,8 +8,10 @@ hosts' interfaces. Asserts on what was measured: every request ok, TTFT on the c
 the kernel's count in the agents' shaped classes at least the KV bytes sent, and nothing of the
 agents (qdisc, state file) left after the run. Also: `testbed linktest --backend ray` within
 linktest's tolerances (with loss: offload off during, restored after), `testbed clean --backend
-ray` after a SIGKILLed lossy run (offload restored), and a worker kill plus a link cut on Ray
-(nothing delivered during the cut, by the receiving hosts' kernel counters).
+ray` after a SIGKILLed lossy run (offload restored), a worker kill plus a link cut on Ray
+(nothing delivered during the cut, by the receiving hosts' kernel counters), and, with two local
+hosts on one bridge, tokens streamed across hosts from a decode worker to the client (the token
+port). The hosts and Ray nodes are `testbed.net.nshosts`'s.
 
 The namespace hosts share this machine's disk and clock, so the test takes both away: each Ray
 node keeps its own copy of the run directory (`TESTBED_NODE_DIR`, a directory of its own, not
@@ -27,7 +29,6 @@ import importlib.util
 import json
 import os
 import pathlib
-import secrets
 import signal
 import subprocess
 import sys
@@ -40,69 +41,23 @@ import pytest
 from conftest import assert_remote_kv_crossed_the_wan
 from testbed import clocks, lifecycle
 from testbed.backend import agents
-from testbed.net import pair, probe
+from testbed.net import nshosts, probe
 from testbed.net.hostshape import offload_state
-from testbed.net.ns import ns_path, ns_run, sysctl
+from testbed.net.ns import ns_path, ns_run
+from testbed.runtime import TOKEN_PORT
 
 pytestmark = [pytest.mark.root, pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("ray") is None,
                                  reason="the ray backend needs the [cluster] extra "
                                         "(pip install -e '.[cluster]')")]
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = nshosts.ROOT
 TINY = ROOT / "tests" / "data" / "tiny.yaml"
-FABRIC = {"local": "10.250.2", "prfaas": "10.250.1"}     # host <-> router subnets (/24)
-DC_NET = {"prfaas": "10.1.0.0/16", "local": "10.2.0.0/16"}
-RAY_PORT = 6391
-NODE_WAIT_S = 90.0
+FABRIC = nshosts.ROUTER_NET     # host <-> router subnets (/24)
 SKEW_S = {"prfaas": 3.25, "local": 0.0}     # the PrfaaS host's clock runs ahead (test-only)
-
-
-def ray_bin():
-    return str(pathlib.Path(sys.executable).with_name("ray"))
-
-
-def _netns_inode(name):
-    return os.stat(ns_path(name)).st_ino
-
-
-def _pids_in(inodes):
-    """PIDs of processes whose network namespace is one of `inodes`."""
-    out = []
-    for p in pathlib.Path("/proc").iterdir():
-        if p.name.isdigit():
-            with contextlib.suppress(OSError):
-                if os.stat(p / "ns" / "net").st_ino in inodes:
-                    out.append(int(p.name))
-    return out
-
-
-def _build_hosts(reg, tag):
-    """Namespaces {dc: name} for the hosts and the router; addressed, routed, forwarding."""
-    router = f"tb{tag}r"
-    hosts = {dc: f"tb{tag}{dc[0]}" for dc in FABRIC}
-    for n in (router, *hosts.values()):
-        pair.create_netns(reg, n)
-    for dc, h in hosts.items():
-        net = FABRIC[dc]
-        pair.add_veth(f"{h}0", h, f"{router}{dc[0]}", router)
-        pair.address(h, f"{h}0", f"{net}.2", gateway=f"{net}.1")
-        pair.address(router, f"{router}{dc[0]}", f"{net}.1")
-    sysctl(router, "net.ipv4.ip_forward=1")
-    # The fabric routes each datacenter's instance addresses to its host (docs/cluster.md).
-    for dc in FABRIC:
-        r = ns_run(router, ["ip", "route", "add", DC_NET[dc], "via", f"{FABRIC[dc]}.2"],
-                   capture_output=True, text=True)
-        assert r.returncode == 0, r.stderr
-    return hosts
-
-
-def _ray_env(**extra):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0", **extra)
-    for key in (agents.NODE_DIR_ENV, clocks.SKEW_ENV):     # a node's own, never inherited
-        if key not in extra:
-            env.pop(key, None)
-    return env
+_ray_env = nshosts.ray_env
+_pids_in = nshosts.pids_in
+_netns_inode = nshosts.netns_inode
 
 
 def _node_env(dc, tmp, storage):
@@ -114,93 +69,14 @@ def _node_env(dc, tmp, storage):
     return _ray_env(**extra)
 
 
-def _start_ray(reg, hosts, tmp, storage):
-    head = f"{FABRIC['local']}.2:{RAY_PORT}"
-    common = ["--block", "--num-cpus", "8", "--num-gpus", "0", "--disable-usage-stats"]
-    argvs = {"local": ["start", "--head", "--port", str(RAY_PORT), "--node-ip-address",
-                       f"{FABRIC['local']}.2", "--labels", "dc=local",
-                       "--include-dashboard=false", *common],
-             "prfaas": ["start", "--address", head, "--node-ip-address",
-                        f"{FABRIC['prfaas']}.2", "--labels", "dc=prfaas", *common]}
-    procs = []
-    for dc in ("local", "prfaas"):
-        log = open(tmp / f"ray-{dc}.log", "wb")
-        p = subprocess.Popen(["nsenter", f"--net={ns_path(hosts[dc])}", ray_bin(), *argvs[dc]],
-                             stdout=log, stderr=subprocess.STDOUT, env=_node_env(dc, tmp, storage),
-                             start_new_session=True)
-        log.close()
-        reg.add_process(p.pid, f"ray start ({dc})")
-        procs.append(p)
-        if dc == "local":
-            _wait_port(hosts["local"], f"{FABRIC['local']}.2", RAY_PORT, p)
-    _wait_nodes(hosts["local"], head, procs)
-    return head, procs
-
-
-def _wait_port(ns, ip, port, proc, timeout_s=NODE_WAIT_S):
-    deadline = time.monotonic() + timeout_s
-    probe = ("import socket,sys; s=socket.socket(); s.settimeout(0.5); "
-             f"sys.exit(s.connect_ex(('{ip}', {port})))")
-    while ns_run(ns, [sys.executable, "-c", probe]).returncode != 0:
-        assert proc.poll() is None, "ray start --head exited"
-        assert time.monotonic() < deadline, f"the Ray head did not listen within {timeout_s}s"
-        time.sleep(0.5)
-
-
-def _wait_nodes(ns, head, procs, timeout_s=NODE_WAIT_S):
-    """Until both labelled nodes are alive (one bounded wait inside a driver)."""
-    code = ("import ray,time,sys; ray.init(address=sys.argv[1], logging_level='ERROR'); "
-            f"d=time.monotonic()+{timeout_s}\n"
-            "while time.monotonic()<d:\n"
-            "  if sorted(n['Labels'].get('dc','') for n in ray.nodes() if n['Alive'])"
-            "==['local','prfaas']: sys.exit(0)\n"
-            "  time.sleep(0.5)\n"
-            "sys.exit(1)")
-    r = ns_run(ns, [sys.executable, "-c", code, head], env=_ray_env(), capture_output=True,
-               text=True, timeout=timeout_s + 60)
-    assert r.returncode == 0, f"Ray nodes not up: {r.stderr[-2000:]}"
-    assert all(p.poll() is None for p in procs)
-
-
-def _stop_ray(procs, inodes):
-    """SIGTERM the `ray start --block` processes (they stop what they started), give what is
-    left in the test's namespaces (an agent's guard undoing its record) a bounded time to end,
-    then SIGKILL it."""
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in procs:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            p.wait(timeout=20)
-    deadline = time.monotonic() + 5
-    while _pids_in(inodes) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    deadline = time.monotonic() + 10
-    while _pids_in(inodes) and time.monotonic() < deadline:
-        for pid in _pids_in(inodes):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.2)
-    return _pids_in(inodes)
-
-
 @pytest.fixture
 def ray_hosts(tmp_path, request):
     """The namespace hosts and their Ray nodes; `request.param` (indirect): "own" (default)
     for nodes keeping their own run directories, "shared" for the orchestrator's."""
     storage = getattr(request, "param", "own")
-    tag = secrets.token_hex(2)
-    reg = lifecycle.Registry(f"raytest{tag}", kind="ray-test")
-    procs, inodes = [], set()
-    try:
-        hosts = _build_hosts(reg, tag)
-        inodes = {_netns_inode(h) for h in hosts.values()}
-        head, procs = _start_ray(reg, hosts, tmp_path, storage)
-        yield hosts, head
-    finally:
-        left = _stop_ray(procs, inodes)
-        reg.close()
-        assert not left, f"processes left in the test's namespaces: {left}"
+    with nshosts.running(tmp_path, lambda h: _node_env(h.dc, tmp_path, storage)) as (
+            built, head):
+        yield {h.dc: h.name for h in built}, head
 
 
 def test_tiny_run_on_ray_namespace_hosts(ray_hosts, tmp_path):
@@ -373,6 +249,68 @@ def test_sigkilled_orchestrator_then_clean_leaves_nothing(ray_hosts, tmp_path):
     for f in lifecycle.STATE_DIR.glob("*.json"):      # nor the orchestrator's own record
         with contextlib.suppress(OSError, lifecycle.CorruptState):
             assert lifecycle.read_state(f)["owner_pid"] != orch.pid, f
+
+
+@pytest.fixture
+def two_local_hosts(tmp_path):
+    """Three namespace hosts on one bridge (`nshosts.build_bridged_hosts`): one PrfaaS, two
+    local, with their Ray nodes (on the orchestrator's run directory); yields ({dc: [Host]},
+    head)."""
+    with nshosts.running(tmp_path, lambda h: _ray_env(),
+                         bridged=("local", "prfaas", "local")) as (built, head):
+        yield {dc: [h for h in built if h.dc == dc] for dc in ("prfaas", "local")}, head
+
+
+def _token_packets_in(host):
+    """(packets, bytes) that arrived on `host`'s interface from a token port (the iptables
+    counting rule of `_count_token_bytes`)."""
+    r = ns_run(host.name, ["iptables", "-nvxL", "INPUT"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    rows = [ln.split() for ln in r.stdout.splitlines() if f"spt:{TOKEN_PORT}" in ln]
+    assert len(rows) == 1, r.stdout
+    return int(rows[0][0]), int(rows[0][1])
+
+
+def _count_token_bytes(host):
+    r = ns_run(host.name, ["iptables", "-I", "INPUT", "-i", f"{host.name}0", "-p", "tcp",
+                           "--sport", str(TOKEN_PORT)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_token_streams_cross_hosts_to_the_client(two_local_hosts, tmp_path):
+    """With two local hosts, a decode worker placed on another host than the client streams its
+    tokens to the client across hosts on its token port: every request ok with all its tokens,
+    and the client's host's kernel counted bytes arriving from the token port (an iptables
+    counting rule on its interface; a worker without a stream would send through the scheduler
+    instead, on the gRPC port)."""
+    hosts, head = two_local_hosts
+    for h in hosts["local"]:
+        _count_token_bytes(h)
+    out = tmp_path / "run"
+    r = ns_run(hosts["local"][0].name,
+               [sys.executable, "-m", "testbed.cli", "run", str(TINY), "--backend", "ray",
+                "--address", head, "--out", str(out), "--no-progress", "--no-probe",
+                "--set", "clusters.local.instances=3", "--set", "clusters.local.decode=2"],
+               capture_output=True, text=True, timeout=400, cwd=ROOT, env=_ray_env())
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    placed = json.loads((out / "metadata.json").read_text())["topology"]["placement"]
+    far = [d for d in ("ld0", "ld1") if placed[d] != placed["client"]]
+    assert far, placed
+    df = pd.read_parquet(out / "requests.parquet")
+    assert (df.status == "ok").all(), df[df.status != "ok"].error.tolist()
+    assert (df.n_tokens == df.output_len).all(), df[["id", "n_tokens", "output_len"]]
+    crossed = df[df.decode_instance.isin(far)]
+    assert len(crossed) > 0, df.decode_instance.value_counts()
+    client_host = next(h for h in hosts["local"] if h.ip == placed["client"])
+    packets, arrived = _token_packets_in(client_host)
+    # TCP/IP headers are at most 60 bytes here (timestamps, SYN options); what is left is the
+    # streams' payload: more than the opening empty frame (4 bytes) and each crossed request's
+    # first token, which goes direct at once (a TokenChunk: id, a double stamp, a token id).
+    payload_min = arrived - 60 * packets
+    assert payload_min >= 4 + 12 * len(crossed), (packets, arrived, placed)
+    print(f"placement {placed}; {len(crossed)} requests ({int(crossed.n_tokens.sum())} tokens) "
+          f"decoded on {far}; {packets} packets, {arrived} bytes from the token port arrived on "
+          f"the client's host (payload at least {payload_min} bytes)")
 
 
 def _linktest(hosts, head, *args):
