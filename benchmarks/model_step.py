@@ -127,7 +127,7 @@ def bench_length(pre, dec, L, repeat, steps):
         states = [model.prefill(tokens)[1] for _ in range(B)] if B > 1 else [st]
         toks = [1] * B
         model.decode_step(states, toks)
-        _, t = timed(lambda: model.decode_step(states, toks), dev, steps)
+        _, t = timed(lambda s=states: model.decode_step(s, toks), dev, steps)
         row[f"decode_plain_b{B}_ms"] = 1e3 * t
         # engine: the same requests received as frames, assembled and admitted
         rids = []
