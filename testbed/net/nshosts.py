@@ -153,7 +153,8 @@ def start_ray(reg, hosts, log_dir, env_of, num_cpus=8):
     common = ["--block", "--num-cpus", str(num_cpus), "--num-gpus", "0",
               "--disable-usage-stats", "--node-ip-address"]
     procs = []
-    for h in [head_host] + [h for h in hosts if h is not head_host]:
+    order = [head_host] + [h for h in hosts if h is not head_host]
+    for i, h in enumerate(order):
         role = (["--head", "--port", str(RAY_PORT), "--include-dashboard=false"]
                 if h is head_host else ["--address", head])
         log = open(pathlib.Path(log_dir) / f"ray-{h.name}.log", "wb")
@@ -166,6 +167,11 @@ def start_ray(reg, hosts, log_dir, env_of, num_cpus=8):
         procs.append(p)
         if h is head_host:
             wait_port(h.name, h.ip, RAY_PORT, p)
+        elif i < len(order) - 1:
+            # One node at a time: the nodes of one machine share the session directory, and
+            # two raylets starting together picked the same plasma-store socket there (the
+            # second aborted with "bind: Address already in use").
+            wait_nodes(head_host.name, head, procs, sorted(x.dc for x in order[:i + 1]))
     wait_nodes(head_host.name, head, procs, sorted(h.dc for h in hosts))
     return head, procs
 
