@@ -27,7 +27,8 @@ def tb_cmd(*args):
     return [sys.executable, "-m", "testbed.cli", *args]
 
 
-def _state_of(pid, kind, timeout_s=60):
+def _state_of(pid, kind, timeout_s=60, proc=None, poll_s=0.05):
+    """The state file `pid` wrote for `kind`; None if `proc` exits before one is seen."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for f in STATE_DIR.glob("*.json"):
@@ -37,7 +38,9 @@ def _state_of(pid, kind, timeout_s=60):
                 continue
             if s.get("owner_pid") == pid and s.get("kind") == kind:
                 return s
-        time.sleep(0.05)
+        if proc is not None and proc.poll() is not None:
+            return None
+        time.sleep(poll_s)
     raise AssertionError(f"no {kind} state file of pid {pid}")
 
 
@@ -177,11 +180,20 @@ def test_run_and_ctrl_c_hand_every_file_to_the_sudo_user(tmp_path):
 
 
 def test_sigkilled_doctor_leaves_nothing_clean_cannot_remove():
-    proc = subprocess.Popen(tb_cmd("doctor"), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, cwd=ROOT,
-                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    state = _state_of(proc.pid, "doctor")         # written before its namespace exists
-    time.sleep(0.05)
+    # doctor takes well under a second: a try in which it ended before its state file was seen
+    # (its whole life between two looks) killed nothing, so it is tried again
+    for _ in range(10):
+        proc = subprocess.Popen(tb_cmd("doctor"), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, cwd=ROOT,
+                                env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        state = _state_of(proc.pid, "doctor", proc=proc, poll_s=0.002)   # before its namespace
+        if state is None:
+            continue
+        time.sleep(0.05)
+        if proc.poll() is None:
+            break
+    else:
+        raise AssertionError("doctor ended before it could be killed, 10 times")
     proc.kill()
     proc.wait()
     assert state["netns"], state
