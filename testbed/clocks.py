@@ -2,7 +2,7 @@
 per-phase timestamps of a run's records put on one clock when analysed.
 
     run: backend measures offsets (start, end of a variant) -> metadata.json `clocks`
-    analyse: requests.jsonl (raw, each stamp on its host's clock) -> `correct_records` -> tables
+    analyse: requests.jsonl (raw, each stamp on its host's clock) -> `records.read_records` -> tables
 
 Every process of the testbed stamps with `time.time()` (CLOCK_REALTIME, the clock that can be
 compared between machines). A request's record mixes stamps of several hosts: the client's
@@ -41,10 +41,6 @@ import time
 SKEW_ENV = "TESTBED_CLOCK_SKEW_S"
 ROUNDS = 16
 
-# Fields of a client `done` record by who stamped them (workers/client.py Tracker).
-CLIENT_FIELDS = ("send_time", "first_token", "last_token", "end_time")
-PREFILL_FIELDS = ("prefill_queued", "prefill_start", "prefill_end", "send_start", "send_end")
-DECODE_FIELDS = ("kv_recv_start", "kv_recv_end", "decode_join")
 
 
 # ---------------------------------------------------------------- the test-only skew
@@ -164,46 +160,10 @@ def instance_offsets(clocks: dict | None) -> dict:
             (clocks.get("instances") or {}).items() if h in hosts}
 
 
-def _shift(record, fields, offset):
-    for f in fields:
-        v = record.get(f)
-        if isinstance(v, (int, float)) and v:
-            record[f] = v - offset
-
-
-def correct_record(record: dict, offsets: dict, client="client", scheduler="scheduler") -> dict:
-    """A copy of one client record (`sent` or expanded `done`) with every stamp moved onto the
-    reference clock by the offset of the instance that took it."""
-    out = dict(record)
-    c = offsets.get(client, 0.0)
-    _shift(out, CLIENT_FIELDS, c)
-    if isinstance(out.get("client_times"), list):
-        out["client_times"] = [t - c for t in out["client_times"]]
-    _shift(out, PREFILL_FIELDS, offsets.get(out.get("prefill_instance"), 0.0))
-    d = offsets.get(out.get("decode_instance"), 0.0)
-    _shift(out, DECODE_FIELDS, d)
-    if isinstance(out.get("token_times"), list):
-        out["token_times"] = [t - d for t in out["token_times"]]
-    if out.get("redispatches"):
-        s = offsets.get(scheduler, 0.0)
-        out["redispatches"] = [{**r, "time": r["time"] - s} if r.get("time") else r
-                               for r in out["redispatches"]]
-    return out
-
-
 def event_time(t, fields, offsets: dict) -> float:
     """An events.csv row's time on the reference clock: a row a worker wrote names it
     (`by=<instance>`, workers/control.event_log); the runner's own rows are on it already."""
     return t - offsets.get(fields.get("by"), 0.0)
-
-
-def correct_records(records: dict, clocks: dict | None) -> dict:
-    """{id: record} with every record's stamps on the reference clock (`correct_record`);
-    unchanged where no host is off (Mininet, or no `clocks` recorded)."""
-    offsets = instance_offsets(clocks)
-    if not any(offsets.values()):
-        return records
-    return {k: correct_record(r, offsets) for k, r in records.items()}
 
 
 def warnings(clocks: dict | None) -> list[str]:

@@ -28,16 +28,17 @@ import json
 import math
 import pathlib
 
+from testbed import config, faultspec, loadgen, units
 from testbed import profile as profiles
-from testbed import units
 from testbed.errors import ConfigError
+from testbed.experiment import cache_capacity
 from testbed.net import spec as netspec
-from testbed.net.linkmodel import Link, check_params, needs_per_frame_packets
+from testbed.net.linkmodel import DIRECTIONS, Link, check_params, needs_per_frame_packets
+from testbed.net.ratetrace import read_rate_trace
 from testbed.runtime import (AdaptiveRuntime, CacheRuntime, DecodeRuntime,
                              InstanceRuntime, RolesRuntime, SchedulerRuntime, WorkerRuntime)
 from testbed.scale import Scale
 
-DIRECTIONS = ("kv", "request")
 # Address plan: one /16 per datacenter; the topology puts each instance on its DC's bridge.
 DC_NET = {"prfaas": "10.1", "local": "10.2"}
 
@@ -137,11 +138,21 @@ class Deployment:
         pathlib.Path(path).write_text(json.dumps(self.to_dict(), indent=1))
 
 
-def compile(exp):     # noqa: A001 (the verb of this module)
-    """The `Deployment` of one expanded run; raises ConfigError for an emulated link this
-    machine cannot shape (rate, queue), naming the key."""
-    from testbed.config import cache_capacity      # config validates by compiling: no cycle
+def compile(exp, path=None):     # noqa: A001 (the verb of this module)
+    """The `Deployment` of one expanded run, the one cross-field check: raises ConfigError
+    (naming `path`, the experiment file, and the key) for an emulated link this machine cannot
+    shape (rate, queue) or a fault list that cannot be carried out on these instances."""
+    try:
+        return _compile(exp)
+    except ConfigError as e:
+        if e.path or path is None:
+            raise
+        err = ConfigError(str(e), path=str(path))   # str(e) names the key already
+        err.key = e.key
+        raise err from None
 
+
+def _compile(exp):
     scale = Scale.of(exp)
     prof = profiles.load(exp.model.profile)
     instances = _instances(exp, lambda dc: int(scale.emulated_bytes(
@@ -149,7 +160,7 @@ def compile(exp):     # noqa: A001 (the verb of this module)
     links = {d: emulated_link(exp.network.wan.direction(d), scale, d) for d in DIRECTIONS}
     link_changes = _link_changes(exp, scale)
     _check_links(exp, scale, links, link_changes)
-    faults = _faults(exp)
+    faults = faultspec.check(exp, instances)
     schedule = tuple(sorted(link_changes + _link_fault_changes(exp, scale, links, faults,
                                                                link_changes)
                             + _fault_actions(scale, faults), key=lambda s: s.at_s))
@@ -163,12 +174,15 @@ def compile(exp):     # noqa: A001 (the verb of this module)
         runtime=_runtime(exp, prof, scale, instances))
 
 
+def load(path, overrides=()):
+    """Read, expand, validate and compile one experiment file: [(Experiment, Deployment)] of
+    its runs, everything that can be refused refused (ConfigError, exit 2) before anything is
+    built. Each run is compiled here, once; the runner passes the Deployment on."""
+    runs = config.load_experiment(path, overrides)
+    return [(exp, compile(exp, path)) for exp in runs]
+
+
 # ---------------------------------------------------------------- instances
-
-def instance_names(exp):
-    """The prefill and decode instances' names (what faults may target)."""
-    return [i.name for i in _instances(exp, lambda dc: 0) if i.role in ("prefill", "decode")]
-
 
 def _instances(exp, pool_bytes):
     """Every placed process with its address, in start order: PrfaaS prefill, local prefill,
@@ -246,8 +260,6 @@ def _direction(d):
 def rate_trace_rows(exp):
     """The rate trace's (t_real_s, rate_real_bps) rows, repeated to cover the longest the run
     may last (4 x drain_timeout) when it loops; [] without a trace."""
-    from testbed.config import read_rate_trace
-
     trace = exp.network.wan.rate_trace
     if trace is None:
         return []
@@ -326,11 +338,6 @@ def _check_links(exp, scale, links, changes):
 
 # ---------------------------------------------------------------- faults
 
-def _faults(exp):
-    from testbed import faults
-    return faults.resolve(exp) if exp.faults else []
-
-
 def _link_fault_changes(exp, scale, links, occurrences, base):
     """Each link fault's change at injection and, after `duration`, the values in force before
     it (the built link, then every entry of `base` -- changes and the rate trace -- up to
@@ -395,8 +402,6 @@ def _scheduler(exp, scale):
 
 
 def _runtime(exp, prof, scale, instances):
-    from testbed import loadgen
-
     step_real = exp.model.decode_step if exp.model.decode_step is not None else prof.decode_step_s
     c = exp.cache
     cache = CacheRuntime(enabled=True, block=c.block, snapshot_every=c.snapshot_every,
@@ -418,5 +423,5 @@ def _runtime(exp, prof, scale, instances):
         instances={i.name: i for i in instances})
 
 
-__all__ = ["Deployment", "Link", "LinkChange", "FaultAction", "compile", "in_force",
-           "instance_names", "rate_trace_rows", "DC_NET", "MAX_EMULATED_RATE_BPS"]
+__all__ = ["Deployment", "Link", "LinkChange", "FaultAction", "compile", "load", "in_force",
+           "rate_trace_rows", "DC_NET", "MAX_EMULATED_RATE_BPS"]

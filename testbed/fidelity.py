@@ -2,7 +2,7 @@
 
 Place in the architecture: the measuring side (`measure.CounterSampler`, `run.Run`) calls
 `exceeds_link` on each counter sample and `host_tcp_counters` before and after the requests;
-analysis (`metrics.analyse`) calls `flag_artifacts` on the timeseries and `guards` for the
+analysis (`testbed.analysis.analyse`) calls `flag_artifacts` on the timeseries and `guards` for the
 summary; `plot` leaves flagged samples out. Three guards, each a summary key and, when it fires,
 a warning in real-world units:
 
@@ -35,6 +35,7 @@ import numpy as np
 import pandas as pd
 
 from testbed.net.linkmodel import BURST_S, DIRECTIONS   # the shaper's HTB burst
+from testbed.net.ns import ns_run
 WIRE_PER_PAYLOAD = 1514 / 1448     # Ethernet frame bytes per TCP payload byte at full MTU
 INFLATION_TOL = 0.25               # a transfer is inflated beyond 1.25x what the link allows
 RATE_TOL = 0.02                    # counter rounding, HZ-granular HTB token refills
@@ -126,18 +127,12 @@ class FluidLink:
         return self.t[i - 1] + (target - self.cum[i - 1]) / self.rate[i - 1]
 
 
-def _emulated(run, direction):
-    """One WAN direction as the shaper ran it (testbed.deploy.Link), from the run's config."""
-    from testbed import deploy
-    return deploy.emulated_link(run.experiment.network.wan.direction(direction), run.scale,
-                                direction)
-
-
-def link_model(run, ts):
+def link_model(run, ts, links):
     """The KV direction's FluidLink: the timeseries' rate in force (0 while down), or the
-    configured rate when there is no timeseries. `run`: testbed.rundir.RunInfo."""
+    built rate when there is no timeseries. `run`: testbed.rundir.RunInfo; `links`: direction
+    -> the emulated `Link` the shaper ran (deployment.json)."""
     if ts is None or not len(ts) or "kv_link_gbps" not in ts:
-        return FluidLink([0.0], [_emulated(run, "kv").rate_bps])
+        return FluidLink([0.0], [links["kv"].rate_bps])
     up = ts.kv_up.to_numpy() if "kv_up" in ts else 1
     rate = (ts.kv_link_bps.to_numpy() if "kv_link_bps" in ts     # emulated, as sampled
             else run.scale.emulated_rate(ts.kv_link_gbps.to_numpy() * 1e9))   # older runs
@@ -170,7 +165,7 @@ def transfer_bounds(df, link, rtt_s):
                          "excess_s": t.kv_recv_end.to_numpy() - allowed_end})
 
 
-def path_allowance(run):
+def path_allowance(run, links):
     """(emulated seconds, basis): what the model allows after a transfer's last byte, one
     round trip and three configured jitter deviations. The round trip is the larger of the
     configured one and the median the link probe measured at rest on this run's KV direction
@@ -180,7 +175,7 @@ def path_allowance(run):
     and tail are not used: they follow the machine's load while it probed, and lateness beyond
     the path's median at rest (a receiver descheduled during the requests) is the emulation's,
     which the guard is there to report."""
-    kv, req = _emulated(run, "kv"), _emulated(run, "request")
+    kv, req = links["kv"], links["request"]
     rtt = kv.delay_s + req.delay_s
     measured = ((run.metadata or {}).get("link_fidelity") or {}).get("measured") or {}
     m_rtt, basis = measured.get("rtt_p50_ms"), "configured"
@@ -189,10 +184,10 @@ def path_allowance(run):
     return rtt + 3 * kv.jitter_s, basis
 
 
-def kv_transfers(df, run, ts):
+def kv_transfers(df, run, ts, links):
     """Summary of `transfer_bounds` in real-world units, and a warning when any is inflated."""
-    rtt, basis = path_allowance(run)
-    b = transfer_bounds(df, link_model(run, ts), rtt)
+    rtt, basis = path_allowance(run, links)
+    b = transfer_bounds(df, link_model(run, ts, links), rtt)
     s = run.scale
     bad = b[b.inflation > 1 + INFLATION_TOL]
     out = {"transfers": int(len(b)), "inflated": int(len(bad)), "tolerance": INFLATION_TOL,
@@ -237,7 +232,6 @@ def _read_netns_file(ns_path, name):
     if m:
         with open(f"/proc/{m.group(1)}/net/{name}") as f:
             return f.read()
-    from testbed.net.ns import ns_run
     return ns_run(ns_path, ["cat", f"/proc/net/{name}"], capture_output=True, text=True,
                   check=True, timeout=10).stdout
 
@@ -306,10 +300,11 @@ def startup_warnings(logs_dir, before_s):
 
 # ---------------------------------------------------------------- the summary
 
-def guards(df, run, ts, meta, logs_dir=None):
+def guards(df, run, ts, meta, links, logs_dir=None):
     """{'fidelity': {...}} for summary.json and the warnings, from the analysed run
-    (`run`: testbed.rundir.RunInfo; `logs_dir`: its worker logs)."""
-    transfers, warn = kv_transfers(df, run, ts)
+    (`run`: testbed.rundir.RunInfo; `links`: its emulated links, deployment.json; `logs_dir`:
+    its worker logs)."""
+    transfers, warn = kv_transfers(df, run, ts, links)
     out = {"kv_transfers": transfers, "rate_artifacts": rate_artifacts(ts)}
     if logs_dir is not None and meta.get("client_start_at") is not None:
         out["startup"], w = startup_warnings(logs_dir, meta["client_start_at"])

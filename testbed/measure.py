@@ -9,7 +9,7 @@ nothing) and real-world (`*_egress_gbps`, `*_link_gbps`: what analysis and plots
 back with the run's `Scale` (`real_rate`, `real_s`). `read_s` is how long the counter read took and
 `<dir>_artifact` flags a rate above what the link carries (`testbed.fidelity`).
 
-`EventLog` appends timestamped rows to `events.csv` (link changes, worker deaths, phases).
+The run's event log (`events.csv`) is `testbed.records.EventLog`.
 
 `LinkProbes` probes each distinct WAN of one `testbed run` once: the variants of an experiment
 usually share one WAN definition, and a variant whose WAN is the same as one already probed
@@ -21,39 +21,8 @@ import json
 import threading
 import time
 
-DIRECTIONS = ("kv", "request")
-
-
-class EventLog:
-    """Callable: `events(kind, **fields)` appends a row (time, kind, detail) to events.csv.
-
-    The file is opened for appending (O_APPEND) and each row is one write, so other processes
-    of the run (the scheduler's health transitions, the decode workers' discarded KV) append
-    their rows to the same file with `EventLog(path, fresh=False)`; readers sort by time.
-    """
-
-    def __init__(self, path, fresh=True, by=None):
-        """`by`: the instance writing (a worker), added to every row as `by=<name>`, so
-        analysis puts its times on the orchestrator's clock (testbed/clocks.py)."""
-        self.by = by
-        if fresh:
-            with open(path, "w", newline="") as f:
-                csv.writer(f).writerow(["time", "kind", "detail"])
-        self.f = open(path, "a", newline="", buffering=1)
-        self.w = csv.writer(self.f)
-        self.lock = threading.Lock()
-
-    def __call__(self, kind, **fields):
-        if self.by is not None:
-            fields = {**fields, "by": self.by}
-        detail = " ".join(f"{k}={v}" for k, v in fields.items())
-        with self.lock:
-            if not self.f.closed:
-                self.w.writerow([f"{time.time():.6f}", kind, detail])
-
-    def close(self):
-        with self.lock:
-            self.f.close()
+from testbed.fidelity import exceeds_link
+from testbed.net.linkmodel import DIRECTIONS
 
 
 class CounterSampler:
@@ -111,7 +80,6 @@ class CounterSampler:
     @staticmethod
     def _artifact(prev, now, read_s, stats, d):
         """This sample's rate is more than the link carries (`fidelity.exceeds_link`)."""
-        from testbed.fidelity import exceeds_link    # numpy/pandas: not for EventLog's users
         if prev is None or now <= prev[0]:
             return False
         link = max(stats[d].get("rate_bps", 0), prev[1][d].get("rate_bps", 0))

@@ -1,8 +1,8 @@
-"""Analyse: per-request records and the run summary, read only from the run directory.
+"""Metrics: pure calculations from a run's records to its numbers (as vLLM's `calculate_metrics`).
 
-`requests.jsonl` (written by the client as it goes) becomes `requests.parquet`, one row per
-request of `workload.parquet`: a request that was sent but has no `done` line, or never sent,
-is kept and marked failed with the reason. Metric definitions follow `vllm bench serve`:
+`build_requests` joins the typed records of requests.jsonl (`testbed.records`) to
+`workload.parquet`: one row per request, a request that was sent but has no `done` line, or
+never sent, kept and marked failed with the reason. Metric definitions follow `vllm bench serve`:
 
 - TTFT: first token received by the client - send time.
 - TPOT: (E2EL - TTFT) / (output tokens - 1), per request, then averaged.
@@ -10,36 +10,23 @@ is kept and marked failed with the reason. Metric definitions follow `vllm bench
 - E2EL: last token received - send time.
 - throughput: completed requests / (last completion - first send).
 
-Stamps taken on other hosts than the orchestrator's (prefill, decode, the client on the ray
-backend) are moved onto the orchestrator's clock by the offsets metadata.json records
-(`testbed.clocks.correct_records`) before anything compares them; requests.jsonl stays raw.
-
 Times measured on the emulated timeline are converted back to real-world units by the run's
 `testbed.scale.Scale` (durations `real_ms`, rates `real_rate`). The summary keys are real-world
 milliseconds, seconds, requests/s and Gbit/s (1e9 bit/s).
 
-Everything is read from the run directory (`testbed.rundir`: the Experiment from its config.yaml,
-the scale from runtime.json), never from an Experiment in memory, so the run itself, `testbed
-analyse RUN_DIR`, and a directory copied elsewhere are analysed alike, a run that was killed
-(SIGKILL, power cut) included. `summary.json` says `incomplete: true` and why
-(`incomplete_reason`) when the records show the run did not end normally: no metadata.json (the
-orchestrator never reached its teardown), an interruption or error in events.csv, or no
-`finished` line from the client. `not_finished` counts requests sent without a reply on record,
-`not_sent` those never sent; both are among `failed`.
+Nothing here reads a file: `testbed.analysis` reads the run directory and calls these.
 """
 
 from __future__ import annotations
 
-import csv
-import json
 import math
-import pathlib
 
 import numpy as np
 import pandas as pd
 
-from testbed import clocks, fidelity, rundir
-from testbed.rundir import RunInfo, read_records  # noqa: F401  (read_records: loadgen's import)
+from testbed import fidelity, plan
+from testbed import profile as profiles
+from testbed.rundir import RunInfo
 from testbed.scale import Scale
 
 SUMMARY_KEYS = [
@@ -66,14 +53,14 @@ def build_requests(workload: pd.DataFrame, sent: dict, done: dict,
                "output_len": int(w.output_len)}
         d, s = done.get(rid), sent.get(rid)
         if d is not None:
-            row.update({k: v for k, v in d.items() if k not in ("ev", "id")})
+            row.update(d.columns())
         elif s is not None:
-            row.update(send_time=s["send_time"], status="failed",
+            row.update(send_time=s.send_time, status="failed",
                        error="no reply recorded before the run ended")
         else:
             row.update(status="failed", error="never sent (the run ended first)")
         if s is not None:
-            row["lateness_s"] = s.get("lateness_s")
+            row["lateness_s"] = s.lateness_s
         rows.append(row)
     # (no rows: `testbed up` that served nothing; the columns still exist)
     df = pd.DataFrame(rows, columns=None if rows else [
@@ -205,8 +192,9 @@ def _pct(series, q):
 
 
 def summarize(df: pd.DataFrame, run: RunInfo, timeseries: pd.DataFrame | None = None,
-              counters: dict | None = None) -> dict:
-    """The run's metrics (summary.json's measured keys) from its requests table."""
+              counters: dict | None = None, events=()) -> dict:
+    """The run's metrics (summary.json's measured keys) from its requests table (`events`:
+    events.csv's rows, `testbed.records.read_events`)."""
     ok = df[df.status == "ok"]
     exp, scale = run.experiment, run.scale
     t0 = df.send_time.min()
@@ -238,7 +226,7 @@ def summarize(df: pd.DataFrame, run: RunInfo, timeseries: pd.DataFrame | None = 
     errors = df.error[df.status != "ok"].dropna().value_counts()
     out["failure_reasons"] = {str(k): int(v) for k, v in errors.head(5).items()}
     out["steady_throughput"] = steady_throughput(ok.last_token, scale)
-    out["emulation"] = emulation_fidelity(ok, run)
+    out["emulation"] = emulation_fidelity(ok, run, events)
     out.update(cache_summary(df, run))
     # The planner's L is the uncached length: what the run really prefilled.
     out["prediction"] = predicted(exp, (df.input_len - df.cached_len.fillna(0)).to_numpy(),
@@ -289,7 +277,6 @@ def cache_summary(df: pd.DataFrame, run: RunInfo) -> dict:
            "prefix_transfer_bytes": int(df.prefix_transfer_bytes.fillna(0).sum()),
            "cache_fetch_bytes": int(df.cache_fetch_bytes.fillna(0).sum()
                                     + df.decode_cache_bytes.fillna(0).sum())}
-    from testbed import profile as profiles
     try:
         prof = profiles.load(exp.model.profile)
         full = run.scale.emulated_bytes(prof.s_kv(done.input_len.to_numpy(dtype=float)))
@@ -321,7 +308,7 @@ def steady_throughput(completions: pd.Series, scale: Scale, lo=0.1, hi=0.9) -> f
     return n / scale.real_s(b - a) if b > a else float("nan")
 
 
-def emulation_fidelity(ok: pd.DataFrame, run: RunInfo, tolerance=0.05) -> dict:
+def emulation_fidelity(ok: pd.DataFrame, run: RunInfo, events=(), tolerance=0.05) -> dict:
     """Did the emulated accelerators keep their profiled times on this machine?
 
     Compares what the workers measured with what the profile asked for: mean decode step (ITL
@@ -332,8 +319,6 @@ def emulation_fidelity(ok: pd.DataFrame, run: RunInfo, tolerance=0.05) -> dict:
     exp, scale = run.experiment, run.scale
     if exp.model.engine != "profile" or not len(ok):
         return {}
-    from testbed import profile as profiles
-
     prof = profiles.load(exp.model.profile)
     steps = decode_steps(ok, exp.decode_model(), scale).dropna(subset=["measured_ms"])
     out = {"warnings": []}
@@ -361,7 +346,7 @@ def emulation_fidelity(ok: pd.DataFrame, run: RunInfo, tolerance=0.05) -> dict:
                 f"first tokens reached the client {out['first_token_lag_ms']:.0f} ms (median, "
                 f"real-world) after the decode worker made them: the control plane is CPU-bound "
                 f"at scale.time {scale.time:g}; TTFT includes that lag")
-    wake = decode_wakeups(run.dir, scale)
+    wake = decode_wakeups(events, scale)
     if wake:
         out["decode_wakeups"] = wake
         if wake["late_p50_ms"] > WAKE_LATE_WARN_MS:
@@ -381,14 +366,14 @@ def emulation_fidelity(ok: pd.DataFrame, run: RunInfo, tolerance=0.05) -> dict:
 WAKE_LATE_WARN_MS = 50.0    # real-world: a decode worker's median wake-up lateness
 
 
-def decode_wakeups(rd, scale: Scale) -> dict:
+def decode_wakeups(events, scale: Scale) -> dict:
     """The decode workers' `decode_wakeups` rows of events.csv (workers/decode.py, at exit):
     steps and wake-ups summed, wake-up lateness against the schedule (real-world ms) of the
     worst instance. A paced decode worker stamps the steps between its wake-ups with their
     scheduled times; a late wake-up lengthens the step it woke for (in the step ratio) and
-    delays what that step sends: first tokens, last chunks, admissions."""
-    from testbed.faults import read_events
-    rows = [f for _, k, f in read_events(rd.events) if k == "decode_wakeups"]
+    delays what that step sends: first tokens, last chunks, admissions. `events`:
+    `testbed.records.read_events`."""
+    rows = [f for _, k, f in events if k == "decode_wakeups"]
     if not rows:
         return {}
     worst = lambda key: scale.real_ms(max(float(f[key]) for f in rows) / 1e3)   # noqa: E731
@@ -439,48 +424,17 @@ def predicted(exp, input_lengths=None, output_lengths=None) -> dict:
     if exp.model.engine != "profile":
         return {"note": "the planner models profiled accelerators; the torch engine's timing "
                         "is its own (no prediction)"}
-    from testbed import plan
     try:
         return plan.predict(exp, lengths=input_lengths, output_lengths=output_lengths)
     except Exception as e:  # a prediction must never lose a measured run
         return {"error": f"{type(e).__name__}: {e}"}
 
 
-def incomplete_reasons(run_dir) -> list[str]:
-    """Why a run directory's records are incomplete; [] when the run ended normally."""
-    rd = rundir.RunDir(run_dir)
-    reasons = []
-    if not rd.metadata.exists():
-        reasons.append("the orchestrator stopped before its teardown (no metadata.json: killed)")
-    if rd.events.exists():
-        with open(rd.events, newline="", errors="replace") as f:
-            for row in csv.reader(f):
-                if len(row) >= 2 and row[1] == "interrupted":
-                    reasons.append("interrupted (Ctrl-C, SIGTERM, SIGHUP or SIGQUIT)")
-                elif len(row) >= 3 and row[1] == "error":
-                    reasons.append(f"the run failed: {row[2]}")
-    if not rundir.client_finished(rd):
-        reasons.append("the client did not finish (no 'finished' record in requests.jsonl)")
-    return reasons
-
-
-def _warnings(summary: dict, meta: dict, reasons: list[str], guards: list[str]) -> list[str]:
-    fid = meta.get("link_fidelity") or {}
-    out = list(fid.get("warnings", [])) + (summary.get("emulation") or {}).get("warnings", [])
-    out += [f"scheduled link change at {e['at_s']:g}s (emulated) failed: {e['error']}"
-            for e in meta.get("link_schedule_errors") or []]
-    out += guards          # testbed/fidelity.py: transfers, rate artifacts, TCP timeouts
-    out += clocks.warnings(meta.get("clocks"))
-    if reasons:
-        out.append(f"incomplete run: {'; '.join(reasons)}")
-    return out
-
-
-def role_conversions(rd, scale: Scale) -> dict:
-    """The long timescale's role conversions (events.csv `role` rows, workers/roles.py): how
-    many finished and failed, each way, and the median drain and conversion time (real-world s)."""
-    from testbed.faults import read_events
-    roles = [f for _, k, f in read_events(rd.events) if k == "role"]
+def role_conversions(events, scale: Scale) -> dict:
+    """The long timescale's role conversions (events.csv `role` rows, workers/roles.py; `events`:
+    `testbed.records.read_events`): how many finished and failed, each way, and the median
+    drain and conversion time (real-world s)."""
+    roles = [f for _, k, f in events if k == "role"]
     done = [f for f in roles if f.get("state") == "done"]
     failed = [f for f in roles if f.get("state") == "failed"]
 
@@ -495,87 +449,3 @@ def role_conversions(rd, scale: Scale) -> dict:
             "convert_s_median": median_real_s("convert_s")}
 
 
-def analyse(run_dir) -> dict:
-    """A run directory's records -> requests.parquet, tokens.parquet, summary.json (returned).
-
-    Reads only the directory (`testbed.rundir.load_run`): the run that just ended, `testbed
-    analyse` of a killed run, and a directory copied to another machine go the same way."""
-    run = rundir.load_run(run_dir)
-    rd, exp, scale = run.dir, run.experiment, run.scale
-    workload = rundir.workload(rd)
-    if exp.workload.client != "builtin":     # what the front door received (testbed/loadgen.py)
-        from testbed import loadgen
-        workload = loadgen.served_workload(rd.path, scale)
-    # requests.jsonl stays raw; each stamp onto the orchestrator's clock here (testbed/clocks.py)
-    sent, done = (clocks.correct_records(r, run.metadata.get("clocks"))
-                  for r in read_records(rd.records))
-    df = build_requests(workload, sent, done, scale)
-    df["slo_ok"] = meets_slo(df, exp.slo.objectives_ms())
-    tokens_table(df, scale).to_parquet(rd.tokens, index=False)
-    df.drop(columns=["token_times", "client_times"], errors="ignore").to_parquet(
-        rd.requests, index=False)
-    ts = fidelity.flag_artifacts(rundir.timeseries(rd), scale)
-    summary = summarize(df, run, ts, run.metadata.get("wan_counters"))
-    reasons = incomplete_reasons(rd)
-    ids = set(int(i) for i in workload.id)
-    summary["incomplete"] = bool(reasons)
-    summary["incomplete_reason"] = "; ".join(reasons) or None
-    summary["not_finished"] = len((set(sent) - set(done)) & ids)
-    summary["not_sent"] = len(ids - set(sent) - set(done))
-    from testbed.workload import summarize as workload_stats
-    summary["workload"] = workload_stats(workload)
-    if exp.scheduler.roles.enabled:
-        summary["role_conversions"] = role_conversions(rd, scale)
-    summary["run_dir"] = str(rd.path)
-    summary["clock_offsets"] = {h: {k: c.get(k) for k in ("offset_s", "uncertainty_s", "drift_s")}
-                                for h, c in (run.metadata.get("clocks") or {}).get(
-                                    "hosts", {}).items()}
-    pools = {dc: json.loads(p.read_text()) for dc, p in rd.cache_pools().items()}
-    if pools:
-        summary["cache_pools"] = pools
-    summary["link_warnings"] = (run.metadata.get("link_fidelity") or {}).get("warnings", [])
-    guards, guard_warnings = fidelity.guards(df, run, ts, run.metadata, rd / rd.LOGS)    # testbed/fidelity.py
-    summary.update(guards)
-    summary["warnings"] = _warnings(summary, run.metadata, reasons, guard_warnings)
-    from testbed import faults     # accounting, recovery per injected fault
-    summary.update(faults.analyse(rd.path, exp, df, scale))
-    if exp.workload.client != "builtin":
-        from testbed import loadgen
-        summary.update(loadgen.summarize(rd.path, exp, df, scale))
-    rd.summary.write_text(json.dumps(summary, indent=1))
-    return summary
-
-
-def write_sweep(top, summaries: list[dict]) -> None:
-    rows = [{k: v for k, v in s.items() if not isinstance(v, (dict, list))} for s in summaries]
-    pd.DataFrame(rows).to_csv(pathlib.Path(top) / rundir.RunDir.SWEEP, index=False)
-
-
-def table(summaries: list[dict]) -> str:
-    """The comparison printed at the end of `testbed run` (real-world units)."""
-    cols = [("label", "run", "{}"), ("completed", "done", "{:d}"), ("failed", "fail", "{:d}"),
-            ("request_throughput", "req/s", "{:.3f}"), ("mean_ttft_ms", "TTFT mean", "{:.0f}"),
-            ("median_ttft_ms", "p50", "{:.0f}"), ("p90_ttft_ms", "p90", "{:.0f}"),
-            ("p99_ttft_ms", "p99", "{:.0f}"), ("mean_tpot_ms", "TPOT", "{:.1f}"),
-            ("egress_mean_gbps", "egress Gb/s", "{:.2f}"),
-            ("offload_fraction", "offload", "{:.2f}")]
-    cols.insert(4, ("steady_throughput", "steady", "{:.3f}"))
-    if any(s.get("request_goodput") is not None for s in summaries):
-        cols.insert(5, ("request_goodput", "goodput", "{:.3f}"))
-    if any(s.get("cache_enabled") for s in summaries):
-        cols.append(("cache_hit_share", "cache hit", "{:.3f}"))
-    header = [c[1] for c in cols] + ["predicted (paper)", "predicted (E[T])"]
-    body = []
-    for s in summaries:
-        row = []
-        for key, _, fmt in cols:
-            v = s.get(key)
-            row.append("-" if v is None else fmt.format(v))
-        pred = s.get("prediction") or {}
-        for key in ("lambda_max", "lambda_max_expected"):
-            row.append("-" if pred.get(key) is None else f"{pred[key]:.3f}")
-        body.append(row)
-    widths = [max(len(h), *(len(r[i]) for r in body)) for i, h in enumerate(header)]
-    lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths))]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in body]
-    return "\n".join(lines)

@@ -18,7 +18,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
-from testbed import fidelity, rundir  # noqa: E402
+from testbed import fidelity, plot_cache, plot_control, rundir  # noqa: E402
 from testbed.rundir import find_runs  # noqa: E402,F401  (plot.find_runs: callers' name)
 from testbed.scale import Scale  # noqa: E402
 
@@ -232,7 +232,6 @@ def _health_spans(events, t0: float, scale: Scale, t_last: float) -> dict:
 def fault_timeline(top, out_dir: pathlib.Path) -> list[pathlib.Path]:
     """Per run with faults: TTFT by arrival with every fault shaded and its detection marked;
     under it, each instance's health as the scheduler saw it and the WAN's state."""
-    from testbed.faults import read_events
     paths = []
     runs = [d for d in find_runs(top) if rundir.summary(d).get("faults")]
     for d in runs:
@@ -243,7 +242,7 @@ def fault_timeline(top, out_dir: pathlib.Path) -> list[pathlib.Path]:
         t0 = meta.get("client_start_at", df.send_time.min())
         t_last = float(max(df.arrival_s.max(), scale.real_s(df.end_time.max() - t0)
                            if "end_time" in df else 0))
-        events = read_events(rundir.RunDir(d).events, meta.get("clocks"))
+        events = rundir.read_events(rundir.RunDir(d).events, meta.get("clocks"))
         sns.set_theme(style="whitegrid", context="paper")
         fig, (ax, ax2) = plt.subplots(2, 1, figsize=(7, 5), sharex=True,
                                       gridspec_kw={"height_ratios": [3, 2]})
@@ -326,8 +325,7 @@ def failure_heatmap(top, out_dir: pathlib.Path) -> pathlib.Path | None:
 def run_figures(top) -> list[pathlib.Path]:
     """Every figure of a run directory (or an experiment's top directory), as PNG and PDF."""
     top = pathlib.Path(top)
-    out = top / rundir.RunDir.FIGURES
-    from testbed import plot_cache, plot_control
+    out = rundir.RunDir(top).figures
     figures = (ttft_cdf(top, out), egress_timeline(top, out), ttft_timeline(top, out),
                threshold_timeline(top, out), failure_heatmap(top, out),
                plot_cache.cache_by_run(top, out, find_runs, _label, _save),

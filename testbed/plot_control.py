@@ -9,20 +9,14 @@ TTFT by arrival: roles and t against queues and latency.
 """
 
 import matplotlib.pyplot as plt
-import pandas as pd
 
 from testbed import rundir
 
 
 def _events(d, kind):
-    path = d / "events.csv"
-    if not path.exists():
-        return []
-    ev = pd.read_csv(path)
-    out = []
-    for t, detail in ev[ev.kind == kind][["time", "detail"]].itertuples(index=False):
-        out.append((t, dict(kv.split("=", 1) for kv in str(detail).split() if "=" in kv)))
-    return sorted(out, key=lambda x: x[0])
+    """[(time, fields)] of one kind of events.csv row, on the orchestrator's clock."""
+    clock = rundir.metadata(d).get("clocks")
+    return [(t, f) for t, k, f in rundir.read_events(rundir.RunDir(d).events, clock) if k == kind]
 
 
 def _prefill_steps(d, rt):

@@ -1,6 +1,7 @@
 """Run: one experiment file, every variant in turn, on a freshly built system each time.
 
-For each expanded run (`config.load_experiment`): compile its `testbed.deploy.Deployment`, write
+For each expanded run (`config.load_experiment`): compile its `testbed.deploy.Deployment` (once,
+every run before the first starts), write
 the resolved config, the request list, deployment.json and runtime.json (the workers' typed
 `WorkerRuntime`), start the backend (`testbed.backend`: today Mininet, which builds the network
 and shapes the WAN), start the workers on their instances and wait (bounded) for each to report
@@ -12,8 +13,9 @@ dies. With an external client (`workload.client: command | aiperf`) arrival 0 is
 the link schedule and faults start when its first request reaches the front door (minus that
 request's trace time), not when the tool is started.
 `Hold` (`testbed up`) runs no load generator: the front door is forwarded to the root
-namespace's loopback (testbed/net/forward.py) and the run lasts until Ctrl-C/SIGTERM. Analysis (`metrics`) and figures (`plot`)
-read only the run directory afterwards. Nothing here imports Mininet.
+namespace's loopback (testbed/net/forward.py) and the run lasts until Ctrl-C/SIGTERM. Analysis
+(`testbed.analysis`) and figures (`plot`) read only the run directory afterwards. Nothing here
+imports Mininet.
 """
 
 import contextlib
@@ -31,12 +33,21 @@ import time
 
 import yaml
 
-from testbed import (__version__, clocks, config, deploy, fidelity, lifecycle, loadgen,
-                     metrics, ownership, plot, rundir)
+from importlib import metadata
+
+from tqdm import tqdm
+
+from testbed import (__version__, analysis, clocks, config, deploy, fidelity, lifecycle, loadgen,
+                     loadrun, ownership, plot, rundir)
 from testbed.backend import open_backend, preflight
 from testbed.errors import ConfigError, PrivilegeError, RunInterrupted, WorkerError
-from testbed.measure import CounterSampler, EventLog, LinkProbes
+from testbed.faults import write_matrix
+from testbed.inject import Injector
+from testbed.loadstats import read_http
+from testbed.measure import CounterSampler, LinkProbes
+from testbed.net.schedule import LinkSchedule
 from testbed.net.tcp import CC_ENV
+from testbed.records import EventLog, RunDir
 from testbed.workload import generate
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -66,8 +77,6 @@ def _git_revision():
 
 
 def _versions():
-    from importlib import metadata
-
     out = {"testbed": __version__, "python": platform.python_version()}
     for pkg in ("torch", "grpcio", "pyroute2", "pandas", "numpy", "seaborn"):
         with contextlib.suppress(metadata.PackageNotFoundError):
@@ -85,7 +94,6 @@ class Progress:
         self.failed = 0
         self.bar = None
         if enabled:
-            from tqdm import tqdm
             self.bar = tqdm(total=total, desc=f"{label:>12}", unit="req", file=sys.stderr,
                             dynamic_ncols=True, leave=True)
 
@@ -127,62 +135,33 @@ class Run:
     summary."""
 
     def __init__(self, exp, run_dir, probe=True, cli=False, progress=True, hold=None,
-                 probes=None):
+                 probes=None, deployment=None):
         """`probes`: the `LinkProbes` shared by the runs of one experiment (a run whose WAN
-        was probed already records that probe); by default this run's own."""
+        was probed already records that probe); by default this run's own. `deployment`: the
+        run's compiled `Deployment` (`execute` compiles every run once, before any starts);
+        compiled here when not given."""
         self.exp, self.dir = exp, pathlib.Path(run_dir)
+        self.rd = RunDir(run_dir)
         self.cli, self.progress = cli, progress
         self.probes = probes if probes is not None else LinkProbes(probe)
         self.hold = hold
-        self.deployment = deploy.compile(exp)
+        self.deployment = deployment if deployment is not None else deploy.compile(exp)
         self.rt = self.deployment.runtime
         self.backend = None
         self.meta = {}
         self.procs = {}
 
     def execute(self):
-        exp, d, dep = self.exp, self.dir, self.deployment
-        (d / "logs").mkdir(parents=True, exist_ok=True)
-        (d / "config.yaml").write_text(yaml.safe_dump(config.resolved(exp), sort_keys=False))
-        dep.dump(d / "deployment.json")
-        self.rt.dump(d / "runtime.json")
-        workload = generate(exp.workload, exp.seed, requests=exp.requests,
-                            duration_s=exp.duration)
-        workload.to_parquet(d / "workload.parquet", index=False)
-        self.meta = {"name": exp.name, "label": exp.label, "git_revision": _git_revision(),
-                     "kernel": platform.release(), "host": platform.node(),
-                     "versions": _versions(), "argv": sys.argv, "start_time": time.time(),
-                     "scale": dep.scale.to_dict(), "requests": len(workload),
-                     "backend": exp.backend.kind}
+        exp, d = self.exp, self.rd
+        workload = self._write_description()
         registry = self.registry = lifecycle.Registry(secrets.token_hex(2))
-        events = EventLog(d / "events.csv")
+        events = EventLog(d.events)
         self.meta["run_id"] = registry.run_id
         interrupted, error = False, None
-        counters = {}
-        phases = self.meta["phases_s"] = {}     # wall time of build, start-up and teardown
+        self.meta["phases_s"] = {}      # wall time of build, start-up and teardown
+        self.counters = {}
         try:
-            t0 = time.monotonic()
-            self.backend = open_backend(exp.backend.kind, dep, registry, events,
-                                        exp.backend, run_dir=d).start()
-            phases["build"] = round(time.monotonic() - t0, 3)
-            self._describe_backend()
-            t0 = time.monotonic()
-            self._start_workers(registry, events)
-            phases["workers_ready"] = round(time.monotonic() - t0, 3)
-            self._probe_link(events)
-            if self.cli:
-                self.backend.cli()
-            sampler = CounterSampler(self.backend.shaper, d / "timeseries.csv", dep.scale).start()
-            tcp_before = self.backend.tcp_counters()
-            try:
-                if self.hold is not None:
-                    self._hold(workload, events)
-                else:
-                    self._drive(workload, events)
-            finally:
-                counters = sampler.stop()
-                self.meta["tcp_counters"] = fidelity.counter_delta(
-                    tcp_before, self.backend.tcp_counters())
+            self._build_and_drive(workload, events)
         except KeyboardInterrupt:
             interrupted = True
             events("interrupted")
@@ -190,26 +169,73 @@ class Run:
             error = e
             events("error", error=f"{type(e).__name__}: {e}")
         finally:
-            t0 = time.monotonic()
-            errors = registry.close()
-            phases["teardown"] = round(time.monotonic() - t0, 3)
-            self.meta["end_time"] = time.time()
-            self.meta["teardown_errors"] = errors
-            if self.backend is not None:     # measured at start and at teardown
-                self.meta["clocks"] = self.backend.clocks()
-            self.meta["wan_counters"] = counters
-            rundir.write_metadata(d, self.meta)
-            events.close()
-        if self.hold is not None and not loadgen.read_http(d):
-            # `up` that served nothing: no records to analyse (metrics needs one request)
+            self._teardown(registry, events)
+        if self.hold is not None and not read_http(d):
+            # `up` that served nothing: no records to analyse (analysis needs one request)
             summary = {"label": exp.label, "requests": 0, "run_dir": str(d)}
         else:
-            summary = metrics.analyse(d)
+            summary = analysis.analyse(d)
         if interrupted:
             raise RunInterrupted(f"interrupted; what was measured is in {d}")
         if error is not None:
             raise error
         return summary
+
+    def _write_description(self):
+        """config.yaml, deployment.json, runtime.json, workload.parquet and the metadata so
+        far; returns the request list."""
+        exp, d, dep = self.exp, self.rd, self.deployment
+        d.logs.mkdir(parents=True, exist_ok=True)
+        d.config.write_text(yaml.safe_dump(config.resolved(exp), sort_keys=False))
+        dep.dump(d.deployment)
+        self.rt.dump(d.runtime)
+        workload = generate(exp.workload, exp.seed, requests=exp.requests,
+                            duration_s=exp.duration)
+        workload.to_parquet(d.workload, index=False)
+        self.meta = {"name": exp.name, "label": exp.label, "git_revision": _git_revision(),
+                     "kernel": platform.release(), "host": platform.node(),
+                     "versions": _versions(), "argv": sys.argv, "start_time": time.time(),
+                     "scale": dep.scale.to_dict(), "requests": len(workload),
+                     "backend": exp.backend.kind}
+        return workload
+
+    def _build_and_drive(self, workload, events):
+        """Build the backend, start the workers, probe the link, then drive (or hold)."""
+        phases, dep = self.meta["phases_s"], self.deployment
+        t0 = time.monotonic()
+        self.backend = open_backend(self.exp.backend.kind, dep, self.registry, events,
+                                    self.exp.backend, run_dir=self.dir).start()
+        phases["build"] = round(time.monotonic() - t0, 3)
+        self._describe_backend()
+        t0 = time.monotonic()
+        self._start_workers(self.registry, events)
+        phases["workers_ready"] = round(time.monotonic() - t0, 3)
+        self._probe_link(events)
+        if self.cli:
+            self.backend.cli()
+        sampler = CounterSampler(self.backend.shaper, self.rd.timeseries, dep.scale).start()
+        tcp_before = self.backend.tcp_counters()
+        try:
+            if self.hold is not None:
+                self._hold(workload, events)
+            else:
+                self._drive(workload, events)
+        finally:
+            self.counters = sampler.stop()
+            self.meta["tcp_counters"] = fidelity.counter_delta(
+                tcp_before, self.backend.tcp_counters())
+
+    def _teardown(self, registry, events):
+        t0 = time.monotonic()
+        errors = registry.close()
+        self.meta["phases_s"]["teardown"] = round(time.monotonic() - t0, 3)
+        self.meta["end_time"] = time.time()
+        self.meta["teardown_errors"] = errors
+        if self.backend is not None:     # measured at start and at teardown
+            self.meta["clocks"] = self.backend.clocks()
+        self.meta["wan_counters"] = self.counters
+        rundir.write_metadata(self.dir, self.meta)
+        events.close()
 
     def _describe_backend(self):
         desc = self.backend.describe()
@@ -238,10 +264,9 @@ class Run:
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         env.pop(clocks.SKEW_ENV, None)   # test-only, a Ray node's own (never the orchestrator's)
         env[CC_ENV] = self.congestion_control()
-        argv = [sys.executable, "-m", module, "--runtime", str(self.dir / "runtime.json"),
+        argv = [sys.executable, "-m", module, "--runtime", str(self.rd.runtime),
                 "--name", name, *extra]
-        self.procs[name] = self.backend.spawn(host or name, argv,
-                                              self.dir / "logs" / f"{name}.log", env=env)
+        self.procs[name] = self.backend.spawn(host or name, argv, self.rd.log(name), env=env)
 
     def _stop_processes(self):
         """SIGTERM every process of the run (client first), then SIGKILL what is left."""
@@ -257,9 +282,9 @@ class Run:
         self._spawn("scheduler", self.rt.instance("scheduler").module)
         if self.exp.workload.client != "builtin":     # an external client's front door
             self._spawn("frontdoor", "workers.frontdoor", host="client", extra=[
-                "--out", str(self.dir / "requests.jsonl"),
-                "--http-log", str(self.dir / "frontdoor.jsonl"),
-                "--first-request-file", str(self.dir / "ready" / "first_request")])
+                "--out", str(self.rd.records),
+                "--http-log", str(self.rd.frontdoor),
+                "--first-request-file", str(self.rd.first_request)])
         self._wait_ready(list(self.procs))
         events("workers_ready", count=len(self.procs))
 
@@ -269,7 +294,7 @@ class Run:
         pending = set(names)
         while pending:
             for name in list(pending):
-                if (self.dir / "ready" / name).exists():
+                if self.rd.ready_file(name).exists():
                     pending.discard(name)
                 elif self.procs[name].poll() is not None:
                     raise WorkerError(f"{name} exited with code {self.procs[name].returncode} "
@@ -280,23 +305,22 @@ class Run:
             time.sleep(0.01)
 
     def _link_schedule(self, events, warn):
-        from testbed.net.schedule import LinkSchedule
         return LinkSchedule(self.backend.shaper, [c.item() for c in self.deployment.link_changes],
                             events, warn)
 
     def _respawn(self, events, name):
         """A `restart` fault: start a killed worker again; it rejoins through the health check."""
-        (self.dir / "ready" / name).unlink(missing_ok=True)
+        self.rd.ready_file(name).unlink(missing_ok=True)
         self._spawn(name, self.rt.instance(name).module)
         events("worker_restarted", name=name, pid=self.procs[name].pid)
 
     def _drive(self, workload, events):
-        records = self.dir / "requests.jsonl"
+        records = self.rd.records
         builtin = self.exp.workload.client == "builtin"
         if builtin:
-            start_file = self.dir / "ready" / "start_at"
+            start_file = self.rd.start_at
             self._spawn("client", self.rt.instance("client").module,
-                        ["--workload", str(self.dir / "workload.parquet"), "--out", str(records),
+                        ["--workload", str(self.rd.workload), "--out", str(records),
                          "--start-file", str(start_file)])
             self._wait_ready(["client"])
         # Arrival 0 is chosen once the client is ready, so the client's start-up time (seconds
@@ -342,9 +366,8 @@ class Run:
 
     def _start_schedules(self, start_at, events, warn):
         """The link schedule and the faults, both timed from arrival 0 = `start_at`."""
-        from testbed import faults
         schedule = self._link_schedule(events, warn).start(start_at)
-        injector = faults.Injector(self.deployment.fault_actions, self.dir, lambda: self.procs,
+        injector = Injector(self.deployment.fault_actions, self.dir, lambda: self.procs,
                                    lambda n: self._respawn(events, n), events).start(start_at)
         return schedule, injector
 
@@ -372,9 +395,9 @@ class Run:
         door minus that request's time in the trace (a fixed-schedule replay sends it that long
         after its own start). If no request comes (the tool exited, or the bound passed),
         arrival 0 is the tool's start. The measured start-up offset goes to metadata.json."""
-        first_file = self.dir / "ready" / "first_request"
+        first_file = self.rd.first_request
         spawned = time.time()
-        client = loadgen.start_client(self, workload)
+        client = loadrun.start_client(self, workload)
         deadline = time.monotonic() + CLIENT_FIRST_REQUEST_TIMEOUT_S
         self.meta["client_spawned_at"] = spawned
         while not first_file.exists():
@@ -404,10 +427,10 @@ class Run:
         self.meta["forward"] = {"listen": f"{host}:{port}", "target": f"{fd_ip}:{fd_port}"}
         info = {"url": f"http://{host}:{port}", "frontdoor_url": loadgen.url(self.rt),
                 "model": self.rt.frontdoor.model, "run_dir": str(self.dir),
-                "trace": str(loadgen.write_trace(self.dir, workload,
+                "trace": str(loadrun.write_trace(self.dir, workload,
                                                  self.deployment.scale)),
                 "started_at": start_at}
-        (self.dir / "up.json").write_text(json.dumps(info, indent=1))
+        self.rd.up.write_text(json.dumps(info, indent=1))
         schedule, injector = self._start_schedules(start_at, events, _warn)
         events("up", listen=f"{host}:{port}")
         dead = set()
@@ -430,10 +453,37 @@ def _warn(msg):
 
 def execute(path, overrides=(), out=None, probe=True, cli=False, progress=True, hold=None):
     """Run every variant of an experiment file; returns (top run dir, list of summaries).
-    With `hold` (`testbed up`): the one run, no load generator, until Ctrl-C/SIGTERM."""
+    With `hold` (`testbed up`): the one run, no load generator, until Ctrl-C/SIGTERM.
+    Every run is compiled once (`deploy.compile`, the cross-field check), before any starts."""
     if hold is not None:
         overrides = [*overrides, "workload.client=none", "workload.command=null"]
-    runs = config.load_experiment(path, overrides)
+    runs, deployments = zip(*deploy.load(path, overrides))
+    _check_runs(runs, path, hold, out)
+    for exp, dep in zip(runs, deployments):
+        preflight(exp.backend, dep)
+    top = pathlib.Path(out) if out else default_out(runs[0].name)
+    made = ownership.missing_ancestors(top)
+    top.mkdir(parents=True, exist_ok=True)
+    summaries = []
+    probes = LinkProbes(probe)      # each distinct WAN probed once, in its first run
+    try:
+        for exp, dep in zip(runs, deployments):
+            run_dir = top / exp.label if len(runs) > 1 else top   # a safe name (config.validate)
+            summaries.append(Run(exp, run_dir, cli=cli, progress=progress, hold=hold,
+                                 probes=probes, deployment=dep).execute())
+        if len(runs) > 1:
+            analysis.write_sweep(top, summaries)
+            if any(exp.faults for exp in runs):
+                write_matrix(top, runs, summaries)
+        plot.run_figures(top)
+    finally:    # also on Ctrl-C and errors: what sudo made belongs to the user who ran it
+        ownership.hand_back(top)
+        ownership.hand_back(*made[1:], recursive=False)
+    return top, summaries
+
+
+def _check_runs(runs, path, hold, out):
+    """What `run` and `up` refuse before anything is made (ConfigError, PrivilegeError)."""
     if hold is not None and len(runs) > 1:
         raise ConfigError(f"testbed up holds one deployment; this file expands to {len(runs)} "
                           "runs (variants/sweep): pick one with --set", path=str(path))
@@ -444,28 +494,6 @@ def execute(path, overrides=(), out=None, probe=True, cli=False, progress=True, 
         check_out(out)
     if any(exp.backend.kind == "mininet" for exp in runs) and os.geteuid() != 0:
         raise PrivilegeError("testbed run builds network namespaces and needs root: use sudo")
-    for exp in runs:
-        preflight(exp.backend, deploy.compile(exp))
-    top = pathlib.Path(out) if out else default_out(runs[0].name)
-    made = ownership.missing_ancestors(top)
-    top.mkdir(parents=True, exist_ok=True)
-    summaries = []
-    probes = LinkProbes(probe)      # each distinct WAN probed once, in its first run
-    try:
-        for exp in runs:
-            run_dir = top / exp.label if len(runs) > 1 else top   # a safe name (config.validate)
-            summaries.append(Run(exp, run_dir, cli=cli, progress=progress, hold=hold,
-                                 probes=probes).execute())
-        if len(runs) > 1:
-            metrics.write_sweep(top, summaries)
-            if any(exp.faults for exp in runs):
-                from testbed import faults
-                faults.write_matrix(top, runs, summaries)
-        plot.run_figures(top)
-    finally:    # also on Ctrl-C and errors: what sudo made belongs to the user who ran it
-        ownership.hand_back(top)
-        ownership.hand_back(*made[1:], recursive=False)
-    return top, summaries
 
 
 def check_out(out):

@@ -3,7 +3,8 @@
 A run directory is the boundary between running and analysing (Pantheon's habit): `testbed
 run` writes it; `testbed analyse`, `plot` and `report` read it and nothing else, so a directory
 copied to another machine, without the experiment file or its traces, is analysed the same.
-This module is the one place that knows the file names (`RunDir`) and how each file is read.
+The file names and record types live in `testbed.records` (light, the workers import it);
+this module adds how each file is read into tables and typed objects (pandas, yaml).
 
 What analysis needs of the configuration comes from `config.yaml`, the resolved `Experiment`
 the run was made with: it is rebuilt structurally (`testbed.schema.build`), without
@@ -22,112 +23,17 @@ import dataclasses
 import io
 import json
 import pathlib
-from typing import TYPE_CHECKING
-
 import pandas as pd
 import yaml
 
-from testbed import tokentimes
-from testbed.errors import RunDirError
+from testbed.errors import ConfigError, RunDirError
+from testbed.experiment import Experiment
+from testbed.net.linkmodel import Link
+from testbed.records import RunDir, client_finished, read_events, read_records  # noqa: F401
 from testbed.scale import Scale
-
-if TYPE_CHECKING:       # config imports faults, loadgen, ...: analysis imports it when needed
-    from testbed.config import Experiment
+from testbed.schema import build
 
 SCHEMA = 1      # major version; bump when a file's meaning changes incompatibly
-
-
-class RunDir:
-    """Named paths of one run directory (a variant's own directory, not the experiment's top)."""
-
-    CONFIG = "config.yaml"              # the resolved experiment
-    METADATA = "metadata.json"          # versions, link fidelity, counters, schema
-    RUNTIME = "runtime.json"            # what the workers read: instances, scale (emulated)
-    WORKLOAD = "workload.parquet"       # the request list
-    RECORDS = "requests.jsonl"          # the client's raw records
-    EVENTS = "events.csv"
-    TIMESERIES = "timeseries.csv"       # kernel counters of the WAN router, 20 Hz
-    SCHEDULER = "scheduler.csv"         # the adaptive threshold's decisions
-    REQUESTS = "requests.parquet"       # analysis: one row per request (real-world)
-    TOKENS = "tokens.parquet"           # analysis: one row per output token
-    SUMMARY = "summary.json"            # analysis: the run's metrics (real-world)
-    REPORT = "report.md"
-    SWEEP = "sweep.csv"                 # at an experiment's top: one row per run
-    FAILURE_MATRIX = "failure_matrix.csv"
-    LOGS = "logs"
-    FIGURES = "figures"
-
-    def __init__(self, path):
-        self.path = pathlib.Path(path)
-
-    def __truediv__(self, name):
-        return self.path / name
-
-    def __fspath__(self):
-        return str(self.path)
-
-    def __repr__(self):
-        return f"RunDir({str(self.path)!r})"
-
-    @property
-    def config(self):
-        return self.path / self.CONFIG
-
-    @property
-    def metadata(self):
-        return self.path / self.METADATA
-
-    @property
-    def runtime(self):
-        return self.path / self.RUNTIME
-
-    @property
-    def workload(self):
-        return self.path / self.WORKLOAD
-
-    @property
-    def records(self):
-        return self.path / self.RECORDS
-
-    @property
-    def events(self):
-        return self.path / self.EVENTS
-
-    @property
-    def timeseries(self):
-        return self.path / self.TIMESERIES
-
-    @property
-    def scheduler(self):
-        return self.path / self.SCHEDULER
-
-    @property
-    def requests(self):
-        return self.path / self.REQUESTS
-
-    @property
-    def tokens(self):
-        return self.path / self.TOKENS
-
-    @property
-    def summary(self):
-        return self.path / self.SUMMARY
-
-    @property
-    def report(self):
-        return self.path / self.REPORT
-
-    @property
-    def logs(self):
-        return self.path / self.LOGS
-
-    @property
-    def figures(self):
-        return self.path / self.FIGURES
-
-    def cache_pools(self):
-        """cache_<dc>.json of each datacenter's prefix cache pool, by datacenter."""
-        return {p.stem[len("cache_"):]: p for p in sorted(self.path.glob("cache_*.json"))}
 
 
 # ---------------------------------------------------------------- writing (by the run)
@@ -228,47 +134,27 @@ def experiment(run_dir) -> Experiment:
     """The `Experiment` of config.yaml, rebuilt structurally: the run validated it when it
     started; checks that open trace or rate-trace files are not repeated, so a copied
     directory needs nothing beside it."""
-    from testbed import schema
-    from testbed.config import Experiment
-    from testbed.errors import ConfigError
-
     path = RunDir(run_dir).config
     try:
-        return schema.build(Experiment, config_mapping(path))
+        return build(Experiment, config_mapping(path))
     except RunDirError:
         raise
     except ConfigError as e:
         raise RunDirError(str(e), path=str(path)) from None
 
 
-def read_records(path) -> tuple[dict, dict]:
-    """Latest `sent` and `done` line of each request id in a client JSONL file (requests.jsonl):
-    ({id: sent record}, {id: done record}); lines cut by a crash are skipped. A `done` record
-    has its token times as `token_times` and `client_times` lists, however they were written."""
-    sent, done = {}, {}
-    p = pathlib.Path(path)
-    if not p.exists():
-        return sent, done
-    with open(p) as f:
-        for line in f:
-            try:
-                obj = json.loads(line)
-            except ValueError:
-                continue            # a line cut by a crash
-            if obj.get("ev") == "sent":
-                sent[obj["id"]] = obj
-            elif obj.get("ev") == "done":
-                done[obj["id"]] = tokentimes.expand(obj)
-    return sent, done
+def deployment(run_dir) -> dict | None:
+    """deployment.json (the compiled `testbed.deploy.Deployment`, as the run wrote it), or None
+    for a directory written before it existed."""
+    path = RunDir(run_dir).deployment
+    return _json(path) if path.exists() else None
 
 
-def client_finished(run_dir) -> bool:
-    """Whether the client wrote its `finished` record (it ended normally)."""
-    path = RunDir(run_dir).records
-    if not path.exists():
-        return False
-    with open(path, errors="replace") as f:
-        return any('"ev":"finished"' in line for line in f)
+def links(deployment: dict | None) -> dict | None:
+    """direction -> the emulated `Link` the shaper ran, from deployment.json; None without."""
+    if not deployment or not deployment.get("links"):
+        return None
+    return {d: Link(**v) for d, v in deployment["links"].items()}
 
 
 def read_csv_numeric(path) -> pd.DataFrame | None:
@@ -323,6 +209,12 @@ class RunInfo:
     scale: Scale
     metadata: dict                      # {} for a run killed before its teardown
     runtime: dict | None                # None for a run killed before its workers started
+    deployment: dict | None = None      # deployment.json; None: written before it existed
+
+    @property
+    def links(self) -> dict | None:
+        """direction -> the emulated `Link` the run's shaper ran (deployment.json)."""
+        return links(self.deployment)
 
     @property
     def label(self) -> str:
@@ -354,7 +246,7 @@ def load_run(run_dir) -> RunInfo:
                               "it started sending", path=str(rd.path))
     meta = metadata(rd)
     return RunInfo(dir=rd, experiment=experiment(rd), scale=scale(rd), metadata=meta,
-                   runtime=runtime(rd))
+                   runtime=runtime(rd), deployment=deployment(rd))
 
 
 def find_runs(top) -> list[pathlib.Path]:

@@ -1,5 +1,5 @@
 """Compact per-token times in the client's `requests.jsonl` (workers/client.py writes them,
-testbed/rundir.read_records reads them back).
+testbed/records.read_records reads them back).
 
 A request's `done` line carries every token's decode-worker stamp and its arrival at the client.
 As JSON floats that is 2 x output_len numbers of ~18 digits, most of the client's encoding CPU.

@@ -20,6 +20,8 @@ _SI = {"": 1.0, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
 _IEC = {"Ki": 2.0**10, "Mi": 2.0**20, "Gi": 2.0**30, "Ti": 2.0**40}
 _TOKENS = {"": 1, "k": 1000, "K": 1000, "M": 1000**2, "Ki": 1024, "Mi": 1024**2}
 MAX_TOKENS = 16 * 1024**2     # 16Mi: beyond any model's context (a hard limit)
+DAY_S = 86400.0
+MAX_DURATION_S = 7 * DAY_S    # any duration, span of arrivals or scheduled change (a hard limit)
 _TIME = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "sec": 1.0,
          "min": 60.0, "m": 60.0, "h": 3600.0}
 

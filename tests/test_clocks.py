@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from testbed import clocks, tokentimes
+from testbed.records import EventLog, RequestRecord, read_events, read_records
 
 ROOT = str(pathlib.Path(__file__).resolve().parent.parent)
 
@@ -86,29 +87,32 @@ def test_correct_records_moves_each_stamp_by_its_hosts_offset():
            "decode_instance": "ld0", "kv_recv_start": 100.2, "kv_recv_end": 100.4,
            "decode_join": 100.41, "redispatches": [{"time": 100.05, "role": "prefill"}],
            **tokentimes.compact([100.45, 100.9], [[0, 100.5], [1, 101.0]])}
-    rec = tokentimes.expand(json.loads(json.dumps(raw)))
-    out = clocks.correct_records({1: rec}, _meta(2.0))[1]
-    assert out["prefill_start"] == pytest.approx(100.1)      # the PrfaaS host ran 2 s ahead
-    assert out["send_end"] == pytest.approx(100.35)
-    assert out["send_time"] == 100.0 and out["kv_recv_end"] == 100.4     # on the reference
-    assert out["token_times"] == rec["token_times"]
+    rec = RequestRecord.from_line(json.loads(json.dumps(raw)))
+    out = rec.on_reference_clock(clocks.instance_offsets(_meta(2.0)))
+    assert out.prefill_start == pytest.approx(100.1)      # the PrfaaS host ran 2 s ahead
+    assert out.send_end == pytest.approx(100.35)
+    assert out.send_time == 100.0 and out.kv_recv_end == 100.4     # on the reference
+    assert out.token_times == rec.token_times
     # now the phases are in order across hosts: prefill, KV arrival, first token
-    assert out["send_time"] < out["prefill_start"] < out["prefill_end"] < out["kv_recv_end"]
-    assert out["kv_recv_end"] < out["token_times"][0] < out["first_token"]
-    assert rec["prefill_start"] == 102.1            # the raw record is left as it was
+    assert out.send_time < out.prefill_start < out.prefill_end < out.kv_recv_end
+    assert out.kv_recv_end < out.token_times[0] < out.first_token
+    assert rec.prefill_start == 102.1            # the raw record is left as it was
     # the client's own differences (TTFT) are kept exactly when the client's host is off too
-    moved = clocks.correct_records({1: rec}, _meta(2.0, client_offset=-0.5))[1]
-    assert moved["first_token"] - moved["send_time"] == rec["first_token"] - rec["send_time"]
-    assert moved["redispatches"][0]["time"] == pytest.approx(100.55)
-    assert moved["client_times"] == [pytest.approx(t + 0.5) for t in rec["client_times"]]
+    moved = rec.on_reference_clock(clocks.instance_offsets(_meta(2.0, client_offset=-0.5)))
+    assert moved.first_token - moved.send_time == rec.first_token - rec.send_time
+    assert moved.redispatches[0]["time"] == pytest.approx(100.55)
+    assert moved.client_times == [pytest.approx(t + 0.5) for t in rec.client_times]
 
 
-def test_one_clock_is_zero_and_changes_nothing():
+def test_one_clock_is_zero_and_changes_nothing(tmp_path):
     meta = clocks.one_clock("box", ["client", "rp0"])
     assert clocks.instance_offsets(meta) == {"client": 0.0, "rp0": 0.0}
-    recs = {1: {"send_time": 1.0, "prefill_instance": "rp0", "prefill_start": 2.0}}
-    assert clocks.correct_records(recs, meta) is recs
-    assert clocks.correct_records(recs, None) is recs
+    path = tmp_path / "requests.jsonl"
+    path.write_text(json.dumps({"ev": "done", "id": 1, "send_time": 1.0,
+                                "prefill_instance": "rp0", "prefill_start": 2.0}) + "\n")
+    raw = read_records(path)
+    assert read_records(path, meta) == raw
+    assert raw[1][1].send_time == 1.0 and raw[1][1].prefill_start == 2.0
     assert clocks.warnings(meta) == []
 
 
@@ -139,9 +143,6 @@ def test_a_worker_process_runs_its_clock_skewed_only_with_the_env():
 
 
 def test_worker_event_rows_say_who_wrote_them_and_are_read_on_the_reference_clock(tmp_path):
-    from testbed.faults import read_events
-    from testbed.measure import EventLog
-
     path = tmp_path / "events.csv"
     runner = EventLog(path)
     runner("fault_inject", fault=0, occurrence=0)

@@ -58,7 +58,7 @@ def test_per_direction_override(tmp_path):
 def test_bad_input_names_file_key_and_expectation(tmp_path, change, key, expected):
     p = write(tmp_path, BASE.replace(*change))
     with pytest.raises(ConfigError) as e:
-        config.load_experiment(p)
+        deploy.load(p)      # the emulated link is checked where it is compiled
     msg = str(e.value)
     assert str(p) in msg and key in msg and expected in msg
     assert e.value.exit_code == 2
@@ -126,8 +126,7 @@ def test_queue_bytes_scale_and_too_small_a_queue_is_rejected(tmp_path):
         "delay: 5ms}", "delay: 5ms, queue: 64MiB}")))[0]
     assert deploy.compile(exp).links["kv"].queue == {"bytes": int(64 * 2**20 * 1e-3)}
     with pytest.raises(ConfigError, match="TSO burst"):
-        config.load_experiment(write(tmp_path, BASE.replace("delay: 5ms}",
-                                                            "delay: 5ms, queue: 1MiB}")))
+        deploy.load(write(tmp_path, BASE.replace("delay: 5ms}", "delay: 5ms, queue: 1MiB}")))
 
 
 @pytest.mark.parametrize("text,expected", [

@@ -23,7 +23,7 @@ from testbed.scale import Scale
 def load(tmp_path, text, overrides=()):
     p = tmp_path / "exp.yaml"
     p.write_text(text)
-    return config.load_experiment(p, overrides)
+    return [exp for exp, _ in deploy.load(p, overrides)]     # read, then compiled once
 
 
 def test_instances_have_roles_clusters_and_distinct_addresses_in_their_datacenter(tmp_path):

@@ -6,7 +6,7 @@ import math
 import pandas as pd
 import pytest
 
-from testbed import deploy, faults
+from testbed import deploy, faults, faultspec
 from testbed.config import load_experiment
 from testbed.errors import ConfigError
 
@@ -18,7 +18,9 @@ def load(tmp_path, small_experiment, faults_yaml, extra=""):
         f"faults: {faults_yaml}\n"
     p = tmp_path / "e.yaml"
     p.write_text(text)
-    return load_experiment(p)[0]
+    exp = load_experiment(p)[0]
+    deploy.compile(exp, p)      # as the runner does: fault targets are the deployment's
+    return exp
 
 
 @pytest.mark.parametrize("spec, key, words", [
@@ -59,13 +61,14 @@ def test_targets_groups_and_seeded_random(tmp_path, small_experiment):
     exp = load(tmp_path, text, "[{at: 2s, kind: pause, target: prfaas, duration: 1s}, "
                "{at: 4s, kind: kill, target: decode}, "
                "{every: 5s, count: 4, kind: pause, target: random(prfaas), duration: 1s}]")
-    occ = faults.resolve(exp)
+    instances = deploy.compile(exp).instances
+    occ = faultspec.resolve(exp, instances)
     assert occ[0].targets == ("rp0", "rp1") and occ[1].targets == ("ld0",)
     assert math.isinf(occ[1].end_s)
     rand = [o for o in occ if o.index == 2]
     assert [o.at_s for o in rand] == [5, 10, 15, 20]
     assert {o.targets[0] for o in rand} <= {"rp0", "rp1"}
-    assert [o.targets for o in faults.resolve(exp)] == [o.targets for o in occ]   # seeded
+    assert [o.targets for o in faultspec.resolve(exp, instances)] == [o.targets for o in occ]
 
 
 def test_link_fault_restores_what_was_in_force(tmp_path, small_experiment):

@@ -5,12 +5,17 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from testbed import config, fidelity, metrics
+from testbed import config, deploy, fidelity, metrics
 from testbed.rundir import RunInfo
 from testbed.scale import Scale
 
 QUICK = "experiments/quickstart.yaml"
 GBIT = 1e9
+
+
+def _links(run):
+    """The emulated links the run's shaper ran (deployment.json of a real run)."""
+    return deploy.compile(run.experiment).links
 
 
 @pytest.fixture
@@ -89,7 +94,7 @@ def test_transfers_sharing_the_link_are_not_inflated(exp):
     mb = 1_000_000 / fidelity.WIRE_PER_PAYLOAD        # 1 MB on the wire: 8 ms at 1 Gbit/s
     rows = [(0.0, 0.001, 0.0170, mb), (0.001, 0.002, 0.0165, mb),   # sharing: both end ~16 ms
             (1.0, 1.040, 1.0412, mb)]                             # paced by its sender
-    out, warn = fidelity.kv_transfers(_transfers(rows), exp, None)
+    out, warn = fidelity.kv_transfers(_transfers(rows), exp, None, _links(exp))
     assert out["transfers"] == 3 and out["inflated"] == 0 and not warn
     assert out["max_inflation"] <= 1.1
 
@@ -97,7 +102,7 @@ def test_transfers_sharing_the_link_are_not_inflated(exp):
 def test_a_stalled_transfer_is_inflated_and_reported_in_real_world_time(exp):
     mb = 1_000_000 / fidelity.WIRE_PER_PAYLOAD
     rows = [(0.0, 0.001, 0.0095, mb), (1.0, 1.001, 1.0095 + 0.2, mb)]   # one RTO of 200 ms
-    out, warn = fidelity.kv_transfers(_transfers(rows), exp, None)
+    out, warn = fidelity.kv_transfers(_transfers(rows), exp, None, _links(exp))
     assert out["inflated"] == 1
     assert out["excess_total_s"] == pytest.approx(2.0, rel=0.02)       # 0.2 s emulated x 10
     assert "1 of 2 KV transfers" in warn[0] and "real-world" in warn[0]
@@ -114,16 +119,19 @@ def test_the_path_allowance_is_what_the_probe_measured_at_rest_when_larger():
     kb56 = 56_000 / fidelity.WIRE_PER_PAYLOAD        # 0.448 ms on the wire at 1 Gbit/s
     # handed over at once; the stack's 0.15 ms at rest, then one 2 ms late (a busy receiver)
     rows = [(0.0, 0.00005, 0.000598, kb56), (1.0, 1.00005, 1.002448, kb56)]
-    configured, _ = fidelity.kv_transfers(_transfers(rows), _zero_delay_40x(), None)
+    run = _zero_delay_40x()
+    configured, _ = fidelity.kv_transfers(_transfers(rows), run, None, _links(run))
     assert configured["inflated"] == 2 and configured["path_basis"] == "configured"
     probe = {"link_fidelity": {"measured": {"rtt_p50_ms": 0.12, "jitter_ms": 0.5}}}
-    out, warn = fidelity.kv_transfers(_transfers(rows), _zero_delay_40x(probe), None)
+    run = _zero_delay_40x(probe)
+    out, warn = fidelity.kv_transfers(_transfers(rows), run, None, _links(run))
     assert out["path_basis"] == "measured"
     assert out["path_allowance_ms"] == pytest.approx(0.12 * 40)   # real-world; jitter unused
     assert out["inflated"] == 1 and "1 of 2 KV transfers" in warn[0]
     # a configured round trip longer than the probe's median stays (quickstart: 0.5 ms each way)
     quick = config.load_experiment(QUICK)[2]
-    assert fidelity.path_allowance(RunInfo.of(quick, metadata=probe)) == (
+    run = RunInfo.of(quick, metadata=probe)
+    assert fidelity.path_allowance(run, _links(run)) == (
         pytest.approx(0.001), "configured")
 
 
@@ -133,7 +141,7 @@ def test_a_link_cut_is_allowed_for(exp):
     ts["kv_link_gbps"] = 100.0                       # real-world: 1 Gbit/s emulated at 10x 1e-3
     ts.loc[ts.time < 100.5, "kv_up"] = 0               # down from 100.0 to 100.5
     rows = [(100.01, 100.011, 100.509, mb)]          # waited out the cut, then 8 ms
-    out, _ = fidelity.kv_transfers(_transfers(rows), exp, ts)
+    out, _ = fidelity.kv_transfers(_transfers(rows), exp, ts, _links(exp))
     assert out["inflated"] == 0
 
 
@@ -167,7 +175,7 @@ def test_timeouts_are_counted_over_the_run_and_warned_about():
 def test_guards_collect_the_three(exp):
     ts = fidelity.flag_artifacts(_timeseries([0.5 * GBIT, 3 * GBIT]), Scale())
     meta = {"tcp_counters": {"rp0": {"TCPTimeouts": 2, "TCPLossProbes": 0, "RetransSegs": 4}}}
-    out, warn = fidelity.guards(_transfers([]), exp, ts, meta)
+    out, warn = fidelity.guards(_transfers([]), exp, ts, meta, _links(exp))
     assert set(out["fidelity"]) == {"kv_transfers", "rate_artifacts", "tcp"}
     assert len(warn) == 2
 

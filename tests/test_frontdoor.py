@@ -16,7 +16,7 @@ import pandas as pd
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from testbed import config, loadgen
+from testbed import config, loadgen, loadrun, loadstats
 from testbed.errors import ConfigError
 from testbed.runtime import InstanceRuntime, WorkerRuntime
 from testbed.scale import Scale
@@ -287,8 +287,8 @@ def test_command_argv_substitution_and_trace(tmp_path):
                        frontdoor=loadgen.runtime(exp), request_timeout_s=30)
     from testbed.workload import generate
     wl = generate(exp.workload, exp.seed, requests=exp.requests, duration_s=exp.duration)
-    trace = loadgen.write_trace(tmp_path, wl, Scale.of(exp))
-    argv = loadgen.client_argv(exp, rt, tmp_path, trace)
+    trace = loadrun.write_trace(tmp_path, wl, Scale.of(exp))
+    argv = loadrun.client_argv(exp, rt, tmp_path, trace)
     assert argv == ["curl", "-s", "http://10.2.0.3:8000/v1/models", "--x=kimi-linear-1t"]
     rows = [json.loads(line) for line in trace.read_text().splitlines()]
     assert len(rows) == len(wl)
@@ -307,15 +307,16 @@ def test_served_workload_and_compare(tmp_path):
                                                            "max_tokens": 4, "stream": True})
             await r.text()
     _run(tmp_path, stub, fn)
-    wl = loadgen.served_workload(tmp_path, Scale(10.0))
+    wl = loadstats.served_workload(tmp_path, Scale(10.0))
     assert wl.id.tolist() == [0, 1] and wl.input_len.tolist() == [3, 7]
     assert wl.output_len.tolist() == [4, 4] and wl.arrival_s.iloc[0] == 0.0
-    from testbed.metrics import build_requests, read_records
+    from testbed.metrics import build_requests
+    from testbed.records import read_records
     sent, done = read_records(tmp_path / "requests.jsonl")
     ours = build_requests(wl, sent, done, Scale(10.0))
     tool = pd.DataFrame({"start": ours.send_time - 0.001,
                          "ttft_s": (ours.first_token - ours.send_time) + 0.002, "ok": True})
-    c = loadgen.compare(tool, ours, Scale(10.0))
+    c = loadstats.compare(tool, ours, Scale(10.0))
     assert c["completed"] == c["completed_testbed"] == c["paired"] == 2
     assert c["ttft_diff_ms_median"] == pytest.approx(20.0)
     assert c["ttft_diff_emulated_ms_median"] == pytest.approx(2.0)
@@ -330,18 +331,19 @@ def test_aiperf_exports_are_read_and_compared(tmp_path, monkeypatch):
     monkeypatch.setenv(loadgen.AIPERF_ENV, "/bin/true")
     exp = config.load_experiment(TINY, ["workload.client=aiperf", "scale.time=1",
                                         "slo.ttft=30ms"])[0]
-    from testbed.metrics import build_requests, read_records
+    from testbed.metrics import build_requests
+    from testbed.records import read_records
     sent, done = read_records(run / "requests.jsonl")
-    df = build_requests(loadgen.served_workload(run, Scale(1.0)), sent, done, Scale(1.0))
-    tool = loadgen.read_aiperf(run)
+    df = build_requests(loadstats.served_workload(run, Scale(1.0)), sent, done, Scale(1.0))
+    tool = loadstats.read_aiperf(run)
     assert len(tool) == 3 and tool.ok.all()
-    s = loadgen.summarize(run, exp, df, Scale(1.0))
+    s = loadstats.summarize(run, exp, df, Scale(1.0))
     assert s["frontdoor"]["outcomes"] == {"ok": 3}
     a = s["aiperf"]
     assert a["request_count"] == 3 and a["errors"] == []
     assert a["reported_ttft_ms"]["p50"] == pytest.approx(19.613935)
     # paired exactly: aiperf's X-Request-Id is in the front door's records
-    ids = {h["client_request_id"]: h["id"] for h in loadgen.read_http(run)}
+    ids = {h["client_request_id"]: h["id"] for h in loadstats.read_http(run)}
     assert sorted(ids) == sorted(tool.rid) and sorted(ids.values()) == [0, 1, 2]
     c = a["compare"]
     assert c["paired"] == c["completed"] == c["completed_testbed"] == 3

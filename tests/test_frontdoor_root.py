@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 
 from test_run_root import ROOT, TINY, leftovers, tb_cmd
-from testbed import loadgen, rundir
+from testbed import loadstats, rundir
 from testbed.scale import Scale
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
@@ -38,7 +38,7 @@ def test_command_client_through_the_front_door(tmp_path):
     # The disconnect left nothing queued or active anywhere.
     assert res["disconnect_first_line"].startswith("data: ")
     assert all(v == [0, 0] for v in res["health_after_disconnect"].values()), res
-    http = loadgen.read_http(out)
+    http = loadstats.read_http(out)
     outcomes = pd.Series([h["outcome"] for h in http]).value_counts().to_dict()
     assert outcomes == {"ok": 12, "rejected": 4, "disconnected": 1}, outcomes
     summary = json.loads((out / "summary.json").read_text())
@@ -56,7 +56,7 @@ def test_command_client_through_the_front_door(tmp_path):
     ours = df[df.error != "client disconnected"]
     assert (ours.status == "ok").sum() == 12 == summary["completed"]
     assert sorted(ours.input_len) == sorted(pd.read_parquet(out / "workload.parquet").input_len)
-    c = loadgen.compare(tool, ours, rundir.scale(out))
+    c = loadstats.compare(tool, ours, rundir.scale(out))
     assert c["paired"] == 12 and c["completed"] == c["completed_testbed"] == 12
     # Each request's times are causal across the three records (one host
     # clock): the client sends, the front door receives and submits, the decode worker's first

@@ -16,7 +16,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from testbed import config, lifecycle, metrics, ownership
+from testbed import analysis, config, lifecycle, ownership
 from testbed.net.schedule import LinkSchedule
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -277,7 +277,7 @@ def _killed_run_dir(tmp_path, small_experiment):
 
 def test_a_killed_run_is_analysed_from_its_directory(tmp_path, small_experiment):
     d, n = _killed_run_dir(tmp_path, small_experiment)
-    s = metrics.analyse(d)
+    s = analysis.analyse(d)
     assert s["incomplete"] is True
     assert "no metadata.json" in s["incomplete_reason"] and "finished" in s["incomplete_reason"]
     assert (s["completed"], s["failed"]) == (3, n - 3)

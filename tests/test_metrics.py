@@ -6,7 +6,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from testbed import config, metrics
+from testbed import analysis, config, metrics
+from testbed.records import RequestRecord, SentRecord, read_records
 from testbed.rundir import RunInfo
 from testbed.scale import Scale
 
@@ -24,15 +25,20 @@ def workload(n):
 
 
 def done(rid, send, first, last, n=5, route="remote", kv=1000, status="ok"):
-    return {"ev": "done", "id": rid, "send_time": send, "first_token": first, "last_token": last,
+    return RequestRecord.from_line({
+            "ev": "done", "id": rid, "send_time": send, "first_token": first, "last_token": last,
             "n_tokens": n, "status": status, "error": "" if status == "ok" else "boom",
             "route": route, "kv_bytes": kv, "kv_bytes_sent": kv, "prefill_start": send + 0.01,
             "prefill_end": send + 0.05, "kv_recv_start": send + 0.02, "kv_recv_end": send + 0.06,
-            "token_times": list(np.linspace(first, last, n))}
+            "token_times": list(np.linspace(first, last, n))})
+
+
+def sent_record(rid, send, lateness_s=None):
+    return SentRecord(id=rid, send_time=send, scheduled=None, lateness_s=lateness_s)
 
 
 def test_ttft_tpot_e2el_follow_vllm_definitions(exp):
-    sent = {0: {"id": 0, "send_time": 100.0, "lateness_s": 0.001}}
+    sent = {0: sent_record(0, 100.0, lateness_s=0.001)}
     d = {0: done(0, 100.0, 100.2, 100.6)}
     df = metrics.build_requests(workload(1), sent, d, scale=Scale(10, 1e-3))
     r = df.iloc[0]
@@ -44,7 +50,7 @@ def test_ttft_tpot_e2el_follow_vllm_definitions(exp):
 
 
 def test_missing_requests_are_kept_as_failed(exp):
-    sent = {0: {"id": 0, "send_time": 1.0}, 1: {"id": 1, "send_time": 2.0}}
+    sent = {0: sent_record(0, 1.0), 1: sent_record(1, 2.0)}
     d = {0: done(0, 1.0, 1.1, 1.2)}
     df = metrics.build_requests(workload(3), sent, d, scale=Scale(10, 1e-3))
     assert list(df.status) == ["ok", "failed", "failed"]
@@ -54,8 +60,8 @@ def test_missing_requests_are_kept_as_failed(exp):
 def test_summary(exp):
     d = {i: done(i, 10.0 + i, 10.0 + i + 0.1 * (i + 1), 10.0 + i + 1.0,
                  route="remote" if i % 2 else "local") for i in range(4)}
-    d[3]["status"] = "failed"
-    sent = {i: {"id": i, "send_time": 10.0 + i} for i in range(4)}
+    d[3].status = "failed"
+    sent = {i: sent_record(i, 10.0 + i) for i in range(4)}
     df = metrics.build_requests(workload(4), sent, d, scale=Scale(10, 1e-3))
     ts = pd.DataFrame({"time": [9.0, 11.0, 13.0, 15.0], "kv_tx_bytes": [0, 1000, 3000, 4000],
                        "request_tx_bytes": [0, 10, 20, 30]})
@@ -78,20 +84,20 @@ def test_records_survive_a_cut_line(tmp_path):
     p = tmp_path / "requests.jsonl"
     p.write_text(json.dumps({"ev": "sent", "id": 0, "send_time": 1.0}) + "\n"
                  + '{"ev":"done","id":0,"sta')
-    sent, d = metrics.read_records(p)
+    sent, d = read_records(p)
     assert 0 in sent and not d
 
 
 def test_table_prints_every_run(exp):
     s = {"label": "prfaas", "completed": 3, "failed": 0, "request_throughput": 1.0,
          "mean_ttft_ms": 10.0, "prediction": {"lambda_max": 1.5}}
-    out = metrics.table([s, dict(s, label="naive", prediction=None)])
+    out = analysis.table([s, dict(s, label="naive", prediction=None)])
     assert "prfaas" in out and "naive" in out and "1.500" in out
 
 
 def test_tokens_table_has_both_clocks(exp):
     d = done(0, 100.0, 100.2, 100.6)
-    d["client_times"] = [100.2, 100.45, 100.45, 100.45, 100.6]
+    d.client_times = [100.2, 100.45, 100.45, 100.45, 100.6]
     df = metrics.build_requests(workload(1), {}, {0: d}, scale=Scale(10, 1e-3))
     t = metrics.tokens_table(df, Scale(10, 1e-3))
     assert list(t["index"]) == [0, 1, 2, 3, 4]
@@ -105,8 +111,8 @@ def test_goodput_follows_vllm_definition(exp):
     import dataclasses
 
     d = {i: done(i, 10.0 + i, 10.0 + i + 0.1 * (i + 1), 10.0 + i + 1.0) for i in range(4)}
-    d[3]["status"] = "failed"
-    sent = {i: {"id": i, "send_time": 10.0 + i} for i in range(4)}
+    d[3].status = "failed"
+    sent = {i: sent_record(i, 10.0 + i) for i in range(4)}
     df = metrics.build_requests(workload(4), sent, d, scale=Scale(10, 1e-3))
     # TTFT 1000, 2000, 3000 ms; TPOT (10000 - TTFT) / 4 = 2250, 2000, 1750 ms; span 30 s.
     both = dataclasses.replace(exp, slo=config.SloSpec(ttft=2.5, tpot=2.1))
@@ -117,7 +123,7 @@ def test_goodput_follows_vllm_definition(exp):
     assert s["slo"]["attainment_of_sent"] == pytest.approx(1 / 4)
     assert list(metrics.meets_slo(df, both.slo.objectives_ms())) == [False, True, False, False]
     assert metrics.summarize(df, RunInfo.of(exp))["request_goodput"] is None   # no objectives: no goodput
-    assert "goodput" in metrics.table([s]) and "0.033" in metrics.table([s])
+    assert "goodput" in analysis.table([s]) and "0.033" in analysis.table([s])
 
 
 def test_slo_keys_parse_real_world_durations(tmp_path, small_experiment):
@@ -139,11 +145,11 @@ def test_decode_steps_rebuilt_from_token_stamps(exp):
                         reference_context=1000)
     d = {0: done(0, 0.0, 1.0, 1.3, n=4), 1: done(1, 0.0, 1.1, 1.2, n=2),
          2: done(2, 0.0, 5.0, 5.1, n=2)}
-    d[0]["token_times"] = [1.0, 1.1, 1.2, 1.3]
-    d[1]["token_times"] = [1.1, 1.2]
-    d[2]["token_times"] = [5.0, 5.1]
+    d[0].token_times = [1.0, 1.1, 1.2, 1.3]
+    d[1].token_times = [1.1, 1.2]
+    d[2].token_times = [5.0, 5.1]
     for r in d.values():
-        r["decode_instance"] = "ld0"
+        r.decode_instance = "ld0"
     df = metrics.build_requests(workload(3), {}, d, scale=Scale(10, 1e-3))
     steps = metrics.decode_steps(df, model, scale=Scale(10, 1e-3))
     assert list(steps.batch) == [1, 2, 2, 1, 1, 1]
@@ -172,6 +178,7 @@ def test_role_conversions_are_counted_from_events_in_real_world_seconds(tmp_path
         "2.0,role,instance=lp0 state=done from=prefill to=decode drain_s=0.1000 convert_s=0.0500\n"
         "3.0,role,instance=lp1 state=failed from=prefill to=decode reason=x\n"
         "4.0,role,instance=ld0 state=done from=decode to=prefill drain_s=0.3000 convert_s=0.0500\n")
-    r = metrics.role_conversions(rundir.RunDir(tmp_path), Scale(time=10))
+    r = metrics.role_conversions(rundir.read_events(rundir.RunDir(tmp_path).events),
+                                 Scale(time=10))
     assert r == {"done": 2, "failed": 1, "to_decode": 1, "to_prefill": 1,
                  "drain_s_median": pytest.approx(2.0), "convert_s_median": pytest.approx(0.5)}

@@ -284,7 +284,8 @@ def test_policies_are_derived_from_the_base_run_when_no_variant(tmp_path):
     raw.pop("variants")
     path = tmp_path / "base_only.yaml"
     path.write_text(yaml.safe_dump(raw))
-    report = P.plan_file(path)
+    from testbed.commands.plan import plan_file
+    report = plan_file(path)
     pol = report["policies"]
     assert pol["homogeneous"]["n_p"] + pol["homogeneous"]["n_d"] == 12     # 4 + 8 local H20
     assert pol["homogeneous"]["n_prfaas"] == 0

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from testbed import cli, config, metrics, rundir
+from testbed import analysis, cli, config, rundir
 from testbed.errors import RunDirError
 from testbed.scale import Scale
 
@@ -111,7 +111,7 @@ def test_schema_minor_versions_and_unversioned_directories_are_read(copied):
     assert rundir.load_run(d).metadata["schema"] == f"{rundir.SCHEMA}.7"
     del meta["schema"]                          # written before the layout had a version
     (d / "metadata.json").write_text(json.dumps(meta))
-    assert metrics.analyse(d)["completed"] > 0
+    assert analysis.analyse(d)["completed"] > 0
 
 
 def test_a_shared_link_probe_is_read_from_the_run_directory_alone(copied, nothing_outside,
@@ -124,7 +124,7 @@ def test_a_shared_link_probe_is_read_from_the_run_directory_alone(copied, nothin
     meta["link_fidelity"].update(measured_in="prfaas", shared=True, measured_at=1.0,
                                  warnings=["rtt p50 1.5 ms, expected 1.0 ms"])
     (alone / "metadata.json").write_text(json.dumps(meta))
-    summary = metrics.analyse(alone)
+    summary = analysis.analyse(alone)
     assert summary["link_warnings"] == ["rtt p50 1.5 ms, expected 1.0 ms"]
     assert "rtt p50 1.5 ms, expected 1.0 ms" in summary["warnings"]
     assert cli.main(["report", str(alone)]) == 0
@@ -194,7 +194,7 @@ def test_a_run_that_served_no_request_analyses_to_an_empty_summary(tmp_path):
     wl = pd.read_parquet(d / "workload.parquet")
     wl.iloc[:0].to_parquet(d / "workload.parquet", index=False)
     (d / "requests.jsonl").write_text("")
-    s = metrics.analyse(d)
+    s = analysis.analyse(d)
     assert s["completed"] == 0 and s["failed"] == 0
     assert len(pd.read_parquet(d / "requests.parquet")) == 0
 
@@ -213,7 +213,7 @@ def test_compact_token_times_read_back_as_lists(tmp_path):
     _, done = rundir.read_records(tmp_path / "requests.jsonl")
     rec = done[3]
     # one decode step's stamp reads back as one time in every request it served
-    assert done[4]["token_times"] == rec["token_times"][500:]
-    assert max(abs(a - b) for a, b in zip(rec["token_times"], stamps)) < 1e-6
-    assert len(rec["token_times"]) == 1024 and "token_dus" not in rec
-    assert rec["client_times"] == [chunks[0][1]] + [chunks[1][1]] * 699 + [chunks[2][1]] * 324
+    assert done[4].token_times == rec.token_times[500:]
+    assert max(abs(a - b) for a, b in zip(rec.token_times, stamps)) < 1e-6
+    assert len(rec.token_times) == 1024 and "token_dus" not in rec.extra
+    assert rec.client_times == [chunks[0][1]] + [chunks[1][1]] * 699 + [chunks[2][1]] * 324

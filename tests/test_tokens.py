@@ -284,8 +284,7 @@ def test_the_paced_loop_stamps_every_step_on_schedule_and_wakes_only_for_events(
 
 def test_the_run_reports_the_worst_decode_wakeup_lateness(tmp_path):
     from testbed import metrics
-    from testbed.measure import EventLog
-    from testbed.rundir import RunDir
+    from testbed.records import EventLog, RunDir, read_events
     from testbed.scale import Scale
 
     log = EventLog(tmp_path / "events.csv")
@@ -294,7 +293,7 @@ def test_the_run_reports_the_worst_decode_wakeup_lateness(tmp_path):
     log("decode_wakeups", instance="ld1", steps=100, wakeups=10, late_p50_ms=0.4,
         late_p99_ms=1.0, late_max_ms=2.0)
     log.close()
-    got = metrics.decode_wakeups(RunDir(tmp_path), Scale(10.0))        # real-world ms: x 10
+    got = metrics.decode_wakeups(read_events(RunDir(tmp_path).events), Scale(10.0))        # real-world ms: x 10
     assert got == pytest.approx({"instances": 2, "steps": 1000, "wakeups": 50, "late_p50_ms": 4.0,
                                  "late_p99_ms": 30.0, "late_max_ms": 95.0})
-    assert metrics.decode_wakeups(RunDir(tmp_path / "none"), Scale(10.0)) == {}
+    assert metrics.decode_wakeups(read_events(RunDir(tmp_path / "none").events), Scale(10.0)) == {}

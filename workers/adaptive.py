@@ -35,6 +35,8 @@ import csv
 import pathlib
 import time
 
+from testbed.records import RunDir
+
 COLUMNS = ["time", "threshold", "egress_utilisation", "backlog_remote_s", "backlog_local_s",
            "remote_trend_s", "reason", "trigger"]
 
@@ -142,10 +144,10 @@ class ThresholdController:
 
     def __init__(self, router, cfg, run_dir, log):
         self.router, self.cfg, self.log = router, cfg, log
-        self.timeseries = pathlib.Path(run_dir) / "timeseries.csv"
+        self.timeseries = RunDir(run_dir).timeseries
         self.law = Control(router.threshold, cfg)
         self.last_eval = 0.0
-        self.out = open(pathlib.Path(run_dir) / "scheduler.csv", "w", newline="", buffering=1)
+        self.out = open(RunDir(run_dir).scheduler, "w", newline="", buffering=1)
         self.w = csv.writer(self.out)
         self.w.writerow(COLUMNS)
 

@@ -21,6 +21,7 @@ import json
 
 from testbed.proto import testbed_pb2 as pb
 from testbed.proto import testbed_pb2_grpc as pbg
+from testbed.records import RunDir
 from workers import cache_wire, common, kvwire
 from workers.cache_core import BlockStore
 
@@ -78,7 +79,7 @@ class CachePoolService(pbg.CachePoolServicer):
         return pb.PoolStats(json=json.dumps(self.stats()))
 
     def write_stats(self):
-        path = self.rt.dir / f"cache_{self.name}.json"
+        path = RunDir(self.rt.dir).cache_pool(self.name)
         path.write_text(json.dumps(self.stats(), indent=1))
 
 

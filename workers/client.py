@@ -12,28 +12,16 @@ scheduler's `Submit` stream brings the route and the last chunk.
 
 import argparse
 import asyncio
-import json
 import pathlib
 import time
 
 import grpc
 import pandas as pd
 
-from testbed import tokentimes
+from testbed.records import RecordLog, RequestRecord, SentRecord
 from testbed.proto import testbed_pb2 as pb
 from testbed.proto import testbed_pb2_grpc as pbg
 from workers import common, tokens
-
-
-class Recorder:
-    def __init__(self, path):
-        self.f = open(path, "a", buffering=1)
-
-    def write(self, obj):
-        self.f.write(json.dumps(obj, separators=(",", ":")) + "\n")
-
-    def close(self):
-        self.f.close()
 
 
 def _prefill_fields(p):
@@ -46,62 +34,64 @@ def _prefill_fields(p):
             "cache_fetch_s": p.cache_fetch_s}
 
 
+def _done_fields(chunk):
+    """The last chunk's route, KV and cache fields of the request's record."""
+    r = chunk.route
+    return dict(route=r.kind, decode_instance=r.decode or chunk.decode_instance,
+                threshold=r.threshold, kv_recv_start=chunk.kv_recv_start or None,
+                kv_recv_end=chunk.kv_recv_end or None, kv_bytes=chunk.kv_recv_bytes,
+                decode_join=chunk.decode_join or None, kv_attempt=chunk.kv_attempt,
+                attempts=chunk.attempts,
+                redispatches=[{"time": x.time, "role": x.role, "from": x.from_instance,
+                               "to": x.to_instance, "reason": x.reason}
+                              for x in chunk.redispatches],
+                planned_cached_len=r.cached_len, cache_source=r.cache_source,
+                prefix_transfer_bytes=r.prefix_transfer_bytes, lookup_local=r.lookup_local,
+                lookup_prfaas=r.lookup_prfaas, decode_cached_len=chunk.decode_cached_len,
+                decode_cache_bytes=chunk.cache_fetch_bytes)
+
+
 class Tracker:
-    """One request's record, built from the scheduler's token chunks as they arrive: the first
-    and last token's arrival here, every token's decode stamp and arrival, and from the last
-    chunk the route, the prefill worker's report and any re-dispatches."""
+    """One request's `RequestRecord`, built from the scheduler's token chunks as they arrive:
+    the first and last token's arrival here, every token's decode stamp and arrival, and from
+    the last chunk the route, the prefill worker's report and any re-dispatches. The built-in
+    client and the front door (workers/frontdoor.py) both record through it."""
 
     def __init__(self, req, send):
         self.req = req
-        self.out = {"ev": "done", "id": req.id, "send_time": send, "first_token": None,
-                    "last_token": None, "n_tokens": 0, "status": "failed", "error": ""}
-        self.token_times, self.chunks = [], []      # chunks: [first token index, arrival]
+        self.out = RequestRecord(id=req.id, send_time=send, token_times=[])
+        self.chunks = []        # [first token index, arrival]
 
     def add(self, chunk, now):
         """Take one chunk received at `now`; returns its number of tokens."""
         out = self.out
         if chunk.times:
-            if out["first_token"] is None:
-                out["first_token"] = now
-            out["last_token"] = now
-            self.chunks.append([out["n_tokens"], now])
-            out["n_tokens"] += len(chunk.times)
-            self.token_times.extend(chunk.times)
+            if out.first_token is None:
+                out.first_token = now
+            out.last_token = now
+            self.chunks.append([out.n_tokens, now])
+            out.n_tokens += len(chunk.times)
+            out.token_times.extend(chunk.times)
         if chunk.done:
-            out["status"], out["error"] = chunk.status or "failed", chunk.error
-            out.update(route=chunk.route.kind, decode_instance=chunk.route.decode or
-                       chunk.decode_instance, threshold=chunk.route.threshold,
-                       kv_recv_start=chunk.kv_recv_start or None,
-                       kv_recv_end=chunk.kv_recv_end or None,
-                       kv_bytes=chunk.kv_recv_bytes, decode_join=chunk.decode_join or None,
-                       kv_attempt=chunk.kv_attempt, attempts=chunk.attempts,
-                       redispatches=[{"time": r.time, "role": r.role,
-                                      "from": r.from_instance, "to": r.to_instance,
-                                      "reason": r.reason} for r in chunk.redispatches],
-                       planned_cached_len=chunk.route.cached_len,
-                       cache_source=chunk.route.cache_source,
-                       prefix_transfer_bytes=chunk.route.prefix_transfer_bytes,
-                       lookup_local=chunk.route.lookup_local,
-                       lookup_prfaas=chunk.route.lookup_prfaas,
-                       decode_cached_len=chunk.decode_cached_len,
-                       decode_cache_bytes=chunk.cache_fetch_bytes)
-            out.update(_prefill_fields(chunk.prefill))
-            if not out.get("prefill_instance"):
-                out["prefill_instance"] = chunk.route.prefill
+            out.status, out.error = chunk.status or "failed", chunk.error
+            for k, v in {**_done_fields(chunk), **_prefill_fields(chunk.prefill)}.items():
+                setattr(out, k, v)
+            if not out.prefill_instance:
+                out.prefill_instance = chunk.route.prefill
         return len(chunk.times)
 
     def record(self, error=None, end=True):
         """The `done` line: `error` is the reason of a request that did not end `ok` (a stream
         broken or cut short); one that ended `ok` with fewer tokens than asked for fails too."""
         out = self.out
-        if error is not None and out["status"] != "ok":
-            out["status"], out["error"] = "failed", error
-        if out["status"] == "ok" and out["n_tokens"] < self.req.output_len:
-            out["status"], out["error"] = "failed", (f"only {out['n_tokens']} of "
-                                                     f"{self.req.output_len} tokens")
+        if error is not None and out.status != "ok":
+            out.status, out.error = "failed", error
+        if out.status == "ok" and out.n_tokens < self.req.output_len:
+            out.status, out.error = "failed", (f"only {out.n_tokens} of "
+                                               f"{self.req.output_len} tokens")
         if end:
-            out["end_time"] = time.time()      # when the stream ended here (a failure's time)
-        return {**out, **tokentimes.compact(self.token_times, self.chunks)}
+            out.end_time = time.time()      # when the stream ended here (a failure's time)
+        return out.line(self.chunks)
 
 
 async def one_request(stub, row, scheduled, rec, timeout_s):
@@ -112,8 +102,8 @@ async def one_request(stub, row, scheduled, rec, timeout_s):
         req.prefix_blocks.extend(int(b) for b in prefix)
     send = time.time()
     req.send_time = send
-    rec.write({"ev": "sent", "id": req.id, "send_time": send, "scheduled": scheduled,
-               "lateness_s": send - scheduled})
+    rec.write(SentRecord(id=req.id, send_time=send, scheduled=scheduled,
+                         lateness_s=send - scheduled))
     track = Tracker(req, send)
     error = None
     try:
@@ -142,7 +132,7 @@ async def run(args):
     rt = common.load_runtime(args.runtime)
     sched = rt.instance("scheduler")
     df = pd.read_parquet(args.workload)
-    rec = Recorder(args.out)
+    rec = RecordLog(args.out)
     channel = grpc.aio.insecure_channel(sched.addr,
                                         options=common.grpc_options())
     await asyncio.wait_for(channel.channel_ready(), 10.0)

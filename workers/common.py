@@ -21,6 +21,7 @@ import threading
 import time
 
 from testbed import lifecycle
+from testbed.records import RunDir
 from testbed.runtime import WorkerRuntime
 
 WATCH_INTERVAL_S = 0.2
@@ -47,9 +48,9 @@ WARM_TIMEOUT_S = 15.0     # connections opened before a worker says it is ready 
 
 
 def mark_ready(rt, name):
-    d = rt.dir / "ready"
-    d.mkdir(exist_ok=True)
-    (d / name).write_text(str(time.time()))
+    path = RunDir(rt.dir).ready_file(name)
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(str(time.time()))
 
 
 def die_with_orchestrator(interval_s=WATCH_INTERVAL_S):

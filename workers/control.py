@@ -10,6 +10,8 @@ import asyncio
 import json
 import signal
 
+from testbed.records import EventLog, RunDir
+
 # KV frames of prefill attempt a of request r travel as kvwire id r | a << ATTEMPT_SHIFT.
 ATTEMPT_SHIFT = 48
 RID_MASK = (1 << ATTEMPT_SHIFT) - 1
@@ -26,7 +28,7 @@ def split_id(wire):
 
 def install(rt, name, engine, log):
     """Apply control/<name>.json to `engine` on every SIGUSR1."""
-    path = rt.dir / "control" / f"{name}.json"
+    path = RunDir(rt.dir).control_file(name)
 
     def apply():
         try:
@@ -43,5 +45,4 @@ def install(rt, name, engine, log):
 def event_log(rt, name):
     """The run's events.csv, opened for appending from this worker process (instance `name`:
     its rows say who wrote them, so analysis knows whose clock stamped them)."""
-    from testbed.measure import EventLog
-    return EventLog(rt.dir / "events.csv", fresh=False, by=name)
+    return EventLog(RunDir(rt.dir).events, fresh=False, by=name)

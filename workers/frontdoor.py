@@ -46,14 +46,23 @@ from aiohttp import web
 
 from testbed.proto import testbed_pb2 as pb
 from testbed.proto import testbed_pb2_grpc as pbg
+from testbed.records import RecordLog, SentRecord
 from workers import common, tokens
-from workers.client import Recorder, Tracker
+from workers.client import Tracker
 
 DEFAULT_MAX_TOKENS = 16       # OpenAI's completions default
 BLOCK_TOKENS = 512            # prefix block size (testbed.workload.spec.BLOCK_TOKENS)
 TOKEN_TEXT = " tok"           # the text of every output token (one token under the rule)
 MAX_BODY_BYTES = 64 << 20     # a 128Ki-token prompt of long words fits
 LAG_PERIOD_S = 0.01           # how often the event loop's lateness is sampled
+
+
+class _Disconnected(ConnectionError):
+    """The client went away mid-stream; `resp`: the response begun (or None)."""
+
+    def __init__(self, resp):
+        super().__init__("client disconnected")
+        self.resp = resp
 
 
 class HttpError(Exception):
@@ -192,7 +201,7 @@ class FrontDoor:
     def __init__(self, stub, model, max_context, requests_path, http_path, timeout_s=None,
                  first_id=0, first_request_path=None):
         self.stub, self.model, self.max_context = stub, model, max_context
-        self.rec, self.http = Recorder(requests_path), Recorder(http_path)
+        self.rec, self.http = RecordLog(requests_path), RecordLog(http_path)
         self.timeout_s = timeout_s
         self.next_id = first_id
         self.counts = collections.Counter()      # outcome -> HTTP requests
@@ -291,17 +300,38 @@ class FrontDoor:
         send = time.time()
         req.send_time = send
         row["id"] = rid
-        self.rec.write({"ev": "sent", "id": rid, "send_time": send, "scheduled": row["arrival"],
-                        "lateness_s": send - row["arrival"], "input_len": p.prompt_tokens,
-                        "output_len": p.max_tokens})
+        self.rec.write(SentRecord(id=rid, send_time=send, scheduled=row["arrival"],
+                                  lateness_s=send - row["arrival"], input_len=p.prompt_tokens,
+                                  output_len=p.max_tokens))
         track = Tracker(req, send)
-        resp, error, n_out = None, None, 0
+        created = int(send)
+        call = self.stub.Submit(req, timeout=self.timeout_s)
+        try:
+            resp, error, n_out = await self._stream(request, call, track, chat, cid, p, row,
+                                                    created)
+        except (asyncio.CancelledError, ConnectionError) as e:
+            call.cancel()
+            why = ("run ended before the request finished" if self.stopping
+                   else "client disconnected")
+            self.rec.write(track.record(why, end=not self.stopping))
+            self._log(row, "disconnected" if not self.stopping else "failed", 499, why)
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            return e.resp
+        self.rec.write(track.record(error))
+        row["n_tokens"] = n_out
+        if track.out.status != "ok":
+            return await self._failed(resp, row, track.out.error)
+        return await self._reply(resp, row, chat, cid, p, n_out, created)
+
+    async def _stream(self, request, call, track, chat, cid, p, row, created):
+        """Relay the Submit's tokens as they come (streamed: one SSE event each); returns
+        (response or None, scheduler error or None, tokens)."""
         # Every token's event is the same bytes (one `created` per completion, as OpenAI's), so
         # they are encoded once, not once per token on the event loop that serves every stream.
-        created = int(send)
         first_event = _sse(self._chunk(cid, chat, TOKEN_TEXT, first=True, created=created))
         token_event = _sse(self._chunk(cid, chat, TOKEN_TEXT, created=created))
-        call = self.stub.Submit(req, timeout=self.timeout_s)
+        resp, n_out = None, 0
         try:
             async for chunk in call:
                 n = track.add(chunk, tokens.received(call))
@@ -319,29 +349,28 @@ class FrontDoor:
                                  else token_event * n)
                 n_out += n
         except grpc.aio.AioRpcError as e:
-            error = f"scheduler: {e.code().name}: {e.details()}"
-        except (asyncio.CancelledError, ConnectionError) as e:
-            call.cancel()
-            why = ("run ended before the request finished" if self.stopping
-                   else "client disconnected")
-            self.rec.write(track.record(why, end=not self.stopping))
+            return resp, f"scheduler: {e.code().name}: {e.details()}", n_out
+        except ConnectionError as e:
             row["n_tokens"] = n_out
-            self._log(row, "disconnected" if not self.stopping else "failed", 499, why)
-            if isinstance(e, asyncio.CancelledError):
-                raise
-            return resp
-        record = track.record(error)
-        self.rec.write(record)
-        row["n_tokens"] = n_out
-        if record["status"] != "ok":
-            err = HttpError(502, f"the request failed: {record['error']}", type_="server_error",
-                            code="upstream_failed")
-            self._log(row, "failed", 502 if resp is None else 200, record["error"])
-            if resp is None:
-                return web.json_response(err.body(), status=502)
-            await resp.write(_sse(err.body()) + b"data: [DONE]\n\n")
-            await resp.write_eof()
-            return resp
+            raise _Disconnected(resp) from e
+        except asyncio.CancelledError:
+            row["n_tokens"] = n_out
+            raise
+        return resp, None, n_out
+
+    async def _failed(self, resp, row, error):
+        """A request the scheduler failed: 502 before its first token, an error event after."""
+        err = HttpError(502, f"the request failed: {error}", type_="server_error",
+                        code="upstream_failed")
+        self._log(row, "failed", 502 if resp is None else 200, error)
+        if resp is None:
+            return web.json_response(err.body(), status=502)
+        await resp.write(_sse(err.body()) + b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def _reply(self, resp, row, chat, cid, p, n_out, created):
+        """The end of a request served in full: the whole reply, or the stream's tail."""
         if not p.stream:
             text = TOKEN_TEXT * n_out
             choice = ({"index": 0, "message": {"role": "assistant", "content": text},

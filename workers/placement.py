@@ -37,8 +37,10 @@ import dataclasses
 import time
 
 from testbed.proto import testbed_pb2 as pb
+from testbed.records import RunDir
 from workers import cache_wire
 from workers.adaptive import read_last_row
+from workers.cache_core import BlockSizes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,11 +116,10 @@ class CachePlacer:
         self.pools = cache_wire.PoolClient()
         self.addr = {dc: cache_wire.pool_addr(rt, dc) for dc in ("local", "prfaas")}
         self.timeout = rt.kv_deadline_s
-        self.timeseries = rt.dir / "timeseries.csv"
+        self.timeseries = RunDir(rt.dir).timeseries
         self.link = (None, None)            # (utilisation, emulated link bit/s)
         self._last = None
         self._checked = 0.0
-        from workers.cache_core import BlockSizes
         self.sizes = BlockSizes(c.s_kv_real, self.block, rt.scale)
         self.fetch_s_per_byte = None        # learned from the prefill workers' reports
 

@@ -11,7 +11,7 @@ directory is handed to the invoking user (SUDO_UID): a killed run never got to d
 
 import pathlib
 
-from testbed import metrics, ownership, plot, rundir
+from testbed import analysis, ownership, plot, rundir
 from testbed.errors import ConfigError
 
 
@@ -31,9 +31,9 @@ def main(args):
         raise ConfigError("no config.yaml here or one level below: not a run directory",
                           path=str(top))
     try:
-        summaries = [metrics.analyse(d) for d in runs]
+        summaries = [analysis.analyse(d) for d in runs]
         if len(runs) > 1 or top not in runs:
-            metrics.write_sweep(top, summaries)
+            analysis.write_sweep(top, summaries)
         plot.run_figures(top)
     finally:
         ownership.hand_back(top)
@@ -42,5 +42,5 @@ def main(args):
         print(f"{s['label']}: {s['completed']} completed, {s['failed']} failed "
               f"({s['not_finished']} sent but not finished, {s['not_sent']} never sent); "
               f"{state}")
-        print(d / "summary.json")
+        print(rundir.RunDir(d).summary)
     return 0

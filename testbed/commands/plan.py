@@ -19,6 +19,7 @@ import numpy as np
 
 from testbed import plan as planner
 from testbed import units
+from testbed import deploy
 from testbed.errors import ConfigError
 
 
@@ -88,14 +89,21 @@ def read_lengths(path):
     return planner.LengthDistribution.from_lengths(np.array(values), label=p.name)
 
 
+def plan_file(path, overrides=(), lengths=None, b_out_bps=None, step=planner.DEFAULT_STEP_TOKENS,
+              latency=planner.DEFAULT_LATENCY):
+    """Plan the three policies of one experiment file (`testbed plan FILE`)."""
+    runs = [exp for exp, _ in deploy.load(path, overrides)]   # refused as `run` would
+    return planner.plan_runs(runs, lengths, b_out_bps, step,
+                             base_dir=str(pathlib.Path(path).resolve().parent), latency=latency)
+
+
 def run(args):
     lengths = read_lengths(args.lengths) if args.lengths else None
-    report = planner.plan_file(args.file, args.overrides, lengths=lengths, b_out_bps=args.b_out,
+    report = plan_file(args.file, args.overrides, lengths=lengths, b_out_bps=args.b_out,
                                step=args.step, latency=args.latency)
     if args.figures:
-        from testbed import plan_figures
-        from testbed.config import load_experiment
-        runs = load_experiment(args.file, args.overrides)
+        from testbed import plan_figures   # matplotlib: only when figures are asked for
+        runs = [exp for exp, _ in deploy.load(args.file, args.overrides)]
         report["figures"] = [str(f) for f in plan_figures.draw_all(
             runs, args.figures, lengths=lengths, b_out_bps=args.b_out, step=args.step,
             latency=args.latency)]

@@ -7,7 +7,7 @@ reasons, and the figures. Written to RUN_DIR/report.md; its path is printed.
 
 import pathlib
 
-from testbed import metrics, ownership, plot, rundir
+from testbed import analysis, ownership, plot, rundir
 from testbed.errors import ConfigError
 
 
@@ -73,7 +73,7 @@ def main(args):
     out = [f"# {name}", "", "Real-world units. `steady` = completions per second between the 10th "
            "and 90th percentile completion; predictions are the planner's Lambda_max for each "
            "configuration (paper form, and with expected prefill latency).", "", "```",
-           metrics.table(summaries), "```", ""]
+           analysis.table(summaries), "```", ""]
     out += ["## Runs", ""]
     for d, s in zip(runs, summaries):
         out += _run_section(d, s)
@@ -84,7 +84,7 @@ def main(args):
         if not figures:
             figures = plot.run_figures(top)
         if figures:
-            out += ["## Figures", ""] + [f"![{p.stem}](figures/{p.name})" for p in figures] + [""]
+            out += ["## Figures", ""] + [f"![{p.stem}]({rundir.RunDir.FIGURES}/{p.name})" for p in figures] + [""]
         path.write_text("\n".join(out))
     finally:    # under sudo, what this wrote goes to the invoking user
         ownership.hand_back(figures_dir)

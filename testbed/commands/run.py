@@ -5,7 +5,7 @@ The run directory's path is the last line of standard output, so scripts can cap
 
 import sys
 
-from testbed import lifecycle, metrics
+from testbed import analysis, lifecycle, run
 
 
 def register(sub):
@@ -26,8 +26,6 @@ def register(sub):
 
 
 def main(args):
-    from testbed import run
-
     lifecycle.sigterm_unwinds()
     overrides = list(args.overrides)
     if args.backend:
@@ -38,7 +36,7 @@ def main(args):
                                  probe=not args.no_probe, cli=args.cli,
                                  progress=not args.no_progress and sys.stderr.isatty())
     print()
-    print(metrics.table(summaries))
+    print(analysis.table(summaries))
     for s in summaries:
         w = s.get("workload") or {}
         if w.get("prefix_hit_share"):

@@ -13,7 +13,7 @@ addresses are printed on standard output as soon as the deployment is up, and wr
 
 import sys
 
-from testbed import lifecycle, metrics
+from testbed import analysis, lifecycle, run
 from testbed.errors import ConfigError
 
 
@@ -41,8 +41,6 @@ def announce(info):
 
 
 def main(args):
-    from testbed import run
-
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be 0..65535, got {args.port}", key="--port")
     lifecycle.sigterm_unwinds()
@@ -52,7 +50,7 @@ def main(args):
     served = [s for s in summaries if s.get("requests")]
     if served:
         print()
-        print(metrics.table(served))
+        print(analysis.table(served))
     for s in summaries:
         fd = s.get("frontdoor") or {}
         print(f"front door: {fd.get('http_requests', 0)} HTTP requests, {fd.get('outcomes')}",

@@ -12,7 +12,7 @@ import json
 import math
 import pathlib
 
-from testbed.config import load_experiment
+from testbed import deploy
 from testbed.workload import generate, summarize
 
 
@@ -43,7 +43,7 @@ def distinct(runs):
 
 def run(args):
     path = pathlib.Path(args.file)
-    runs = load_experiment(path, args.overrides)
+    runs = [exp for exp, _ in deploy.load(path, args.overrides)]   # refused as `run` would
     groups = distinct(runs)
     for labels, exp in groups:
         df = generate(exp.workload, exp.seed, requests=exp.requests, duration_s=exp.duration,

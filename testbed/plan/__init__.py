@@ -39,7 +39,7 @@ policy's best configuration). Everything public is re-exported here: `plan.predi
   rounds them, so the moments are those of the lengths the emulator sends (and within 0.1% of the
   continuous truncated distribution); an empirical distribution is built from an array of lengths.
 - `predict(exp)` evaluates ONE experiment as configured (its policy, threshold and split).
-- `plan_file(path)` builds the three policies of PRFAAS.md from one experiment file and finds each
+- `testbed.commands.plan.plan_file(path)` builds the three policies of PRFAAS.md from one experiment file and finds each
   one's best threshold and N_p/N_d split by exhaustive grid search, as the paper does.
 
 B_out rule: the paper fixes B_out; here it is the WAN rate of the `kv` direction
@@ -62,5 +62,5 @@ from testbed.plan.search import (  # noqa: F401
     DEFAULT_LATENCY, DEFAULT_STEP_TOKENS, GBPS, Inputs, LATENCY_MODES, MODE_KEYS, PHI_KV_LENGTHS,
     POLICIES, PolicySizing, ROW_KEYS, STAGES, SUMMARY_KEYS, TIE_RTOL, best_homogeneous,
     best_prfaas, check_latency, curves_vs_n_p, curves_vs_threshold, egress_warnings, evaluate,
-    evaluate_config, inputs_for, naive, phi_kv_table, plan_file, plan_runs, policy_sizings,
+    evaluate_config, inputs_for, naive, phi_kv_table, plan_runs, policy_sizings,
     predict, split, threshold_grid, wan_kv_rate_bps, with_both_modes)

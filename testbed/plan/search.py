@@ -1,7 +1,7 @@
 """Model inputs of one experiment, evaluation on threshold and split grids, and the search for
 each policy's best configuration (the paper's exhaustive grid search).
 
-Part of `testbed.plan`: `predict(exp)` evaluates one experiment as configured; `plan_file(path)`
+Part of `testbed.plan`: `predict(exp)` evaluates one experiment as configured; `testbed.commands.plan.plan_file(path)`
 builds the three policies of PRFAAS.md from one experiment file and finds each one's best
 threshold and N_p/N_d split.
 """
@@ -493,14 +493,6 @@ def _ratios(policies):
     return out
 
 
-def plan_file(path, overrides=(), lengths=None, b_out_bps=None, step=DEFAULT_STEP_TOKENS,
-              latency=DEFAULT_LATENCY):
-    """Plan the three policies of one experiment file (`testbed plan FILE`)."""
-    from testbed.config import load_experiment
-    return plan_runs(load_experiment(path, overrides), lengths, b_out_bps, step,
-                     base_dir=str(pathlib.Path(path).resolve().parent), latency=latency)
-
-
 # ---------------------------------------------------------------- curves for the figures
 
 def curves_vs_n_p(inp, n_prfaas, n_local, step=DEFAULT_STEP_TOKENS, latency=DEFAULT_LATENCY):
@@ -525,6 +517,6 @@ def curves_vs_threshold(inp, n_prfaas, n_p, n_d, step=DEFAULT_STEP_TOKENS,
 
 __all__ = ["Phi_kv", "B_out_min", "Theta_prfaas", "Theta_pdp", "Theta_pdd",
            "LengthDistribution", "Inputs", "inputs_for", "evaluate", "best_prfaas",
-           "best_homogeneous", "naive", "predict", "plan_file", "plan_runs", "policy_sizings",
+           "best_homogeneous", "naive", "predict", "plan_runs", "policy_sizings",
            "split", "evaluate_config", "with_both_modes", "ROW_KEYS", "MODE_KEYS", "POLICIES",
            "LATENCY_MODES", "DEFAULT_LATENCY", "DEFAULT_STEP_TOKENS"]

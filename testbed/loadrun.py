@@ -1,0 +1,64 @@
+"""External load generators at run time: the tool's trace, its command line and its start.
+
+`testbed.run` calls `start_client` when `workload.client` is `command` or `aiperf`
+(`testbed.loadgen` describes both): the run's workload is written as a mooncake trace on the
+emulated timeline, the tool's argv is recorded, and the tool starts on the client instance
+through the run's backend; its output goes to the client's log, and the run waits for it to
+exit, bounded like the built-in client's drain.
+"""
+
+import json
+import os
+import shlex
+
+from testbed.loadgen import TOKENIZER, find_aiperf, url
+from testbed.records import RunDir
+
+
+def write_trace(run_dir, workload, scale):
+    """workload.parquet as a mooncake trace (JSONL) on the emulated timeline: timestamp (ms),
+    input_length, output_length, hash_ids (only when the workload has prefix blocks)."""
+    path = RunDir(run_dir).trace
+    with open(path, "w") as f:
+        for row in workload.itertuples(index=False):
+            obj = {"timestamp": int(round(scale.emulated_s(row.arrival_s) * 1e3)),
+                   "input_length": int(row.input_len), "output_length": int(row.output_len)}
+            blocks = getattr(row, "prefix_blocks", None)
+            if blocks is not None and len(blocks):
+                obj["hash_ids"] = [int(b) for b in blocks]
+            f.write(json.dumps(obj) + "\n")
+    return path
+
+
+def client_argv(exp, rt, run_dir, trace):
+    """The tool's argv for `workload.client`."""
+    w = exp.workload
+    subst = {"{url}": url(rt), "{model}": rt.frontdoor.model, "{trace}": str(trace),
+             "{run_dir}": str(run_dir)}
+    if w.client == "command":
+        argv = shlex.split(w.command)
+        for k, v in subst.items():
+            argv = [a.replace(k, v) for a in argv]
+        return argv
+    timeout = rt.request_timeout_s
+    return [find_aiperf(), "profile", "--model", rt.frontdoor.model, "--url", url(rt),
+            "--endpoint-type", w.aiperf.endpoint, "--streaming",
+            "--input-file", str(trace), "--custom-dataset-type", "mooncake_trace",
+            "--fixed-schedule", "--tokenizer", str(TOKENIZER),
+            "--extra-inputs", "ignore_eos:true", "--request-timeout-seconds", f"{timeout:g}",
+            "--random-seed", str(exp.seed), "--ui-type", "none",
+            "--artifact-dir", str(RunDir(run_dir).aiperf),
+            *shlex.split(w.aiperf.args or "")]
+
+
+def start_client(run, workload):
+    """Start the external tool on the client instance (through the run's backend); returns its
+    process (the runner waits on it as on the built-in client)."""
+    trace = write_trace(run.dir, workload, run.deployment.scale)
+    argv = client_argv(run.exp, run.rt, run.dir, trace)
+    rd = RunDir(run.dir)
+    rd.client_argv.write_text(json.dumps(argv))
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = run.backend.spawn("client", argv, rd.log("client"), env=env)
+    run.procs["client"] = proc
+    return proc
