@@ -36,7 +36,7 @@ TORCH_CHECK := $(PY) -W ignore -c 'import sys, torch; cuda = torch.version.cuda 
   sys.exit(0 if cuda == ("$(TORCH)" == "cuda") else \
   "torch " + torch.__version__ + " is not a $(TORCH) build")'
 
-.PHONY: all deps apt-deps cluster aiperf proto demo test unit bench clean-run distclean FORCE
+.PHONY: all deps apt-deps cluster aiperf proto demo test unit lint bench clean-run distclean FORCE
 
 all: deps
 
@@ -105,7 +105,12 @@ proto: $(STAMP)
 demo: deps
 	$(PY) -m testbed.cli run $(EXPERIMENT)
 
+# The layer order (pyproject.toml [tool.importlinter]): every import points down.
+lint: deps
+	$(VENV)/bin/lint-imports
+
 test: deps cluster
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 unit: deps

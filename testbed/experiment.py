@@ -63,7 +63,7 @@ def _torch_config(value):
     try:
         if importlib.util.find_spec("torch") is None:   # found without importing it (fast)
             raise ModuleNotFoundError("No module named 'torch'")
-        from workers.model.config import HybridConfig   # imports torch only for the dtype
+        from workers.model.config import HybridConfig   # torch engine only (optional torch)
     except ImportError as e:
         raise ValueError(f"the torch engine needs PyTorch ({e}): `make deps` installs it "
                          f"(TORCH=cpu or cuda), or pip install '.[torch]'") from None

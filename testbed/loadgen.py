@@ -28,6 +28,7 @@ from testbed.runtime import FrontdoorRuntime
 REPO = pathlib.Path(__file__).resolve().parent.parent
 TOKENIZER = pathlib.Path(__file__).resolve().parent / "tokenizer"
 AIPERF_ENV = "TESTBED_AIPERF"        # path of an aiperf executable (e.g. in its own venv)
+AIPERF_EXE = "aiperf"                # its name
 
 
 def find_aiperf():
@@ -36,11 +37,11 @@ def find_aiperf():
     env = os.environ.get(AIPERF_ENV)
     if env:
         return env if os.access(env, os.X_OK) else None
-    for here in (pathlib.Path(sys.executable).parent / "aiperf",
-                 REPO / ".venv-aiperf" / "bin" / "aiperf"):
+    for here in (pathlib.Path(sys.executable).parent / AIPERF_EXE,
+                 REPO / ".venv-aiperf" / "bin" / AIPERF_EXE):
         if os.access(here, os.X_OK):
             return str(here)
-    return shutil.which("aiperf")
+    return shutil.which(AIPERF_EXE)
 
 
 def check(exp, path=None):

@@ -37,7 +37,7 @@ class Fit:
         if _is_scalar(l):
             l = float(l)
             return float(sum(c * l**i for i, c in enumerate(self.coeffs)))
-        import numpy as np
+        import numpy as np      # arrays only: a profile worker stays numpy-free
         l = np.asarray(l, dtype=float)
         out = np.zeros_like(l)
         for i, c in enumerate(self.coeffs):
@@ -167,7 +167,7 @@ class Profile:
         if _is_scalar(l) and _is_scalar(cached):
             l = float(l)
             return f(l) - f(min(float(cached), l)) + f.coeffs[0]
-        import numpy as np
+        import numpy as np      # arrays only: a profile worker stays numpy-free
         l = np.asarray(l, dtype=float)
         cached = np.minimum(np.asarray(cached, dtype=float), l)
         out = f(l) - f(cached) + f.coeffs[0]

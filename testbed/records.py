@@ -319,6 +319,12 @@ def read_records(path, clock=None) -> tuple[dict, dict]:
     return sent, done
 
 
+def done_outcomes(lines):
+    """Per `done` line among `lines` of requests.jsonl, whether it ended ok: a cheap look for
+    the runner's progress bar while the client writes (no JSON parsing)."""
+    return ['"status":"ok"' in line for line in lines if '"ev":"done"' in line]
+
+
 def client_finished(run_dir) -> bool:
     """Whether the client wrote its `finished` record (it ended normally)."""
     path = RunDir(run_dir).records

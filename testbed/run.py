@@ -47,7 +47,7 @@ from testbed.loadstats import read_http
 from testbed.measure import CounterSampler, LinkProbes
 from testbed.net.schedule import LinkSchedule
 from testbed.net.tcp import CC_ENV
-from testbed.records import EventLog, RunDir
+from testbed.records import EventLog, RunDir, done_outcomes
 from testbed.workload import generate
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -105,14 +105,13 @@ class Progress:
             chunk = f.read()
         complete = chunk[:chunk.rfind("\n") + 1]
         self.pos += len(complete.encode())
-        for line in complete.splitlines():
-            if '"ev":"done"' in line:
-                self.done += 1
-                if '"status":"ok"' not in line:
-                    self.failed += 1
-                if self.bar:
-                    self.bar.update(1)
-                    self.bar.set_postfix(failed=self.failed, refresh=False)
+        for ok in done_outcomes(complete.splitlines()):
+            self.done += 1
+            if not ok:
+                self.failed += 1
+            if self.bar:
+                self.bar.update(1)
+                self.bar.set_postfix(failed=self.failed, refresh=False)
 
     def write(self, msg):
         (self.bar.write if self.bar else print)(msg, file=sys.stderr)

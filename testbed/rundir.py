@@ -102,7 +102,7 @@ def scale(run_dir) -> Scale:
     hand-made or pre-versioning directory); Scale() when none says."""
     rd = RunDir(run_dir)
     try:
-        return Scale.load(rd.path)          # runtime.json, metadata.json
+        return Scale.load(rd.runtime, rd.metadata)
     except FileNotFoundError:
         pass
     except (OSError, UnicodeDecodeError, ValueError) as e:

@@ -47,16 +47,15 @@ class Scale:
                    tokens=float(get("tokens") or 1.0))
 
     @classmethod
-    def load(cls, run_dir):
-        """The scale a run used, from its runtime.json (or metadata.json)."""
-        d = pathlib.Path(run_dir)
-        for name in ("runtime.json", "metadata.json"):
-            p = d / name
+    def load(cls, *paths):
+        """The scale a run used, from the first of these JSON files that records one (a run
+        directory's runtime.json, then metadata.json: `testbed.rundir.scale`)."""
+        for p in map(pathlib.Path, paths):
             if p.exists():
                 s = json.loads(p.read_text()).get("scale")
                 if s:
                     return cls.from_dict(s)
-        raise FileNotFoundError(f"{d}: no runtime.json or metadata.json with a scale")
+        raise FileNotFoundError(f"no scale in {', '.join(map(str, paths))}")
 
     def to_dict(self):
         return dataclasses.asdict(self)

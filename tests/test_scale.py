@@ -5,6 +5,7 @@ import math
 
 import pytest
 
+from testbed.records import RunDir
 from testbed.scale import Scale
 
 SCALES = [Scale(), Scale(time=10, bytes=1e-3), Scale(time=40, bytes=2.5e-4, tokens=8),
@@ -38,7 +39,8 @@ def test_rejects_non_positive():
 def test_from_run_dir_and_summary(tmp_path):
     (tmp_path / "runtime.json").write_text(json.dumps({"scale": {"time": 10, "bytes": 1e-3,
                                                                  "tokens": 1}}))
-    assert Scale.load(tmp_path) == Scale(time=10, bytes=1e-3)
+    rd = RunDir(tmp_path)
+    assert Scale.load(rd.runtime, rd.metadata) == Scale(time=10, bytes=1e-3)
     assert Scale.from_dict({"scale_time": 40, "scale_bytes": 2.5e-4}) == Scale(40, 2.5e-4)
     with pytest.raises(FileNotFoundError):
-        Scale.load(tmp_path / "missing")
+        Scale.load(RunDir(tmp_path / "missing").runtime)

@@ -171,7 +171,7 @@ def main():
     p = argparse.ArgumentParser(description="PrfaaS testbed open-loop client")
     p.add_argument("--runtime", required=True)
     p.add_argument("--name", default="client")
-    p.add_argument("--workload", required=True, help="workload.parquet")
+    p.add_argument("--workload", required=True, help="the request list (workload.parquet)")
     p.add_argument("--out", required=True, help="requests.jsonl to append to")
     p.add_argument("--start-at", type=float, default=0.0, help="Unix time of arrival 0")
     p.add_argument("--start-file", default="",

@@ -15,6 +15,7 @@ import os
 import sys
 
 from testbed import lifecycle
+from testbed.backend.raycluster import clean
 from testbed.errors import PrivilegeError
 
 
@@ -45,8 +46,6 @@ def main(args):
 
 
 def _clean_ray(address):
-    from testbed.backend.raycluster import clean
-
     code = 0
     for host, report, corrupt in clean(address):
         for line in report or ["nothing to clean"]:

@@ -13,7 +13,12 @@ import os
 import shutil
 import subprocess
 
+from testbed import lifecycle
+from testbed.errors import NetworkError
+from testbed.net import netlink
+from testbed.net.delayline import delayline_binary
 from testbed.net.ns import ns_popen
+from testbed.net.wan import probe_backend
 
 QDISCS = ("htb", "tbf", "bfifo", "pfifo", "netem", "fq", "fq_codel", "red", "hfsc")
 
@@ -24,8 +29,6 @@ def register(sub):
 
 
 def _qdisc_available(ns, idx, kind):
-    from testbed.errors import NetworkError
-    from testbed.net import netlink
     netlink.register_fifo_plugins()
     extra = {"tbf": {"rate": "1mbit", "burst": 10000, "limit": 10000}}.get(
         kind, {"limit": 1000} if "fifo" in kind else {})
@@ -43,8 +46,6 @@ def _qdisc_available(ns, idx, kind):
 
 
 def _nfqueue_available(ns_path, registry):
-    from testbed import lifecycle
-    from testbed.net.delayline import delayline_binary
     try:
         binary = delayline_binary()
     except Exception as e:
@@ -80,7 +81,6 @@ def main(args):
         rows.append(("NetfilterQueue (python)", False, str(e)))
     if root:
         rows += _kernel_rows()
-        from testbed.net.wan import probe_backend
         backend, reason = probe_backend()
     else:
         backend, reason = "userspace", "not root: could not probe the kernel"
@@ -92,9 +92,8 @@ def main(args):
 
 
 def _kernel_rows():
-    from pyroute2 import NetNS
+    from pyroute2 import NetNS      # root only: doctor lists what is missing, it needs none
 
-    from testbed import lifecycle
     name = f"tbdoc{os.getpid()}"
     rows = []
     with lifecycle.scratch_netns(name, kind="doctor") as registry:

@@ -18,17 +18,18 @@ import json
 import os
 
 from testbed import units
+from testbed.backend.rayprobe import linktest
 from testbed.errors import ConfigError, PrivilegeError
 from testbed.net.linkmodel import check_params
 from testbed.net.pair import routed_pair
 from testbed.net.probe import measure_link
+from testbed.net.spec import _queue
 from testbed.net.tcp import CC_ENV
 
 
 def direction_params(rate, delay, jitter, loss, queue, jitter_dist="normal", loss_burst=None):
     """One symmetric direction's checked `Link` from command-line strings (units as in the
     YAML)."""
-    from testbed.net.spec import _queue
     try:
         q = None if queue is None else _queue(queue)
     except ValueError as e:
@@ -92,7 +93,6 @@ def _on_this_machine(args, d):
 def _on_ray(args, d):
     """Between a dc=prfaas and a dc=local host of the Ray cluster, shaped by their agents (which
     need the Ray nodes to run as root; this process does not)."""
-    from testbed.backend.rayprobe import linktest
     out = linktest(args.address, d, shaping=args.shaping, duration_s=args.duration,
                    congestion_control=args.cc)
     return {"congestion_control": args.cc or "the prfaas host's default", **out}

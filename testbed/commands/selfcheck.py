@@ -27,6 +27,7 @@ from testbed.net import ns, pair as nspair
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 60.0      # the decode peer imports torch and builds its model
+PORT_FILE = "port"          # the decode peer writes its listening port here when ready
 RUN_TIMEOUT_S = 300.0       # prefill + transfer + decode of a few hundred tokens
 
 
@@ -54,7 +55,7 @@ def register(sub):
 
 
 def _check_args(a):
-    import torch
+    import torch    # optional (the [torch] extra): selfcheck is the torch engine's check
 
     if a.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("cuda requested but torch sees no CUDA device", key="--device")
@@ -124,7 +125,7 @@ def _run_peers_over(reg, d, link):
         rx0 = nspair.rx_bytes(ns_dec, link.if_b)
     with open(d / "decode.log", "w") as dlog, open(d / "prefill.log", "w") as plog:
         dec = _spawn(reg, ns_dec, ["decode", "--dir", str(d), "--listen", host], dlog)
-        port = int(_wait_file(d / "ready", dec, READY_TIMEOUT_S, "decode peer"))
+        port = int(_wait_file(d / PORT_FILE, dec, READY_TIMEOUT_S, "decode peer"))
         pre = _spawn(reg, ns_pre, ["prefill", "--dir", str(d), "--connect", f"{host}:{port}"],
                      plog)
         deadline = time.monotonic() + RUN_TIMEOUT_S
@@ -138,11 +139,11 @@ def _run_peers_over(reg, d, link):
 # ---- the comparison ----
 
 def compare(a, d):
-    import numpy as np
-    import torch
+    import numpy as np   # with torch: selfcheck alone needs them
+    import torch    # optional (the [torch] extra)
 
-    from workers.model.config import HybridConfig
-    from workers.model.hybrid import HybridModel, analytical_state_bytes
+    from workers.model.config import HybridConfig   # torch
+    from workers.model.hybrid import HybridModel, analytical_state_bytes   # torch
 
     req = json.loads((d / "request.json").read_text())
     cfg = HybridConfig.from_dict(req["config"])
@@ -163,9 +164,9 @@ def compare(a, d):
 
 def run(a):
     _check_args(a)
-    import torch
+    import torch    # optional (the [torch] extra)
 
-    from workers.model.config import HybridConfig
+    from workers.model.config import HybridConfig   # torch
 
     use_netns = os.geteuid() == 0 and not a.loopback
     note = None if use_netns else ("not root: both peers run on loopback, not across two "

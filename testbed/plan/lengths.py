@@ -14,6 +14,8 @@ import numpy as np
 from scipy import stats
 
 from testbed.errors import ConfigError
+from testbed.workload.generate import generate
+from testbed.workload.prefix import hit_tokens
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class LengthDistribution:
@@ -133,7 +135,6 @@ def distribution_from_spec(spec):
 
 
 def _generate(exp, base_dir):
-    from testbed.workload.generate import generate
     return generate(exp.workload, exp.seed, requests=exp.requests, duration_s=exp.duration,
                     base_dir=base_dir)
 
@@ -178,7 +179,6 @@ def _from_request_list(exp, column, base_dir=None):
         label = f"{column} of the request list"
         cache = getattr(exp, "cache", None)
         if column == "input_len" and "prefix_blocks" in df and (cache is None or cache.enabled):
-            from testbed.workload.prefix import hit_tokens
             lengths = lengths - hit_tokens(list(df["prefix_blocks"]), lengths)
             label = "uncached input_len of the request list (unbounded prefix cache)"
     except Exception as e:          # a workload the generator cannot expand here

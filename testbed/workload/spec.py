@@ -11,6 +11,7 @@ process or length distribution that is not given defaults to `trace` (the trace'
 
 import dataclasses
 import pathlib
+import shlex
 
 from testbed import units
 from testbed.errors import ConfigError
@@ -144,7 +145,6 @@ class TraceSpec:
 
 
 def _command(value):
-    import shlex
     value = string(value)
     try:
         argv = shlex.split(value)

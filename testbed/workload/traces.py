@@ -23,6 +23,7 @@ import numpy as np
 
 from testbed import units
 from testbed.errors import ConfigError
+from testbed.yamlload import read_text
 from testbed.workload.spec import BLOCK_TOKENS, resolve_trace_path
 
 MAX_TRACE_BYTES = 256 * 1024**2   # a trace file (a hard limit; slice bigger traces first)
@@ -135,7 +136,6 @@ def _count(v):
 
 def _open(path):
     """The trace's text as a file object: UTF-8, no NUL bytes, at most MAX_TRACE_BYTES."""
-    from testbed.yamlload import read_text
     return io.StringIO(read_text(path, "a trace file", MAX_TRACE_BYTES,
                                  key="workload.trace.path"), newline="")
 

@@ -71,7 +71,7 @@ class HybridConfig:
 
     @property
     def torch_dtype(self):
-        import torch
+        import torch    # optional (the [torch] extra); the profile engine never asks
         return getattr(torch, _DTYPES[self.dtype])
 
     @property

@@ -33,6 +33,7 @@ from workers.model.state_wire import LayerAssembler, encode_layer
 REQUEST_ID = 1
 # A peer that sees nothing for this long gives up (the parent also bounds the whole run).
 IDLE_TIMEOUT_S = 120.0
+PORT_FILE = "port"          # in --dir: this decode peer's port, once it listens
 
 
 def load_request(d):
@@ -128,7 +129,7 @@ async def run_decode(d, host):
 
     server = await kvwire.serve(host, 0, on_frame, on_error)
     port = server.sockets[0].getsockname()[1]
-    (pathlib.Path(d) / "ready").write_text(str(port))
+    (pathlib.Path(d) / PORT_FILE).write_text(str(port))
     try:
         meta = await asyncio.wait_for(done, IDLE_TIMEOUT_S)
     finally:
