@@ -93,21 +93,57 @@ def _check_link(exp, rate_rows):
                               key="network.wan.rate_trace")
 
 
+def _workload_trace(exp, base, traces_read):
+    """The workload trace, every line checked (read once per distinct selection), or None."""
+    t = exp.workload.trace
+    if t is None:
+        return None
+    cache_key = (t.path, t.format, t.on_error, t.start, t.duration, t.max_requests, t.max_input)
+    if cache_key not in traces_read:
+        traces_read[cache_key] = traces.load(t, base)
+    return traces_read[cache_key]
+
+
+def _generated_size(exp, trace):
+    """(requests, span of arrivals in s) of a generated workload; ConfigError beyond what the
+    generator may draw or the trace it replays in order holds."""
+    w = exp.workload
+    a = w.arrival
+    rate = max([a.mean_rate] + [w.phase_specs(p)[0].mean_rate for p in w.phases])
+    if exp.requests is not None:
+        n = exp.requests
+    elif exp.duration is not None:
+        n = exp.duration * rate
+    else:
+        n = len(trace)       # lengths replayed in order decide the count
+    span = n / rate if rate > 0 else math.inf
+    if exp.duration is not None:
+        span = min(span, exp.duration)
+    if a.process == "onoff":
+        per_cycle = a.on_rate * a.on_duration + a.off_rate * a.off_duration
+        cycles = max(n / per_cycle if per_cycle > 0 else math.inf,
+                     (exp.duration or 0) / (a.on_duration + a.off_duration))
+        if cycles > MAX_ONOFF_CYCLES:
+            raise ConfigError(f"on/off periods this short need about {cycles:.3g} of them "
+                              f"for this workload, more than {MAX_ONOFF_CYCLES:,} (a hard "
+                              f"limit); lengthen on_duration/off_duration",
+                              key="workload.arrival")
+    in_order = "trace" in (w.input.dist, w.output.dist)
+    if in_order and exp.requests is not None and exp.requests > len(trace):
+        raise ConfigError(f"{exp.requests} requests, but the lengths replay "
+                          f"workload.trace's rows in order and it selects only "
+                          f"{len(trace)}; lower 'requests' or widen the trace window",
+                          key="requests")
+    return n, span
+
+
 def _check_workload(exp, base, traces_read):
     """Request counts, spans and generator work within the caps; a workload trace's every line."""
     w, cap = exp.workload, exp.run.max_requests
     raise_cap = (f"run.max_requests ({cap:,}; raise it in the file if a run this long is "
                  f"meant)")
-    trace = None
-    if w.trace is not None:
-        t = w.trace
-        cache_key = (t.path, t.format, t.on_error, t.start, t.duration, t.max_requests,
-                     t.max_input)
-        if cache_key not in traces_read:
-            traces_read[cache_key] = traces.load(t, base)
-        trace = traces_read[cache_key]
-    a = w.arrival
-    if a.process == "trace":
+    trace = _workload_trace(exp, base, traces_read)
+    if w.arrival.process == "trace":
         span = trace.span_s / w.trace.speedup
         n = len(trace) if exp.requests is None else exp.requests
         if exp.requests is not None and exp.requests > len(trace):
@@ -115,31 +151,7 @@ def _check_workload(exp, base, traces_read):
                               f"only {len(trace)} rows; lower 'requests' or widen the window",
                               key="requests")
     else:
-        rate = max([a.mean_rate] + [w.phase_specs(p)[0].mean_rate for p in w.phases])
-        if exp.requests is not None:
-            n = exp.requests
-        elif exp.duration is not None:
-            n = exp.duration * rate
-        else:
-            n = len(trace)       # lengths replayed in order decide the count
-        span = n / rate if rate > 0 else math.inf
-        if exp.duration is not None:
-            span = min(span, exp.duration)
-        if a.process == "onoff":
-            per_cycle = a.on_rate * a.on_duration + a.off_rate * a.off_duration
-            cycles = max(n / per_cycle if per_cycle > 0 else math.inf,
-                         (exp.duration or 0) / (a.on_duration + a.off_duration))
-            if cycles > MAX_ONOFF_CYCLES:
-                raise ConfigError(f"on/off periods this short need about {cycles:.3g} of them "
-                                  f"for this workload, more than {MAX_ONOFF_CYCLES:,} (a hard "
-                                  f"limit); lengthen on_duration/off_duration",
-                                  key="workload.arrival")
-        in_order = "trace" in (w.input.dist, w.output.dist)
-        if in_order and exp.requests is not None and exp.requests > len(trace):
-            raise ConfigError(f"{exp.requests} requests, but the lengths replay "
-                              f"workload.trace's rows in order and it selects only "
-                              f"{len(trace)}; lower 'requests' or widen the trace window",
-                              key="requests")
+        n, span = _generated_size(exp, trace)
     if n > cap:
         raise ConfigError(f"about {n:,.0f} requests, more than {raise_cap}",
                           key="requests" if exp.requests is not None else
@@ -157,6 +169,7 @@ def _check_workload(exp, base, traces_read):
             raise ConfigError(f"up to {ids:,.0f} prefix block ids ({n:,.0f} requests of up to "
                               f"{longest:,} tokens), more than {MAX_PREFIX_BLOCK_IDS:,} (a hard "
                               f"limit); send fewer or shorter requests", key="workload.prefix")
+
 
 def _check_cache(exp, prof, path):
     c = exp.cache

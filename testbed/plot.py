@@ -246,54 +246,62 @@ def fault_timeline(top, out_dir: pathlib.Path) -> list[pathlib.Path]:
         sns.set_theme(style="whitegrid", context="paper")
         fig, (ax, ax2) = plt.subplots(2, 1, figsize=(7, 5), sharex=True,
                                       gridspec_kw={"height_ratios": [3, 2]})
-        shown = set()
         spans = _fault_spans(events, t0, scale, t_last)
-        for kind, target, a, b in spans:
-            ax.axvspan(a, b, color=FAULT_COLORS.get(kind, "0.8"), alpha=0.25, zorder=0,
-                       label=None if kind in shown else f"{kind} fault")
-            shown.add(kind)
-        for f in s["faults"]:
-            if f.get("detect_s") is not None:
-                ax.axvline(f["at_s"] + f["detect_s"], color="k", ls="--", lw=0.8,
-                           label=None if "det" in shown else "detected")
-                shown.add("det")
-        ok = df[df.status == "ok"]
-        ax.scatter(ok.arrival_s, ok.ttft_ms, s=6, color="#4c72b0", label="TTFT", zorder=2)
-        bad = df[df.status != "ok"]
-        if len(bad):
-            y = ok.ttft_ms.max() if len(ok) else 1.0
-            ax.scatter(bad.arrival_s, [y] * len(bad), s=14, marker="x", color="#c44e52",
-                       label="failed", zorder=3)
-        ax.set_yscale("log")
-        ax.set_ylabel("TTFT (ms, real-world)")
-        ax.legend(fontsize=6, loc="upper left")
-        ax.set_title(f"{_label(s)}: TTFT by arrival, faults shaded, detection dashed")
-        # Roles and link state.
-        rt = rundir.runtime(d)
-        names = [n for n, i in rt["instances"].items() if i["role"] in ("prefill", "decode")]
-        health = _health_spans(events, t0, scale, t_last)
-        rows = names + ["WAN"]
-        for y, name in enumerate(rows):
-            faulted = [(a, b - a) for k, tg, a, b in spans
-                       if (name == "WAN" and k == "link") or name in tg.split(",")]
-            ax2.broken_barh(faulted, (y - 0.4, 0.8), color="0.75")
-            ts = rundir.csv_table(d, rundir.RunDir.TIMESERIES) if name == "WAN" else None
-            if ts is not None:
-                ts["t_real_s"] = _arrival_clock(d, ts, scale)
-                cut = [(a, b - a) for a, b in _down_spans(ts)]
-                ax2.broken_barh(cut, (y - 0.25, 0.5), color="#c44e52")
-            else:
-                ax2.broken_barh([(a, b - a) for a, b in health.get(name, [])],
-                                (y - 0.25, 0.5), color="#c44e52")
-        role = {n: rt["instances"][n]["role"][0] for n in names}
-        ax2.set_yticks(range(len(rows)))
-        ax2.set_yticklabels([f"{n} ({role[n]})" if n in role else n for n in rows], fontsize=7)
-        ax2.set_xlabel("arrival / time since first arrival (s, real-world)")
-        ax2.set_title("grey: fault in force; red: marked down (health) / link down (kernel)",
-                      fontsize=8)
+        _ttft_with_faults(ax, df, s, spans)
+        _instance_states(ax2, d, spans, _health_spans(events, t0, scale, t_last), scale)
         stem = "fault_timeline" if len(runs) == 1 else f"fault_timeline_{d.name}"
         paths.append(_save(fig, out_dir, stem))
     return paths
+
+
+def _ttft_with_faults(ax, df, s, spans):
+    """TTFT by arrival, each fault shaded, each detection dashed, failed requests crossed."""
+    shown = set()
+    for kind, target, a, b in spans:
+        ax.axvspan(a, b, color=FAULT_COLORS.get(kind, "0.8"), alpha=0.25, zorder=0,
+                   label=None if kind in shown else f"{kind} fault")
+        shown.add(kind)
+    for f in s["faults"]:
+        if f.get("detect_s") is not None:
+            ax.axvline(f["at_s"] + f["detect_s"], color="k", ls="--", lw=0.8,
+                       label=None if "det" in shown else "detected")
+            shown.add("det")
+    ok = df[df.status == "ok"]
+    ax.scatter(ok.arrival_s, ok.ttft_ms, s=6, color="#4c72b0", label="TTFT", zorder=2)
+    bad = df[df.status != "ok"]
+    if len(bad):
+        y = ok.ttft_ms.max() if len(ok) else 1.0
+        ax.scatter(bad.arrival_s, [y] * len(bad), s=14, marker="x", color="#c44e52",
+                   label="failed", zorder=3)
+    ax.set_yscale("log")
+    ax.set_ylabel("TTFT (ms, real-world)")
+    ax.legend(fontsize=6, loc="upper left")
+    ax.set_title(f"{_label(s)}: TTFT by arrival, faults shaded, detection dashed")
+
+
+def _instance_states(ax2, d, spans, health, scale):
+    """Per instance (and the WAN): faults in force, and marked down / link down."""
+    rt = rundir.runtime(d)
+    names = [n for n, i in rt["instances"].items() if i["role"] in ("prefill", "decode")]
+    rows = names + ["WAN"]
+    for y, name in enumerate(rows):
+        faulted = [(a, b - a) for k, tg, a, b in spans
+                   if (name == "WAN" and k == "link") or name in tg.split(",")]
+        ax2.broken_barh(faulted, (y - 0.4, 0.8), color="0.75")
+        ts = rundir.csv_table(d, rundir.RunDir.TIMESERIES) if name == "WAN" else None
+        if ts is not None:
+            ts["t_real_s"] = _arrival_clock(d, ts, scale)
+            cut = [(a, b - a) for a, b in _down_spans(ts)]
+            ax2.broken_barh(cut, (y - 0.25, 0.5), color="#c44e52")
+        else:
+            ax2.broken_barh([(a, b - a) for a, b in health.get(name, [])],
+                            (y - 0.25, 0.5), color="#c44e52")
+    role = {n: rt["instances"][n]["role"][0] for n in names}
+    ax2.set_yticks(range(len(rows)))
+    ax2.set_yticklabels([f"{n} ({role[n]})" if n in role else n for n in rows], fontsize=7)
+    ax2.set_xlabel("arrival / time since first arrival (s, real-world)")
+    ax2.set_title("grey: fault in force; red: marked down (health) / link down (kernel)",
+                  fontsize=8)
 
 
 def failure_heatmap(top, out_dir: pathlib.Path) -> pathlib.Path | None:

@@ -35,8 +35,6 @@ import yaml
 
 from importlib import metadata
 
-from tqdm import tqdm
-
 from testbed import (__version__, analysis, clocks, config, deploy, fidelity, lifecycle, loadgen,
                      loadrun, ownership, plot, rundir)
 from testbed.backend import open_backend, preflight
@@ -47,7 +45,8 @@ from testbed.loadstats import read_http
 from testbed.measure import CounterSampler, LinkProbes
 from testbed.net.schedule import LinkSchedule
 from testbed.net.tcp import CC_ENV
-from testbed.records import EventLog, RunDir, done_outcomes
+from testbed.progress import Progress
+from testbed.records import EventLog, RunDir
 from testbed.workload import generate
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -82,43 +81,6 @@ def _versions():
         with contextlib.suppress(metadata.PackageNotFoundError):
             out[pkg] = metadata.version(pkg)
     return out
-
-
-class Progress:
-    """Counts completed requests in requests.jsonl as the client appends them; a tqdm bar."""
-
-    def __init__(self, path, total, label, enabled=True):
-        self.path, self.total = path, total
-        self.pos = 0
-        self.done = 0
-        self.failed = 0
-        self.bar = None
-        if enabled:
-            self.bar = tqdm(total=total, desc=f"{label:>12}", unit="req", file=sys.stderr,
-                            dynamic_ncols=True, leave=True)
-
-    def poll(self):
-        if not self.path.exists():
-            return
-        with open(self.path) as f:
-            f.seek(self.pos)
-            chunk = f.read()
-        complete = chunk[:chunk.rfind("\n") + 1]
-        self.pos += len(complete.encode())
-        for ok in done_outcomes(complete.splitlines()):
-            self.done += 1
-            if not ok:
-                self.failed += 1
-            if self.bar:
-                self.bar.update(1)
-                self.bar.set_postfix(failed=self.failed, refresh=False)
-
-    def write(self, msg):
-        (self.bar.write if self.bar else print)(msg, file=sys.stderr)
-
-    def close(self):
-        if self.bar:
-            self.bar.close()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,7 +31,7 @@ one file use the same numbers. Everything is real-world: `scale:` does not enter
 
 Modules: `equations` (the formulas above, array-valued), `lengths` (the distributions of L
 and L_out), `search` (model inputs of one experiment, grid evaluation, the search for each
-policy's best configuration). Everything public is re-exported here: `plan.predict(exp)`.
+policy's best configuration), `curves` (the figures' curves). Everything public is re-exported here: `plan.predict(exp)`.
 
 - `LengthDistribution` holds the uncached input length L as a probability mass function; p,
   l_long and l_short come from its cumulative sums for a whole vector of thresholds at once.
@@ -55,12 +55,13 @@ paper's minimum egress).
 from testbed.errors import ConfigError, TestbedError  # noqa: F401
 from testbed.plan.equations import (  # noqa: F401
     B_out_min, Lambda_max, Phi_kv, Theta_pdd, Theta_pdp, Theta_prfaas, share_bound)
+from testbed.plan.curves import curves_vs_n_p, curves_vs_threshold  # noqa: F401
 from testbed.plan.lengths import (  # noqa: F401
     LengthDistribution, distribution_from_spec, input_distribution, mean_output_length,
     uses_request_list)
 from testbed.plan.search import (  # noqa: F401
     DEFAULT_LATENCY, DEFAULT_STEP_TOKENS, GBPS, Inputs, LATENCY_MODES, MODE_KEYS, PHI_KV_LENGTHS,
     POLICIES, PolicySizing, ROW_KEYS, STAGES, SUMMARY_KEYS, TIE_RTOL, best_homogeneous,
-    best_prfaas, check_latency, curves_vs_n_p, curves_vs_threshold, egress_warnings, evaluate,
+    best_prfaas, check_latency, egress_warnings, evaluate,
     evaluate_config, inputs_for, naive, phi_kv_table, plan_runs, policy_sizings,
     predict, split, threshold_grid, wan_kv_rate_bps, with_both_modes)
