@@ -72,7 +72,7 @@ class LinkChange:
 
 @dataclasses.dataclass(frozen=True)
 class FaultAction:
-    """An instance fault's injection or end at `at_s` (emulated): what `faults.Injector` does."""
+    """An instance fault's injection or end at `at_s` (emulated): what `inject.Injector` does."""
 
     at_s: float
     phase: str                  # inject | end

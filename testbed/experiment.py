@@ -374,7 +374,7 @@ class Experiment:
                         doc="objectives for goodput and SLO attainment (none: no goodput)")
     faults: tuple = spec(list_of(section(FaultSpec)), (),
                          "injected failures: [{at: 30s, kind: pause, target: prfaas, duration: "
-                         "20s}, ...] (testbed/faults.py; keys below)")
+                         "20s}, ...] (testbed/faultspec.py; keys below)")
     cache: CacheSpec = spec(section(CacheSpec), factory=CacheSpec,
                             doc="hybrid prefix cache pool (docs/cache.md)")
     backend: BackendSpec = spec(section(BackendSpec), factory=BackendSpec,

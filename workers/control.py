@@ -1,4 +1,4 @@
-"""Run-time control of a worker by the runner (the `slow` fault, testbed/faults.py).
+"""Run-time control of a worker by the runner (the `slow` fault, testbed/faultspec.py).
 
 The runner writes `control/<name>.json` in the run directory and sends SIGUSR1; the worker reads
 the file and sets its engine's `clock_factor` (1 = the profiled speed, 3 = every prefill and decode

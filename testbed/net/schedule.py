@@ -45,7 +45,7 @@ class LinkSchedule:
             if self._stop.wait(max(0.0, t0 + t - time.time())):
                 return
             try:
-                if note and self.events:     # a link fault (testbed/faults.py): on record
+                if note and self.events:     # a link fault (testbed/faultspec.py): on record
                     n = dict(note[0])
                     self.events(f"fault_{n.pop('phase')}", **n)
                 self.wan.set(direction, **changes)
