@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 
 from testbed import rundir
-from testbed.faultspec import resolve
+from testbed.faultspec import resolve, targetable
 from testbed.records import RunDir, read_events
 from testbed.runtime import InstanceRuntime
 from testbed.scale import Scale
@@ -76,8 +76,10 @@ def instances(rd):
 class _Injections:
     """What one run's events.csv and records say about its injections (orchestrator's clock)."""
 
-    def __init__(self, df, events, discarded, exp, scale):
-        self.df, self.scale, self.exp = df, scale, exp
+    def __init__(self, df, events, discarded, exp, scale, instances):
+        self.df, self.scale = df, scale
+        # a link fault affects what crosses the WAN: every PrfaaS instance's requests
+        self.prfaas = {i.name for i in targetable(instances) if i.dc == "prfaas"}
         self.discarded = discarded
         self.injected = {(int(f["fault"]), int(f["occurrence"])): t for t, k, f in events
                          if k == "fault_inject" and "fault" in f}
@@ -105,7 +107,7 @@ class _Injections:
         entry["at_s"] = scale.real_s(t_inj - t0)
         t_end = self.ended.get((o.index, o.n), math.inf)
         if o.spec.kind == "link":
-            targets = {f"rp{i}" for i in range(self.exp.clusters.prfaas.instances)}
+            targets = self.prfaas
         else:
             targets = set(o.targets)
         det = [t for t, inst in self.downs if inst in targets and t >= t_inj and
@@ -176,9 +178,10 @@ def analyse(run_dir, exp, df, scale: Scale):
     if not exp.faults:
         return out
     t0 = meta.get("client_start_at", df.send_time.min())
-    inj = _Injections(df, events, discarded, exp, scale)
+    deployed = instances(rd)
+    inj = _Injections(df, events, discarded, exp, scale, deployed)
     out["detection_window_s"] = inj.window
-    out["faults"] = [inj.entry(o, t0) for o in resolve(exp, instances(rd))]
+    out["faults"] = [inj.entry(o, t0) for o in resolve(exp, deployed)]
     return out
 
 
