@@ -81,5 +81,5 @@ def preflight(spec, deployment):
     """Check, before anything is made, that the backend can run `deployment` (ray: the extra
     is installed, the cluster answers, the placement can be met); ConfigError otherwise."""
     if spec.kind == "ray":
-        from testbed.backend.raycluster import preflight as ray_preflight
+        from testbed.backend.rayplacement import preflight as ray_preflight
         ray_preflight(spec, deployment)
