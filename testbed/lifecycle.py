@@ -30,6 +30,8 @@ import subprocess
 import threading
 import time
 
+from testbed.net import netlink
+
 STATE_DIR = pathlib.Path(os.environ.get("TESTBED_STATE_DIR", "/run/prfaas-testbed"))
 ORCHESTRATOR_ENV = "TESTBED_ORCHESTRATOR"   # "<pid>:<start time>" of the process to die with
 PR_SET_PDEATHSIG = 1
@@ -242,7 +244,7 @@ def _undo(state):
             continue
         subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
     if state.get("links") or state.get("netns"):
-        from pyroute2 import IPRoute, netns
+        from pyroute2 import IPRoute, netns  # reason: pyroute2, only for links and namespaces
 
         with IPRoute() as ipr:
             for name in reversed(state.get("links", [])):
@@ -334,9 +336,7 @@ def cleanup_all(state_dir=None, include_live=False, kind=None):
 def scratch_netns(name, kind="scratch"):
     """A named network namespace on record while it exists (`testbed clean` removes it if the
     process dies first); yields the Registry, for processes started in it."""
-    from pyroute2 import netns
-
-    from testbed.net import netlink
+    from pyroute2 import netns  # reason: pyroute2, only for a scratch namespace
 
     reg = Registry(name, kind=kind)
     try:

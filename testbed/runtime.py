@@ -21,6 +21,7 @@ import pathlib
 import types
 import typing
 
+from testbed.profile import DecodeModel
 from testbed.scale import Scale
 
 GRPC_PORT, KV_PORT, CACHE_PORT, TOKEN_PORT = 50051, 50052, 50053, 50054
@@ -71,7 +72,6 @@ class DecodeRuntime:
 
     def model(self):
         """The decode step model (`testbed.profile.DecodeModel`), real-world seconds and bytes."""
-        from testbed.profile import DecodeModel
         return DecodeModel(**self.model_real)
 
 

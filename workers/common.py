@@ -20,6 +20,8 @@ import signal
 import threading
 import time
 
+import grpc
+
 from testbed import lifecycle
 from testbed.runtime import WorkerRuntime
 from workers import control
@@ -85,8 +87,6 @@ def startup(description):
 
 async def start_grpc(inst, add_servicer, service):
     """A started grpc.aio server with `service` on this instance's address."""
-    import grpc
-
     server = grpc.aio.server(options=grpc_options())
     add_servicer(service, server)
     server.add_insecure_port(inst.addr)

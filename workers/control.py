@@ -10,6 +10,8 @@ import asyncio
 import json
 import signal
 
+from testbed.measure import EventLog
+
 # KV frames of prefill attempt a of request r travel as kvwire id r | a << ATTEMPT_SHIFT.
 ATTEMPT_SHIFT = 48
 RID_MASK = (1 << ATTEMPT_SHIFT) - 1
@@ -43,5 +45,4 @@ def install(rt, name, engine, log):
 def event_log(rt, name):
     """The run's events.csv, opened for appending from this worker process (instance `name`:
     its rows say who wrote them, so analysis knows whose clock stamped them)."""
-    from testbed.measure import EventLog
     return EventLog(rt.dir / "events.csv", fresh=False, by=name)

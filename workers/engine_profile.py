@@ -11,6 +11,7 @@ fits the instance's decode memory.
 """
 
 import asyncio
+import os
 import time
 
 from testbed import profile as profiles
@@ -23,7 +24,6 @@ _BUF = None
 def _payload(n):
     global _BUF
     if _BUF is None or len(_BUF) < n:
-        import os
         _BUF = memoryview(os.urandom(max(n, 4 << 20)))
     return _BUF[:n]
 

@@ -34,6 +34,8 @@ kernel takes less.
 
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
 import os
 import socket
 import struct
@@ -243,8 +245,6 @@ def keep_receive_memory(trim_bytes=64 << 20, mmap_bytes=32 << 20):
     Keeping up to `trim_bytes` of freed heap (and serving blocks below `mmap_bytes` from the
     heap) removes that. Process-wide, so the process that receives calls it, once.
     """
-    import ctypes
-    import ctypes.util
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         mallopt = libc.mallopt

@@ -39,6 +39,7 @@ import time
 from testbed.proto import testbed_pb2 as pb
 from workers import cache_wire
 from workers.adaptive import read_last_row
+from workers.cache_core import BlockSizes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +119,6 @@ class CachePlacer:
         self.link = (None, None)            # (utilisation, emulated link bit/s)
         self._last = None
         self._checked = 0.0
-        from workers.cache_core import BlockSizes
         self.sizes = BlockSizes(c.s_kv_real, self.block, rt.scale)
         self.fetch_s_per_byte = None        # learned from the prefill workers' reports
 

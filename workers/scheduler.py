@@ -19,6 +19,8 @@ from testbed import profile as profiles
 from testbed.proto import testbed_pb2 as pb
 from testbed.proto import testbed_pb2_grpc as pbg
 from workers import common
+from workers.adaptive import ThresholdController
+from workers.placement import CachePlacer
 from workers.policy import Instance, Router
 from workers.recovery import Flight, Health
 
@@ -46,7 +48,6 @@ class SchedulerService(pbg.SchedulerServicer):
         self.placer = None          # workers.placement.CachePlacer when the cache is on
         self.on_request = []        # callables(request): workers/adaptive.py, workers/roles.py
         if rt.cache.enabled:
-            from workers.placement import CachePlacer
             self.placer = CachePlacer(rt, self.router, lambda inst, l, cached: scale.emulated_s(
                 prof.t_prefill_cached(inst.accelerator, max(l, 1), cached)), log)
 
@@ -105,12 +106,11 @@ async def main():
     if rt.scheduler.failover:
         tasks.append(asyncio.create_task(service.health.loop()))
     if rt.scheduler.adaptive is not None:
-        from workers.adaptive import ThresholdController
         ctl = ThresholdController(service.router, rt.scheduler.adaptive, rt.dir, log)
         service.on_request.append(lambda req: ctl.on_request())
         tasks.append(asyncio.create_task(ctl.run()))
     if rt.scheduler.roles is not None:
-        from workers.roles import RoleManager
+        from workers.roles import RoleManager  # reason: numpy (its planner), off the profile path
         roles = RoleManager(service, rt, log)
         service.on_request.append(roles.on_request)
         tasks.append(asyncio.create_task(roles.run()))

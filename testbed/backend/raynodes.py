@@ -85,8 +85,8 @@ def labelled_nodes(ray_nodes):
 
 def pinned(ray, cls, node, **options):
     """`cls` as a Ray actor class that runs on `node` (a `Node`, or a Ray node ID) only."""
-    from ray.util.scheduling_strategies import \
-        NodeAffinitySchedulingStrategy  # reason: optional [cluster] extra, heavy
+    from ray.util.scheduling_strategies import (  # reason: optional [cluster] extra, heavy
+        NodeAffinitySchedulingStrategy)
     node_id = node if isinstance(node, str) else node.node_id
     return ray.remote(cls).options(
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False), **options)

@@ -149,7 +149,7 @@ class HostWan(Wan):
 
     def start(self):
         """Install the direction on `iface`; on any failure, remove what was installed."""
-        from pyroute2 import IPRoute
+        from pyroute2 import IPRoute  # reason: pyroute2, only where a host is shaped
 
         self._pick_backend()
         for d in DIRECTIONS:
