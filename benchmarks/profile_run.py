@@ -184,7 +184,7 @@ class Proc:
             return m.split(".", 1)[1]
         if m == "testbed.cli":      # pyroute2 forks the orchestrator for namespace work
             return "orchestrator" if self.is_root else "orchestrator fork"
-        if m == "testbed.net.probe":
+        if m == "testbed.net.proberoles":
             return "link probe"
         exe = self.exe
         if exe.startswith("tb-delayline"):

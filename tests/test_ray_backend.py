@@ -12,7 +12,7 @@ import types
 import pytest
 
 from testbed import config, deploy, lifecycle
-from testbed.backend import agents, raycluster, rayprobe
+from testbed.backend import agents, raycluster, raynodes, rayplacement, rayprobe
 from testbed.errors import ConfigError, NetworkError
 from testbed.net.hostshape import offload_state, u32_dst_key
 from testbed.net.probe import measure_link
@@ -56,7 +56,7 @@ def test_backend_section_rejects_bad_values(tmp_path, small_experiment, override
 
 
 def test_labelled_nodes_keeps_alive_nodes_with_a_known_dc():
-    nodes = raycluster.labelled_nodes([_ray_node("10.0.0.1", "local"),
+    nodes = raynodes.labelled_nodes([_ray_node("10.0.0.1", "local"),
                                        _ray_node("10.0.0.2", "prfaas"),
                                        _ray_node("10.0.0.3", None),
                                        _ray_node("10.0.0.4", "prfaas", alive=False),
@@ -66,10 +66,10 @@ def test_labelled_nodes_keeps_alive_nodes_with_a_known_dc():
 
 def test_place_puts_every_instance_in_its_datacenter(tmp_path, small_experiment):
     dep = _deployment(tmp_path, small_experiment)
-    nodes = raycluster.labelled_nodes([_ray_node("10.0.0.1", "local", cpus=2),
+    nodes = raynodes.labelled_nodes([_ray_node("10.0.0.1", "local", cpus=2),
                                        _ray_node("10.0.0.3", "local", cpus=2),
                                        _ray_node("10.0.0.2", "prfaas")])
-    placed = raycluster.place(dep, 1.0, nodes)
+    placed = rayplacement.place(dep, 1.0, nodes)
     assert set(placed) == {i.name for i in dep.instances}
     for inst in dep.instances:
         assert placed[inst.name].dc == inst.dc
@@ -80,18 +80,18 @@ def test_place_puts_every_instance_in_its_datacenter(tmp_path, small_experiment)
 def test_place_refuses_a_missing_datacenter_or_too_few_cpus(tmp_path, small_experiment):
     dep = _deployment(tmp_path, small_experiment)
     with pytest.raises(ConfigError, match="dc=prfaas"):
-        raycluster.place(dep, 1.0, raycluster.labelled_nodes([_ray_node("10.0.0.1", "local")]))
-    nodes = raycluster.labelled_nodes([_ray_node("10.0.0.1", "local", cpus=3),
+        rayplacement.place(dep, 1.0, raynodes.labelled_nodes([_ray_node("10.0.0.1", "local")]))
+    nodes = raynodes.labelled_nodes([_ray_node("10.0.0.1", "local", cpus=3),
                                        _ray_node("10.0.0.2", "prfaas")])
     with pytest.raises(ConfigError, match="placement cannot be met") as e:
-        raycluster.place(dep, 1.0, nodes)
+        rayplacement.place(dep, 1.0, nodes)
     assert e.value.exit_code == 2
 
 
 def test_torch_on_cuda_asks_a_gpu_per_prefill_and_decode(tmp_path, small_experiment):
     dep = _deployment(tmp_path, small_experiment)
     rt = dep.runtime.__class__(**{**dep.runtime.__dict__, "engine": "torch", "device": "cuda"})
-    asks = {i.name: raycluster.request(i, rt, 2.0) for i in dep.instances}
+    asks = {i.name: rayplacement.request(i, rt, 2.0) for i in dep.instances}
     assert asks["rp0"] == asks["ld0"] == (0.0, 1.0)
     assert asks["scheduler"] == (2.0, 0.0)
 

@@ -11,7 +11,8 @@ import pytest
 
 from testbed.proto import testbed_pb2 as pb
 from workers import tokens
-from workers.decode import DecodeService, Slot
+from workers.decode import DecodeService
+from workers.kvintake import Slot
 from workers.tokens import DirectCall, TokenStreams
 
 
@@ -233,8 +234,8 @@ def _paced_service(tmp_path):
 
 def test_the_paced_loop_stamps_every_step_on_schedule_and_wakes_only_for_events(
         tmp_path, monkeypatch):
-    from workers import decode
-    monkeypatch.setattr(decode, "MAX_WAKE_S", 1.0)      # no periodic wake-up in this test
+    from workers import stepclock
+    monkeypatch.setattr(stepclock, "MAX_WAKE_S", 1.0)      # no periodic wake-up in this test
     svc = _paced_service(tmp_path)
     svc.flush_s = 10.0              # one flush in the test: the first tokens, then the last
     events = []
@@ -245,12 +246,12 @@ def test_the_paced_loop_stamps_every_step_on_schedule_and_wakes_only_for_events(
         slots = [_slot(rid, "c", 0) for rid in (1, 2)]
         for s, n in zip(slots, (60, 90)):
             s.output_len, s.input_len = n, 1000
-        loop = asyncio.create_task(svc.step_loop())
+        loop = asyncio.create_task(svc.clock.run())
         svc.waiting.extend(slots[:1])
-        svc._kick()
+        svc.clock.kick()
         await asyncio.sleep(0.02)
         svc.waiting.extend(slots[1:])       # joins at the next step boundary
-        svc._kick()
+        svc.clock.kick()
         while not slots[1].finished:
             await asyncio.sleep(0.01)
         loop.cancel()
@@ -268,17 +269,17 @@ def test_the_paced_loop_stamps_every_step_on_schedule_and_wakes_only_for_events(
     # A step the loop woke for is stamped when it ran (a late wake-up lengthens it and
     # shortens the next); every other step is exactly on schedule, and the schedule holds.
     off = [i for i, (g, w) in enumerate(zip(got, want)) if abs(g - w) > 2e-6]
-    assert len(off) <= 2 * svc.wakeups
-    assert sum(got) == pytest.approx(sum(want), abs=svc.late_max + 2e-6)
+    assert len(off) <= 2 * svc.clock.wakeups
+    assert sum(got) == pytest.approx(sum(want), abs=svc.clock.late_max + 2e-6)
     assert b.times[0] == a.times[joined]        # one step, one stamp
-    assert svc.steps == 90 + joined
+    assert svc.clock.steps == 90 + joined
     # Wake-ups: the two first tokens, the two last ones, the arrival; not one per step.
-    assert svc.wakeups <= 8 < svc.steps
+    assert svc.clock.wakeups <= 8 < svc.clock.steps
     firsts = [[c.id for c in b.chunks] for b in queue.batches[:2]]
     assert firsts == [[1], [2]]
-    svc.report_wakeups()
+    svc.clock.report(svc.events, svc.name)
     (kind, row), = events
-    assert kind == "decode_wakeups" and row["wakeups"] == svc.wakeups
+    assert kind == "decode_wakeups" and row["wakeups"] == svc.clock.wakeups
     assert row["late_p50_ms"] <= row["late_max_ms"]
 
 

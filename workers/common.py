@@ -25,6 +25,7 @@ import grpc
 from testbed import lifecycle
 from testbed.records import RunDir
 from testbed.runtime import WorkerRuntime
+from workers import control
 
 WATCH_INTERVAL_S = 0.2
 
@@ -116,6 +117,34 @@ async def connect_all(channels, log, timeout_s=WARM_TIMEOUT_S):
         except asyncio.TimeoutError:
             log.warning("no connection to %s after %.0fs; going on without it", name, timeout_s)
     await asyncio.gather(*(one(n, c) for n, c in channels.items()))
+
+
+async def run_engine_worker(description, make_service, add_servicer, cache_cls):
+    """The life of a prefill or decode worker process (workers/prefill.py, workers/decode.py).
+
+    Start-up; the service, its engine made (`make_service(rt, name, inst, log)`); its cache
+    when the run has one (`cache_cls`, started); `service.start(inst)`: what serves beside the
+    gRPC server (decode: the KV and token sockets); the gRPC server; the `slow` fault's control
+    of the engine; `service.started()`: what comes once it serves (decode: the step loop;
+    prefill: its KV connections); ready. Then it serves until SIGTERM, and `service.close()`
+    and the cache's close end it."""
+    args, rt, inst, log = startup(description)
+    service = make_service(rt, args.name, inst, log)
+    if rt.cache.enabled:
+        service.cache = await cache_cls(rt, inst, log).start()
+    await service.start(inst)
+    server = await start_grpc(inst, add_servicer, service)
+    control.install(rt, args.name, service.engine, log)
+    await service.started()
+    mark_ready(rt, args.name)
+    log.info(service.up_line(inst))
+
+    def cleanup():
+        service.close()
+        if service.cache is not None:
+            service.cache.close()
+
+    await serve_until_signalled(server, cleanup)
 
 
 async def serve_until_signalled(server, cleanup=None):

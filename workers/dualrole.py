@@ -16,7 +16,7 @@ import grpc
 
 from testbed.proto import testbed_pb2 as pb
 from testbed.proto import testbed_pb2_grpc as pbg
-from workers import common, control, decode, kvwire, prefill, tokens
+from workers import common, control, decode, prefill
 
 DRAIN_POLL_S = 0.01
 
@@ -29,7 +29,7 @@ class RoleService(pbg.RoleServicer):
     def busy(self, role):
         if role == "prefill":
             return self.pre.waiting > 0 or self.pre.active > 0
-        return bool(self.dec.slots or self.dec.batch or self.dec.waiting)
+        return bool(self.dec.kv.slots or self.dec.batch or self.dec.waiting)
 
     async def SetRole(self, req, context):
         async with self.lock:
@@ -64,16 +64,14 @@ async def main():
     dec = decode.DecodeService(rt, args.name, decode.make_engine(rt, inst), log)
     dec.events = control.event_log(rt, args.name)
     role = RoleService(args.name, inst.role, pre, dec, log)
-    kvwire.keep_receive_memory()
-    kv_server = await kvwire.serve(inst.ip, inst.kv_port, dec.on_frame, dec.on_kv_error)
-    token_server = await tokens.serve(inst.ip, inst.token_port, dec.token_streams)
+    await dec.start(inst)           # the KV and token sockets
     server = grpc.aio.server(options=common.grpc_options())
     pbg.add_PrefillServicer_to_server(pre, server)
     pbg.add_DecodeServicer_to_server(dec, server)
     pbg.add_RoleServicer_to_server(role, server)
     server.add_insecure_port(inst.addr)
     await server.start()
-    tasks = [asyncio.create_task(dec.step_loop()), asyncio.create_task(dec.discard_loop())]
+    await dec.started()             # the step loop
 
     class Both:         # the `slow` fault scales both engines' clocks
         def __setattr__(self, key, value):
@@ -91,13 +89,8 @@ async def main():
              inst.accelerator, inst.kv_port)
 
     def cleanup():
-        for t in tasks:
-            t.cancel()
-        kv_server.close()
-        token_server.close()
-        pre.pool.close()
-        dec.flush_discarded(0.0)
-        dec.report_wakeups()
+        dec.close()
+        pre.close()
 
     await common.serve_until_signalled(server, cleanup)
 

@@ -163,15 +163,50 @@ class TorchPrefillEngine:
         if ship not in SHIP_MODES:
             raise ValueError(f"ship: expected one of {SHIP_MODES}, got {ship!r}")
         P, prefix, tokens = self.plan_prefix(request, prefix_state, cached_len)
-        state = prefix.request_state(self.cfg, self.device) if prefix else None
-        mb = self.model_block
-        step = mb * self.snapshot_every
-        snap_at = list(range((P // step + 1) * step, len(tokens) + 1, step)) if on_block else []
         suffix = ship == "suffix" and P > 0
-        n = self.cfg.n_layers
-        loop = asyncio.get_running_loop()
         queue = asyncio.Queue()
         stop = threading.Event()
+        work = self._start_compute(tokens, P, prefix, suffix, bool(on_block), queue, stop)
+        try:
+            layers, kv_bytes = await self._send_layers(queue, send_layer)
+            first, st, t0, t1 = await work
+            ref = self._prefix_ref(request, prefix, P) if suffix else None
+            trailer = encode_trailer(first, st.length, self.cfg.n_layers, prefix=ref)
+            await _call(send_layer, None, [trailer])
+            kv_bytes += len(trailer)
+        except BaseException:
+            stop.set()
+            while not queue.empty():
+                queue.get_nowait()
+            if not work.done():
+                await asyncio.shield(work)
+            raise
+        stored = 0
+        if on_block:
+            keys = list(_field(request, "prefix_blocks", None) or [])
+            for blk in blocks_of(st, self.model_block, first=P // self.model_block, keys=keys):
+                await _call(on_block, blk)
+                stored += 1
+        overlap = sum(max(0.0, min(r["send_end"], t1) - max(r["send_start"], t0)) for r in layers)
+        return {"tokens": int(len(tokens)) - P, "prompt_tokens": int(len(tokens)),
+                "cached_tokens": P, "cached_len": P // self.model_block * self.block,
+                "ship": ship, "blocks_stored": stored, "first_token": first,
+                "kv_bytes": kv_bytes, "state_bytes": st.nbytes(), "compute_start": t0,
+                "compute_end": t1, "prefill_s": t1 - t0,
+                "send_start": layers[0]["send_start"] if layers else t1,
+                "send_end": time.time(), "overlap_s": overlap, "layers": layers}
+
+    def _start_compute(self, tokens, P, prefix, suffix, snapshots, queue, stop):
+        """The forward pass from token `P` on, started in the compute thread: each layer's
+        frames go to `queue` as (layer, frames, ready time) as the layer is done (MLA from `P`
+        on with `suffix`), then None; `stop` set: the rest are not encoded. With `snapshots`,
+        a KDA snapshot every `snapshot_every` blocks. The future gives (first token, state,
+        compute start, compute end)."""
+        state = prefix.request_state(self.cfg, self.device) if prefix else None
+        step = self.model_block * self.snapshot_every
+        snap_at = list(range((P // step + 1) * step, len(tokens) + 1, step)) if snapshots else []
+        n = self.cfg.n_layers
+        loop = asyncio.get_running_loop()
 
         def on_layer(i, kind, tensors):
             if stop.is_set():
@@ -193,47 +228,30 @@ class TorchPrefillEngine:
             finally:
                 loop.call_soon_threadsafe(queue.put_nowait, None)
 
-        work = loop.run_in_executor(self._pool, compute)
+        return loop.run_in_executor(self._pool, compute)
+
+    @staticmethod
+    async def _send_layers(queue, send_layer):
+        """Every layer's frames from `queue` to `send_layer`, in order, until the compute ends;
+        (per layer: ready, send start and end, bytes; the bytes sent)."""
         layers, kv_bytes = [], 0
-        try:
-            while (item := await queue.get()) is not None:
-                i, frames, t_ready = item
-                t_send = time.time()
-                size = sum(memoryview(f).nbytes for f in frames)
-                await _call(send_layer, i, frames)
-                del frames, item                      # the transfer buffer of this layer
-                layers.append({"layer": i, "ready": t_ready, "send_start": t_send,
-                               "send_end": time.time(), "bytes": size})
-                kv_bytes += size
-            first, st, t0, t1 = await work
-            ref = None
-            if suffix:
-                keys = list(_field(request, "prefix_blocks", None) or []) or prefix.keys
-                ref = {"length": P, "keys": [None if k is None else int(k)
-                                             for k in keys[:P // mb]]}
-            trailer = encode_trailer(first, st.length, n, prefix=ref)
-            await _call(send_layer, None, [trailer])
-            kv_bytes += len(trailer)
-        except BaseException:
-            stop.set()
-            while not queue.empty():
-                queue.get_nowait()
-            if not work.done():
-                await asyncio.shield(work)
-            raise
-        stored = 0
-        if on_block:
-            keys = list(_field(request, "prefix_blocks", None) or [])
-            for blk in blocks_of(st, mb, first=P // mb, keys=keys):
-                await _call(on_block, blk)
-                stored += 1
-        overlap = sum(max(0.0, min(r["send_end"], t1) - max(r["send_start"], t0)) for r in layers)
-        return {"tokens": int(len(tokens)) - P, "prompt_tokens": int(len(tokens)),
-                "cached_tokens": P, "cached_len": P // mb * self.block, "ship": ship,
-                "blocks_stored": stored, "first_token": first, "kv_bytes": kv_bytes,
-                "state_bytes": st.nbytes(), "compute_start": t0, "compute_end": t1,
-                "prefill_s": t1 - t0, "send_start": layers[0]["send_start"] if layers else t1,
-                "send_end": time.time(), "overlap_s": overlap, "layers": layers}
+        while (item := await queue.get()) is not None:
+            i, frames, t_ready = item
+            t_send = time.time()
+            size = sum(memoryview(f).nbytes for f in frames)
+            await _call(send_layer, i, frames)
+            del frames, item                      # the transfer buffer of this layer
+            layers.append({"layer": i, "ready": t_ready, "send_start": t_send,
+                           "send_end": time.time(), "bytes": size})
+            kv_bytes += size
+        return layers, kv_bytes
+
+    def _prefix_ref(self, request, prefix, P):
+        """The trailer's reference to the `P` prefix tokens the decode side holds (suffix
+        shipping): their length and the pool keys of their blocks."""
+        keys = list(_field(request, "prefix_blocks", None) or []) or prefix.keys
+        return {"length": P, "keys": [None if k is None else int(k)
+                                      for k in keys[:P // self.model_block]]}
 
 
 async def _call(fn, *args):

@@ -13,7 +13,9 @@ import time
 from testbed.proto import testbed_pb2 as pb
 from testbed.proto import testbed_pb2_grpc as pbg
 from workers import common, control, kvwire
+from workers.cache_worker import PrefillCache
 from workers.engine import PrefillEngine
+from workers.engine_profile import ProfilePrefillEngine
 
 
 class PrefillService(pbg.PrefillServicer):
@@ -111,6 +113,25 @@ class PrefillService(pbg.PrefillServicer):
         return pb.HealthReply(name=self.name, role="prefill", queue_depth=self.waiting,
                               active=self.active, busy_s=self.busy_s)
 
+    # ---- the worker process (common.run_engine_worker) ----
+    async def start(self, inst):
+        """Nothing serves beside the gRPC server."""
+
+    async def started(self):
+        """KV connections to every decode worker are opened now, not by the first request: a
+        serving system keeps its transfer connections up, and a request's TTFT should not
+        include the TCP handshake (or an ARP miss) across the WAN."""
+        decode = [(i.ip, i.kv_port) for i in self.rt.instances.values() if i.may_decode]
+        for host, port in await self.pool.warm(decode, common.WARM_TIMEOUT_S):
+            self.log.warning("no KV connection to %s:%s after %.0fs; its first request "
+                             "connects", host, port, common.WARM_TIMEOUT_S)
+
+    def up_line(self, inst):
+        return f"prefill worker up on {inst.addr} ({inst.accelerator})"
+
+    def close(self):
+        self.pool.close()
+
 
 class TorchPrefill(PrefillEngine):
     """The torch engine behind the profile engine's `prefill(request, emit)` form."""
@@ -119,45 +140,28 @@ class TorchPrefill(PrefillEngine):
     clock_factor = 1.0             # the computation takes its own time: the slow fault cannot
 
     def __init__(self, rt):
-        from workers.engine_torch import TorchPrefillEngine
+        from workers.engine_torch import TorchPrefillEngine  # reason: torch, heavy
         self.engine = TorchPrefillEngine(rt.torch, rt.device, seed=rt.seed,
                                          scale=rt.scale, threads=1)
 
     async def prefill(self, request, emit, arrived=None):
-        from workers.engine_torch import emit_sender
+        from workers.engine_torch import emit_sender  # reason: torch, heavy (loaded already)
         return await self.engine.prefill(request, emit_sender(emit))
 
 
 def make_engine(rt, inst) -> PrefillEngine:
     if rt.engine == "torch":
         return TorchPrefill(rt)
-    from workers.engine_profile import ProfilePrefillEngine
     return ProfilePrefillEngine(rt, inst)
 
 
-async def main():
-    args, rt, inst, log = common.startup("PrfaaS testbed prefill worker")
-    service = PrefillService(rt, args.name, make_engine(rt, inst), log)
-    if rt.cache.enabled:
-        from workers.cache_worker import PrefillCache
-        service.cache = await PrefillCache(rt, inst, log).start()
-    server = await common.start_grpc(inst, pbg.add_PrefillServicer_to_server, service)
-    control.install(rt, args.name, service.engine, log)
-    # KV connections to every decode worker are opened now, not by the first request: a serving
-    # system keeps its transfer connections up, and a request's TTFT should not include the TCP
-    # handshake (or an ARP miss) across the WAN.
-    decode = [(i.ip, i.kv_port) for i in rt.instances.values() if i.may_decode]
-    for host, port in await service.pool.warm(decode, common.WARM_TIMEOUT_S):
-        log.warning("no KV connection to %s:%s after %.0fs; its first request connects",
-                    host, port, common.WARM_TIMEOUT_S)
-    common.mark_ready(rt, args.name)
-    log.info("prefill worker up on %s (%s)", inst.addr, inst.accelerator)
-    def cleanup():
-        service.pool.close()
-        if service.cache is not None:
-            service.cache.close()
+def make_service(rt, name, inst, log):
+    return PrefillService(rt, name, make_engine(rt, inst), log)
 
-    await common.serve_until_signalled(server, cleanup)
+
+async def main():
+    await common.run_engine_worker("PrfaaS testbed prefill worker", make_service,
+                                   pbg.add_PrefillServicer_to_server, PrefillCache)
 
 
 if __name__ == "__main__":

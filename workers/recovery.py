@@ -301,40 +301,11 @@ class Flight:
                 if inbox in done:
                     inst, reason = inbox.result()
                     inbox = asyncio.ensure_future(self.inbox.get())
-                    if self.failover and inst is self.d:
-                        error = self._reroute_decode(f"{inst.name} down: {reason}")
-                    elif self.failover and inst is self.p and not self.ptask.done():
-                        # A paused instance keeps the request when there is nowhere else to go.
-                        self._redispatch_prefill(f"{inst.name} down: {reason}")
+                    error = self._on_down(inst, reason)
                 if error is None and ptask in done and ptask is self.ptask:
-                    r = ptask.result()
-                    if r.status != "ok":
-                        if not self.failover:
-                            error = r.error
-                        elif self.d.down:
-                            error = self._reroute_decode(r.error)
-                        elif not self._redispatch_prefill(r.error):
-                            if self.attempt + 1 >= MAX_ATTEMPTS:
-                                error = f"{r.error}; {MAX_ATTEMPTS} prefill attempts made"
-                            else:
-                                self.ptask = asyncio.create_task(
-                                    self._prefill_when_up(self.d, r.error))
+                    error = self._on_prefill(ptask.result())
                 if error is None and self.next_chunk is not None and self.next_chunk in done:
-                    try:
-                        chunk = self.next_chunk.result()
-                    except StopAsyncIteration:
-                        error = self._reroute_decode("closed the stream early")
-                        chunk = None
-                    except grpc.aio.AioRpcError as e:
-                        svc.health.rpc_error(self.d, e)
-                        error = self._reroute_decode(e.code().name)
-                        chunk = None
-                    if chunk is not None:
-                        self.svc.health.seen(self.d)
-                        self.next_chunk = (None if chunk.done else
-                                           asyncio.ensure_future(self.stream.__anext__()))
-                        self.tokens = max(self.tokens, chunk.direct,
-                                          chunk.first_index + len(chunk.times))
+                    chunk, error = self._on_chunk()
                 if error is None and chunk is not None:
                     if chunk.done:
                         yield await self._finish(chunk)
@@ -347,6 +318,48 @@ class Flight:
                     return
         finally:
             inbox.cancel()
+
+    def _on_down(self, inst, reason):
+        """`inst` went down (health): with failover, the request moves off it; the error when
+        it cannot (decode), else None."""
+        if self.failover and inst is self.d:
+            return self._reroute_decode(f"{inst.name} down: {reason}")
+        if self.failover and inst is self.p and not self.ptask.done():
+            # A paused instance keeps the request when there is nowhere else to go.
+            self._redispatch_prefill(f"{inst.name} down: {reason}")
+        return None
+
+    def _on_prefill(self, r):
+        """The prefill attempt's reply `r`: on a failure another attempt (now, or once an
+        instance is up), or the error that fails the request."""
+        if r.status == "ok":
+            return None
+        if not self.failover:
+            return r.error
+        if self.d.down:
+            return self._reroute_decode(r.error)
+        if self._redispatch_prefill(r.error):
+            return None
+        if self.attempt + 1 >= MAX_ATTEMPTS:
+            return f"{r.error}; {MAX_ATTEMPTS} prefill attempts made"
+        self.ptask = asyncio.create_task(self._prefill_when_up(self.d, r.error))
+        return None
+
+    def _on_chunk(self):
+        """(the decode stream's next chunk, None) and the stream read on; (None, the error)
+        when the stream broke and the request cannot move (None: it moved)."""
+        try:
+            chunk = self.next_chunk.result()
+        except StopAsyncIteration:
+            return None, self._reroute_decode("closed the stream early")
+        except grpc.aio.AioRpcError as e:
+            self.svc.health.rpc_error(self.d, e)
+            return None, self._reroute_decode(e.code().name)
+        self.svc.health.seen(self.d)
+        self.next_chunk = (None if chunk.done else
+                           asyncio.ensure_future(self.stream.__anext__()))
+        self.tokens = max(self.tokens, chunk.direct, chunk.first_index + len(chunk.times))
+        return chunk, None
 
     async def _finish(self, chunk):
         """The decode worker's last chunk, with the route and the admitted attempt's report."""

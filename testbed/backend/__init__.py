@@ -26,8 +26,8 @@ runner (testbed/run.py) what it drives:
   measured (`testbed.clocks`; Mininet: one clock, offsets 0), and the host of each instance;
 - `stop()`: tear down (also registered with the registry by `start`).
 
-Nothing above this package imports Mininet or Ray: `open_backend` imports the backend's module
-only when a run asks for it (`backend.kind` in the experiment). `mininet`
+Nothing above this package imports Mininet or Ray: the backends' modules import them only when
+a run asks for that backend (`backend.kind` in the experiment). `mininet`
 (testbed/backend/mininet.py): one machine, a Mininet host per instance, the WAN shaped on a
 router host. `ray` (testbed/backend/raycluster.py): the hosts of a Ray cluster, instances placed
 by the hosts' `dc` label, the WAN shaped on each host's NIC by a shaping agent
@@ -35,6 +35,10 @@ by the hosts' `dc` label, the WAN shaped on each host's NIC by a shaping agent
 """
 
 from typing import Protocol
+
+from testbed.backend.mininet import MininetBackend
+from testbed.backend.raycluster import RayBackend
+from testbed.backend.rayplacement import preflight as ray_preflight
 
 BACKENDS = ("mininet", "ray")
 
@@ -69,10 +73,8 @@ def open_backend(name, deployment, registry, events, spec=None, run_dir=None):
     `backend:` section (config.BackendSpec); `run_dir`: the run directory (the ray backend's
     hosts without it get their own copy, collected at the end)."""
     if name == "mininet":
-        from testbed.backend.mininet import MininetBackend
         return MininetBackend(deployment, registry, events)
     if name == "ray":
-        from testbed.backend.raycluster import RayBackend
         return RayBackend(deployment, registry, events, spec, run_dir)
     raise ValueError(f"unknown backend {name!r}; expected one of {', '.join(BACKENDS)}")
 
@@ -81,5 +83,4 @@ def preflight(spec, deployment):
     """Check, before anything is made, that the backend can run `deployment` (ray: the extra
     is installed, the cluster answers, the placement can be met); ConfigError otherwise."""
     if spec.kind == "ray":
-        from testbed.backend.raycluster import preflight as ray_preflight
         ray_preflight(spec, deployment)

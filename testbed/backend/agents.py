@@ -35,6 +35,8 @@ import time
 
 from testbed import clocks, lifecycle
 from testbed.errors import NetworkError
+from testbed.net import netlink
+from testbed.net.hostshape import HostWan
 
 GUARD_INTERVAL_S = 0.2
 STOP_GRACE_S = 3.0
@@ -159,7 +161,7 @@ class Launcher:
         return proc.pid
 
     def _free_gpu(self, key):
-        import ray
+        import ray  # reason: optional [cluster] extra, heavy
         held = {g for k, g in self.gpus.items() if self.procs[k].poll() is None}
         free = [str(g) for g in ray.get_gpu_ids() if str(g) not in held]
         if not free:
@@ -220,7 +222,6 @@ def _route_to(ns, ip):
 
 
 def shaping_call(what, fn, *args, **kwargs):
-    from testbed.net import netlink
     return netlink.call(what, fn, *args, **kwargs)
 
 
@@ -252,9 +253,7 @@ class ShapingAgent:
                                routes, peer)
 
     def _start(self, direction, dst, params, backend, seed, addresses, routes, peer):
-        from pyroute2 import IPRoute
-
-        from testbed.net.hostshape import HostWan
+        from pyroute2 import IPRoute  # reason: pyroute2, only where an agent shapes
 
         if os.geteuid() != 0:
             raise NetworkError("the shaping agent changes qdiscs, routes and iptables and needs "
@@ -309,7 +308,7 @@ class ShapingAgent:
     def tcp_counters(self):
         """This host's kernel TCP counters (`testbed.fidelity.tcp_counters`): the agent runs in
         the host's network namespace."""
-        from testbed.fidelity import tcp_counters
+        from testbed.fidelity import tcp_counters  # reason: fidelity loads numpy and pandas
         return tcp_counters(f"/proc/{os.getpid()}/ns/net")
 
     def stop(self):

@@ -11,13 +11,16 @@ import os
 import platform
 
 from testbed import clocks
+from testbed.net.build import Network
+from testbed.net.forward import Forward
+from testbed.net.probe import measure_link
 from testbed.net.tcp import CC_ENV
 
 
 def _mininet_version():
     """Mininet's own VERSION (the Debian package has no Python package metadata)."""
     try:
-        import mininet.net
+        import mininet.net  # reason: mininet, only on the machine that runs this backend
         return mininet.net.VERSION
     except ImportError:
         return None
@@ -31,7 +34,6 @@ class MininetBackend:
         self.net = None
 
     def start(self):
-        from testbed.net.build import Network
         self.net = Network(self.deployment, self.registry, self.events).start()
         return self
 
@@ -57,8 +59,6 @@ class MininetBackend:
 
     def probe(self, congestion_control):
         """The KV direction measured as built, between the two probe hosts (link_fidelity)."""
-        from testbed.net.probe import measure_link
-
         paths = self.net.netns_path
         os.environ[CC_ENV] = congestion_control      # the probe's TCP sender
         return measure_link(paths["probe_remote"], paths["probe_local"],
@@ -67,14 +67,12 @@ class MininetBackend:
 
     def tcp_counters(self):
         """Each host's kernel TCP counters now (`testbed.fidelity.host_tcp_counters`)."""
-        from testbed.fidelity import host_tcp_counters
+        from testbed.fidelity import host_tcp_counters  # reason: fidelity loads numpy, pandas
         return host_tcp_counters(self.net.netns_path)
 
     def forward(self, host, port, listen_port=0):
         """127.0.0.1:`listen_port` in the root namespace relayed to `host`'s address:`port`
         inside its namespace (testbed/net/forward.py); stopped with the run's registry."""
-        from testbed.net.forward import Forward
-
         fwd = Forward(self.net.netns_path[host], (self.net.ip(host), port),
                       port=listen_port).start()
         self.registry.on_close(fwd.stop, "forward")

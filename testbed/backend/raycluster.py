@@ -2,15 +2,16 @@
 
     describe -> deploy (Deployment) -> backend: RayBackend (place, shape, spawn) -> analyse
 
-Hosts join the cluster with `ray start ... --labels dc=prfaas` or `dc=local` (docs/cluster.md).
-`start()`:
+This module launches; it reaches the cluster through `raynodes` (connect, the labelled nodes,
+actors pinned to a node) and asks `rayplacement` which node runs each instance. Hosts join the
+cluster with `ray start ... --labels dc=prfaas` or `dc=local` (docs/cluster.md). `start()`:
 
 1. connects to the cluster (`backend.address`) and places every instance of the deployment on
-   an alive node labelled with its datacenter (`place`: the node with the most free CPUs that
-   fits; one GPU per prefill/decode instance for the torch engine on CUDA, `backend.cpus` CPUs
-   otherwise). A datacenter without a node, or instances that do not fit, is a ConfigError
-   (exit 2) before anything starts (`preflight` runs the same check before the run directory
-   is made);
+   an alive node labelled with its datacenter (`rayplacement.place`: the node with the most
+   free CPUs that fits; one GPU per prefill/decode instance for the torch engine on CUDA,
+   `backend.cpus` CPUs otherwise). A datacenter without a node, or instances that do not fit,
+   is a ConfigError (exit 2) before anything starts (`rayplacement.preflight` runs the same
+   check before the run directory is made);
 2. starts a shaping agent (`agents.ShapingAgent`, zero CPUs) on every labelled node: the node
    carries its instances' addresses (the deployment's 10.1/16, 10.2/16 plan) and routes to the
    others', and shapes its datacenter's WAN direction on its egress interface for traffic to
@@ -37,134 +38,30 @@ is what metadata.json records and analysis corrects the other hosts' stamps by.
 
 from __future__ import annotations
 
-import dataclasses
 import platform
 import secrets
 import signal
-import socket
 import subprocess
 import time
 
 from testbed import clocks
 from testbed.backend import agents, runfiles
+from testbed.backend.raynodes import (DATACENTERS, DIRECTION_OF, READY_TIMEOUT_S, connect,
+                                      labelled_nodes, pinned)
+from testbed.backend.rayplacement import place, request
+from testbed.backend.rayprobe import measure
+from testbed.deploy import DC_NET
 from testbed.errors import ConfigError, NetworkError
 
-LABEL = "dc"
-DATACENTERS = ("prfaas", "local")
-DIRECTION_OF = {"prfaas": "kv", "local": "request"}   # the direction a DC's hosts send
-READY_TIMEOUT_S = 60.0
-CONNECT_TIMEOUT_S = 5.0
 STATUS_TTL_S = 0.05
-NAMESPACE = "prfaas-testbed"
-
-
-def connect(address):
-    """`ray` connected to the cluster at `address` (HOST:PORT or auto); ConfigError (exit 2)
-    without the [cluster] extra or without a cluster there."""
-    try:
-        import ray
-    except ImportError:
-        raise ConfigError("the ray backend needs Ray: pip install -e '.[cluster]'",
-                          key="backend.kind") from None
-    if not ray.is_initialized():
-        _check_reachable(address)
-        try:
-            ray.init(address=address, namespace=NAMESPACE, log_to_driver=False,
-                     logging_level="ERROR", configure_logging=True)
-        except (ConnectionError, RuntimeError, ValueError) as e:
-            raise ConfigError(f"no Ray cluster at {address} ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else ''})",
-                              key="backend.address") from None
-    return ray
-
-
-def _check_reachable(address, timeout_s=CONNECT_TIMEOUT_S):
-    """A bounded TCP connect to the head's GCS port: ray.init itself retries for minutes."""
-    if address == "auto":
-        return
-    host, _, port = address.rpartition(":")
-    try:
-        socket.create_connection((host, int(port)), timeout=timeout_s).close()
-    except OSError as e:
-        raise ConfigError(f"no Ray head answers at {address} within {timeout_s:g}s "
-                          f"({e.strerror or e})", key="backend.address") from None
-
-
-# ---------------------------------------------------------------- placement (pure)
-
-@dataclasses.dataclass(frozen=True)
-class Node:
-    """An alive Ray node with a `dc` label."""
-
-    node_id: str
-    ip: str
-    dc: str
-    cpus: float
-    gpus: float
-
-
-def labelled_nodes(ray_nodes):
-    """`Node`s of `ray.nodes()` entries that are alive and carry a known `dc` label."""
-    out = []
-    for n in ray_nodes:
-        dc = (n.get("Labels") or {}).get(LABEL)
-        if n.get("Alive") and dc in DATACENTERS:
-            r = n.get("Resources") or {}
-            out.append(Node(n["NodeID"], n["NodeManagerAddress"], dc, float(r.get("CPU", 0)),
-                            float(r.get("GPU", 0))))
-    return sorted(out, key=lambda n: (n.dc, n.ip, n.node_id))
-
-
-def request(inst, runtime, cpus):
-    """(CPUs, GPUs) an instance asks for: a GPU for the torch engine's prefill and decode on
-    CUDA, `cpus` otherwise."""
-    if inst.role in ("prefill", "decode") and runtime.engine == "torch" \
-            and runtime.device == "cuda":
-        return 0.0, 1.0
-    return cpus, 0.0
-
-
-def place(deployment, cpus, nodes):
-    """{instance name: Node}; ConfigError naming what cannot be met."""
-    free = {n: [n.cpus, n.gpus] for n in nodes}
-    for dc in DATACENTERS:
-        if not any(n.dc == dc for n in nodes):
-            raise ConfigError(f"no alive Ray node labelled {LABEL}={dc} (ray start ... "
-                              f"--labels {LABEL}={dc}; docs/cluster.md)", key="backend")
-    out = {}
-    for inst in deployment.instances:
-        need_cpu, need_gpu = request(inst, deployment.runtime, cpus)
-        fits = [n for n in nodes if n.dc == inst.dc and free[n][0] >= need_cpu - 1e-9
-                and free[n][1] >= need_gpu - 1e-9]
-        if not fits:
-            total = [sum(free_n[i] for n, free_n in free.items() if n.dc == inst.dc)
-                     for i in (0, 1)]
-            raise ConfigError(f"placement cannot be met: {inst.name} (dc={inst.dc}) needs "
-                              f"{need_cpu:g} CPU and {need_gpu:g} GPU, the nodes labelled "
-                              f"{LABEL}={inst.dc} have {total[0]:g} CPU and {total[1]:g} GPU "
-                              f"left", key="backend")
-        best = max(fits, key=lambda n: (free[n][1] if need_gpu else free[n][0], n.ip))
-        free[best][0] -= need_cpu
-        free[best][1] -= need_gpu
-        out[inst.name] = best
-    return out
-
-
-def preflight(spec, deployment):
-    """Connect and place once, before the run directory is made (exit 2 on failure)."""
-    ray = connect(spec.address)
-    return place(deployment, spec.cpus, labelled_nodes(ray.nodes()))
 
 
 def clean(address):
     """Undo, on every alive node of the cluster at `address`, what shaping agents that died
     without stopping left (their state files); [(node IP, report lines, corrupt lines)]."""
     ray = connect(address)
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-    task = ray.remote(agents.clean_host)
     nodes = [n for n in ray.nodes() if n.get("Alive")]
-    refs = [task.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
-        n["NodeID"], soft=False)).remote() for n in nodes]
+    refs = [pinned(ray, agents.clean_host, n["NodeID"], num_cpus=0).remote() for n in nodes]
     return [(n["NodeManagerAddress"], *r)
             for n, r in zip(nodes, ray.get(refs, timeout=READY_TIMEOUT_S))]
 
@@ -266,14 +163,8 @@ class RayBackend:
                                      self.events)
         return self
 
-    def _pinned(self, cls, node, **options):
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-        return self.ray.remote(cls).options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
-            **options)
-
     def _ready(self, refs, what):
-        from ray.exceptions import GetTimeoutError
+        from ray.exceptions import GetTimeoutError  # reason: optional [cluster] extra, heavy
         try:
             return self.ray.get(refs, timeout=READY_TIMEOUT_S)
         except GetTimeoutError:
@@ -284,11 +175,10 @@ class RayBackend:
     def _start_agents(self):
         dep = self.deployment
         params = {d: link.params() for d, link in dep.links.items()}
-        from testbed.deploy import DC_NET
         refs = {}
         for i, node in enumerate(self.nodes):
             other = "local" if node.dc == "prfaas" else "prfaas"
-            agent = self._pinned(agents.ShapingAgent, node, num_cpus=0).remote(
+            agent = pinned(self.ray, agents.ShapingAgent, node, num_cpus=0).remote(
                 self.registry.run_id, f"{node.dc}{i}")
             self.agents[node.dc].append(agent)
             mine = self._addresses(node)
@@ -316,8 +206,8 @@ class RayBackend:
             for node in dict.fromkeys(self.placement.values()):
                 need = [request(self.deployment.instance(name), rt, self.spec.cpus)
                         for name, n in self.placement.items() if n == node]
-                self.launchers[node] = self._pinned(
-                    agents.Launcher, node, num_cpus=sum(c for c, _ in need),
+                self.launchers[node] = pinned(
+                    self.ray, agents.Launcher, node, num_cpus=sum(c for c, _ in need),
                     num_gpus=sum(g for _, g in need)).remote(
                         None if self.run_dir is None else str(self.run_dir), token,
                         self.registry.run_id)
@@ -427,8 +317,6 @@ class RayBackend:
         """The KV direction measured through the agents, from the PrfaaS host of the first
         PrfaaS instance to the local host of the scheduler (link_fidelity), by probe actors on
         the two hosts; no clock shared by them is needed (testbed.backend.rayprobe)."""
-        from testbed.backend.rayprobe import measure
-
         dep = self.deployment
         dst_node = self.placement["scheduler"]
         # the host's first instance address: the source of what it sends to other hosts

@@ -6,8 +6,8 @@ ends; on one machine each end is a namespace it enters. On a Ray cluster each en
 own network namespace; `RemoteSide` hands them to `measure_link`, which needs nothing else:
 
     measure_link(RemoteSide(src node), RemoteSide(dst node), dst_ip, configured)
-      udp-server, tcp-sink  -> ProbeHost on the dst node -> python -m testbed.net.probe ...
-      udp-client, tcp-source -> ProbeHost on the src node -> python -m testbed.net.probe ...
+      udp-server, tcp-sink  -> ProbeHost on the dst node -> python -m testbed.net.proberoles ...
+      udp-client, tcp-source -> ProbeHost on the src node -> python -m testbed.net.proberoles ...
 
 No clock is shared by the two ends: RTT is timed on the sender, loss and reordering are counted
 at the receiver against the sender's count, goodput is the sender's delivered-bytes slope, and
@@ -26,9 +26,9 @@ import contextlib
 import secrets
 
 from testbed.backend import agents
+from testbed.backend.raynodes import (DATACENTERS, DIRECTION_OF, READY_TIMEOUT_S, connect,
+                                      labelled_nodes, pinned)
 from testbed.deploy import DC_NET
-from testbed.backend.raycluster import (DATACENTERS, DIRECTION_OF, READY_TIMEOUT_S, connect,
-                                        labelled_nodes)
 from testbed.errors import ConfigError, NetworkError
 from testbed.net.probe import ProbeProcess, measure_link
 from testbed.net.tcp import CC_ENV
@@ -99,7 +99,7 @@ class RemoteProbe:
 
 def _get(ray, ref, timeout_s):
     """ray.get bounded; a failure on the host (NetworkError there) as one NetworkError here."""
-    from ray.exceptions import GetTimeoutError, RayError
+    from ray.exceptions import GetTimeoutError, RayError  # reason: optional [cluster] extra
     try:
         return ray.get(ref, timeout=timeout_s)
     except GetTimeoutError:
@@ -107,13 +107,6 @@ def _get(ray, ref, timeout_s):
     except RayError as e:
         cause = getattr(e, "cause", None) or e
         raise NetworkError(str(cause).strip().splitlines()[-1]) from None
-
-
-def pinned(ray, cls, node, **options):
-    """`cls` as a Ray actor class that runs on `node` only."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-    return ray.remote(cls).options(
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False), **options)
 
 
 @contextlib.contextmanager

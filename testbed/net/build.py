@@ -14,13 +14,16 @@ import subprocess
 
 from testbed import lifecycle
 from testbed.errors import NetworkError, PrivilegeError
+from testbed.net.ns import disable_offloads
+from testbed.net.timers import TcpTimers, apply
+from testbed.net.wan import Wan
 
 
 def _mininet():
     try:
-        from mininet.log import setLogLevel
-        from mininet.net import Mininet
-        from mininet.nodelib import LinuxBridge
+        from mininet.log import setLogLevel  # reason: mininet, optional until a network is built
+        from mininet.net import Mininet  # reason: as above
+        from mininet.nodelib import LinuxBridge  # reason: as above
     except ImportError as e:
         raise NetworkError(f"Mininet is not importable ({e}); run `sudo make deps` (Debian "
                            "package mininet, used from a venv made with --system-site-packages)")
@@ -44,7 +47,7 @@ class Network:
         if os.geteuid() != 0:
             raise PrivilegeError("building the emulated network needs root: run with sudo")
         Mininet, LinuxBridge = _mininet()
-        from topologies.two_dc import TwoDatacenterTopo
+        from topologies.two_dc import TwoDatacenterTopo  # reason: imports mininet.topo
 
         self.topo = TwoDatacenterTopo(prefix=self.registry.prefix,
                                       instances=self.deployment.instances)
@@ -86,8 +89,6 @@ class Network:
 
     def _scale_tcp_timers(self):
         """rto_min and quickack on the end hosts' routes (`net.timers`); recorded for metadata."""
-        from testbed.net.timers import TcpTimers, apply
-
         scale = self.deployment.scale
         timers = TcpTimers.for_scale(scale)
         routes = {role: apply(path, timers) for role, path in self.netns_path.items()
@@ -97,8 +98,6 @@ class Network:
 
     def _per_frame_if_lossy(self):
         """With loss configured (now or by a scheduled change), hosts send single frames."""
-        from testbed.net.ns import disable_offloads
-
         self.per_frame = self.deployment.per_frame
         if not self.per_frame:
             return
@@ -111,8 +110,6 @@ class Network:
                     disable_offloads(f"/proc/{node.pid}/ns/net", intf.name)
 
     def _shape(self, router):
-        from testbed.net.wan import Wan
-
         dep = self.deployment
         self.wan = Wan(netns_path=f"/proc/{router.pid}/ns/net",
                        ifaces=dict(self.topo.router_intfs),
@@ -152,8 +149,8 @@ class Network:
 
     def cli(self):
         """The Mininet CLI on the running network (its output needs Mininet's 'output' level)."""
-        from mininet.cli import CLI
-        from mininet.log import setLogLevel
+        from mininet.cli import CLI  # reason: mininet, optional until a network is built
+        from mininet.log import setLogLevel  # reason: as above
         setLogLevel("output")
         roles = ", ".join(f"{role}={name}" for role, name in sorted(self.topo.roles.items()))
         print(f"*** workers are up; nodes: {roles}\n*** e.g. `{self.topo.roles['client']} ping "

@@ -60,7 +60,7 @@ import sys
 from testbed.errors import NetworkError
 from testbed.net import netlink
 from testbed.net.firewall import Firewall
-from testbed.net.linkmodel import (DIRECTIONS, SETTABLE, Link, check_params, needs_delayline,
+from testbed.net.linkmodel import (DIRECTIONS, Link, check_params, needs_delayline,
                                    needs_per_frame_packets)
 from testbed.net.ns import ns_argv, ns_run
 from testbed.net.wan import CLASS_HANDLE, HTB_HANDLE, LEAF_HANDLE, TC_H_ROOT, Wan, _leaf_stats
@@ -126,11 +126,14 @@ class HostFirewall(Firewall):
 
 class HostWan(Wan):
     """`direction`'s egress half on a host's interface `iface` (packets to `dst`, the other
-    datacenter's subnet) and the other direction's ingress half (packets from `dst`).
+    datacenter's subnet) and the other direction's ingress half (packets from `dst`). A change
+    of either is `Wan._apply`'s, on this host's halves.
 
     `params` holds both directions (emulated `Link`s, or their `Link.params()` form as they
     cross to a Ray actor).
     """
+
+    other_delay_resizes = True   # the egress queue's BDP is of the round trip, both delays
 
     def __init__(self, netns_path, iface, direction, dst, params, backend="auto", seed=0,
                  registry=None, events=None):
@@ -141,11 +144,12 @@ class HostWan(Wan):
                          backend=backend, seed=seed, registry=registry, events=events)
         self.direction, self.dst, self.iface = direction, str(ipaddress.IPv4Network(dst)), iface
         self.ingress = next(d for d in DIRECTIONS if d != direction)
+        self._arrival = {self.ingress}
         self.offload_before = None      # {tso, gso} before they went off (loss), else None
 
     def start(self):
         """Install the direction on `iface`; on any failure, remove what was installed."""
-        from pyroute2 import IPRoute
+        from pyroute2 import IPRoute  # reason: pyroute2, only where a host is shaped
 
         self._pick_backend()
         for d in DIRECTIONS:
@@ -207,29 +211,10 @@ class HostWan(Wan):
         return ["nsenter", f"--net={self.netns_path}", "tc", "qdisc", "del", "dev", self.iface,
                 "root"]
 
-    def _apply(self, d, link):
-        """A change of `d`: its rate and queue (netem: all of it) if it is this host's egress,
-        its delay, jitter, loss and up if it is the ingress (userspace)."""
-        old, p = self.links[d].params(), link.params()
-        self.links[d] = link
-        changed = {k for k in SETTABLE if p[k] != old[k]}
-        self._per_frame_if_lossy()       # before the loss applies
-        out = self.direction
-        if d == out and "rate" in changed:
-            self._set_class(out, "change-class")
-        if self.backend == "netem":
-            if d == out and changed:
-                self._set_leaf(out, "change")
-            return
-        if (d == out and "queue" in changed) or (self.links[out].queue is None and (
-                "delay" in changed or (d == out and "rate" in changed))):
-            self._set_leaf(out, "replace")     # the default queue follows the BDP
-        if d == self.ingress:
-            if changed & {"loss", "loss_burst", "up"}:
-                self._firewall.sync(d, link.up, self._iptables_loss(link))
-            if changed & {"delay", "jitter", "loss", "loss_burst"} and (
-                    needs_delayline(link) or d in self._delaylines):
-                self._ensure_delayline(d)
+    def _link_changed(self):
+        """A change (`Wan._apply`: this host's egress direction, or the ingress half of the
+        other) turns the offloads off before a loss it brings applies."""
+        self._per_frame_if_lossy()
 
     def _per_frame_if_lossy(self):
         if self.offload_before is None and needs_per_frame_packets(self.links):

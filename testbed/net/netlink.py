@@ -18,7 +18,7 @@ from testbed.errors import NetworkError
 def call(what: str, fn, *args, **kwargs):
     """Run one pyroute2 request; a NetlinkError becomes a NetworkError naming `what` and the
     errno."""
-    from pyroute2.netlink.exceptions import NetlinkError
+    from pyroute2.netlink.exceptions import NetlinkError  # reason: pyroute2, heavy
     try:
         return fn(*args, **kwargs)
     except NetlinkError as e:
@@ -27,7 +27,7 @@ def call(what: str, fn, *args, **kwargs):
 
 def open_netns(path: str):
     """A pyroute2 `NetNS` on the namespace file `path`; NetworkError (ENOENT) when it is gone."""
-    from pyroute2 import NetNS
+    from pyroute2 import NetNS  # reason: pyroute2, heavy
     if not os.path.exists(path):
         raise NetworkError(f"network namespace {path} does not exist", errno=errno_mod.ENOENT)
     return NetNS(path)
@@ -36,5 +36,5 @@ def open_netns(path: str):
 def register_fifo_plugins() -> None:
     """pyroute2 0.9.7 knows 'pfifo' but not 'bfifo'; for an unknown kind it silently sets the
     parent to root (so a 'bfifo' child replaced the root qdisc). Both use struct tc_fifo_qopt."""
-    from pyroute2.netlink.rtnl.tcmsg import plugins, sched_pfifo
+    from pyroute2.netlink.rtnl.tcmsg import plugins, sched_pfifo  # reason: pyroute2, heavy
     plugins.setdefault("bfifo", sched_pfifo)

@@ -4,7 +4,7 @@ A namespace is named by its file: a name under /var/run/netns (what `ip netns ad
 `netns.create` make) or a path such as /proc/PID/ns/net (a Mininet host's). Commands enter it
 with `nsenter --net=PATH`, which changes the network namespace only (unlike `ip netns exec`, it
 does not remount /sys), so a process keeps its view of the files and the PIDs it knows.
-Light on purpose: `python -m testbed.net.probe` imports it inside the namespace it measures.
+Light on purpose (subprocess only): every namespace host and link builder imports it.
 """
 
 from __future__ import annotations

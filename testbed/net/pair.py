@@ -37,7 +37,7 @@ PREFIXLEN = 24
 
 def create_netns(reg: lifecycle.Registry, name: str) -> str:
     """A named namespace, on record before it exists; returns its path."""
-    from pyroute2 import netns
+    from pyroute2 import netns  # reason: pyroute2, heavy
 
     reg.add_netns(name)
     _netlink(f"creating netns {name}", netns.create, name)
@@ -46,7 +46,7 @@ def create_netns(reg: lifecycle.Registry, name: str) -> str:
 
 def add_veth(a: str, ns_a: str, b: str, ns_b: str) -> None:
     """A veth pair a/b with end `a` moved into namespace `ns_a` and `b` into `ns_b` (names)."""
-    from pyroute2 import IPRoute
+    from pyroute2 import IPRoute  # reason: pyroute2, heavy
 
     with IPRoute() as ipr:
         _netlink(f"adding veth {a}/{b}", ipr.link, "add", ifname=a, kind="veth", peer=b)
@@ -59,7 +59,7 @@ def address(ns: str, ifname: str, ip: str, prefixlen: int = PREFIXLEN,
             gateway: str | None = None) -> None:
     """Bring `lo` and `ifname` up in `ns`, give `ifname` the address, and a default route via
     `gateway` if given."""
-    from pyroute2 import NetNS
+    from pyroute2 import NetNS  # reason: pyroute2, heavy
 
     with NetNS(ns_path(ns)) as n:
         for name in ("lo", ifname):
@@ -75,7 +75,7 @@ def address(ns: str, ifname: str, ip: str, prefixlen: int = PREFIXLEN,
 
 def rx_bytes(ns: str, ifname: str) -> int:
     """The kernel's count of bytes received on `ifname` inside `ns`."""
-    from pyroute2 import NetNS
+    from pyroute2 import NetNS  # reason: pyroute2, heavy
 
     with NetNS(ns_path(ns)) as n:
         link = n.get_links(n.link_lookup(ifname=ifname)[0])[0]

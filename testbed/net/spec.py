@@ -14,6 +14,8 @@ import platform
 
 from testbed import units
 from testbed.errors import ConfigError
+from testbed.net.linkmodel import gilbert, queue_limit
+from testbed.net.wan import probe_backend
 from testbed.schema import boolean, choice, list_of, optional, section, spec, string
 
 MAX_DELAY_S = 10.0                  # one-way delay or jitter, real-world (a hard limit)
@@ -158,7 +160,6 @@ def check_loss(loss, burst, key):
     """Loss in bursts must be reachable by a Gilbert chain: loss < 1, p(good->bad) <= 1."""
     if burst is None or not loss:
         return
-    from testbed.net.linkmodel import gilbert
     if loss >= 1 or gilbert(loss, burst)[0] > 1:
         raise ConfigError(f"loss {loss:.4g} in bursts of {burst:g} packets is impossible (the "
                           f"good->bad probability would exceed 1); use a lower loss or longer "
@@ -170,7 +171,6 @@ def check_queue(queue, rate_bps, rtt_s, key):
 
     bfifo/pfifo limits and netem's `limit` are u32 in the kernel; the caps here are far below
     that and bound kernel memory."""
-    from testbed.net.linkmodel import queue_limit
     kind, n = queue_limit(queue, rate_bps, rtt_s)
     given = "" if queue is not None else " (the default, one bandwidth-delay product)"
     if kind == "bfifo" and n > MAX_QUEUE_BYTES:
@@ -225,7 +225,6 @@ def check_backend(wan):
     if wan.backend == "netem":
         have = netem_in_kernel()
         if have is None and os.geteuid() == 0:
-            from testbed.net.wan import probe_backend
             have = probe_backend()[0] == "netem"
         if have is False:
             raise ConfigError(f"backend netem requested, but this kernel ({platform.release()}) "

@@ -3,7 +3,7 @@ take from the run.
 
 Place in the architecture: the runner (`testbed.run`) and `testbed linktest` put the experiment's
 `network.congestion_control` in the environment of the processes they start (`CC_ENV`); the KV
-data path (`workers.kvwire`) and the link probe's bulk sender (`testbed.net.probe`) call
+data path (`workers.kvwire`) and the link probe's bulk sender (`testbed.net.proberoles`) call
 `set_congestion_control` on their sockets. It lives here, not beside the workers, so the testbed
 side imports a constant and one function without pulling in the workers package.
 """

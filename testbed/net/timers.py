@@ -26,6 +26,9 @@ import gzip
 import math
 import socket
 
+from testbed.net import netlink
+from testbed.net.ns import sysctl
+
 KERNEL_RTO_MIN_S = 0.200        # TCP_RTO_MIN (HZ / 5)
 KERNEL_DELACK_MIN_S = 0.040     # TCP_DELACK_MIN (HZ / 25)
 SACK_DELAY_NS = 1_000_000       # net.ipv4.tcp_comp_sack_delay_ns default: SACK compression cap
@@ -143,9 +146,6 @@ def apply(ns_path, timers):
     naming the route and errno, or the sysctl."""
     if not timers.active:
         return []
-    from testbed.net import netlink
-    from testbed.net.ns import sysctl
-
     if timers.sysctls():
         sysctl(ns_path, *timers.sysctls())
 

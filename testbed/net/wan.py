@@ -96,7 +96,17 @@ def _probe_netem(name):
 # ---------------------------------------------------------------- the link
 
 class Wan:
-    """The two-direction WAN link on a router namespace; see the module docstring."""
+    """The two-direction WAN link on a router namespace; see the module docstring.
+
+    A subclass may install part of it only (`testbed.net.hostshape.HostWan`): the directions
+    whose rate and queue it installs are those in `_index` (the egress interfaces it found), the
+    ones whose delay, jitter, loss and cuts it applies as packets arrive (userspace backend) are
+    `_arrival`; `_apply` changes what is installed of both.
+    """
+
+    # A direction's delay change resizes the default queue (one BDP of the round trip) of the
+    # other direction too: HostWan does; the router's Wan resizes the changed direction only.
+    other_delay_resizes = False
 
     def __init__(self, netns_path, ifaces, links, backend="auto", seed=0, registry=None,
                  events=None):
@@ -121,6 +131,7 @@ class Wan:
         self.events = events
         self._ns = None
         self._index = {}
+        self._arrival = set(DIRECTIONS)
         self._delaylines = {}
         self._firewall = None
         self._lock = threading.RLock()
@@ -295,22 +306,44 @@ class Wan:
         return took
 
     def _apply(self, d, link):
+        """A change of `d`: its rate and queue (netem: all of it) where it leaves through an
+        interface here, its delay, jitter, loss and cuts where it arrives here (userspace)."""
         old, p = self.links[d].params(), link.params()
         self.links[d] = link
         changed = {k for k in SETTABLE if p[k] != old[k]}
-        if "rate" in changed:
+        self._link_changed()
+        egress = d in self._index
+        if egress and "rate" in changed:
             self._set_class(d, "change-class")
         if self.backend == "netem":
-            if changed & {"delay", "jitter", "loss", "loss_burst", "up", "queue", "rate"}:
+            if egress and changed:
                 self._set_leaf(d, "change")
             return
-        if "queue" in changed or (p["queue"] is None and changed & {"rate", "delay"}):
-            self._set_leaf(d, "replace")     # the default queue follows the BDP
-        if changed & {"loss", "loss_burst", "up"}:
-            self._firewall.sync(d, link.up, self._iptables_loss(link))
-        if changed & {"delay", "jitter", "loss", "loss_burst"} and (
-                needs_delayline(link) or d in self._delaylines):
-            self._ensure_delayline(d)
+        for e in self._resized_queues(d, changed):
+            self._set_leaf(e, "replace")     # the default queue follows the BDP
+        if d in self._arrival:
+            if changed & {"loss", "loss_burst", "up"}:
+                self._firewall.sync(d, link.up, self._iptables_loss(link))
+            if changed & {"delay", "jitter", "loss", "loss_burst"} and (
+                    needs_delayline(link) or d in self._delaylines):
+                self._ensure_delayline(d)
+
+    def _link_changed(self):
+        """`self.links` holds a change that is not installed yet (HostWan: offloads off)."""
+
+    def _resized_queues(self, d, changed):
+        """The egress directions whose queue a change of `d` sets, or whose default queue (one
+        BDP) it resizes (userspace backend)."""
+        out = []
+        for e in self._index:
+            own = e == d
+            if own and "queue" in changed:
+                out.append(e)
+            elif self.links[e].queue is None and (
+                    (own and changed & {"rate", "delay"})
+                    or (not own and self.other_delay_resizes and "delay" in changed)):
+                out.append(e)
+        return out
 
     # -- counters
 
