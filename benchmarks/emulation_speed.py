@@ -12,9 +12,10 @@ Wall time is the whole `testbed run` (all three variants, set-up and analysis in
 variant the span in its metadata.json; the lag is real-world ms from the decode worker's first
 token stamp to its arrival at the client; capacity is the steady throughput over the planner's
 expected-latency prediction. `--sweep` also runs the delay-line rate sweep
-(`testbed.net.ratesweep`, benchmarks/link_fidelity.py --rate-sweep) in the same invocation and prints its table: goodput over the
-configured rate and over the raw veth rate measured alongside, delay error (idle RTT, loaded
-one-way delay), reordering and the delay line's CPU, without and with loss (about a minute).
+(`testbed.net.ratesweep`, benchmarks/link_fidelity.py --rate-sweep) in the same invocation and
+prints its table: goodput over the configured rate and over the raw veth rate measured
+alongside, delay error (idle RTT, loaded one-way delay), reordering and the delay line's CPU,
+without and with loss (about a minute).
 
 Needs root (it starts `testbed run`): on a shared machine run it under the root lock, e.g.
 

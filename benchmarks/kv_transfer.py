@@ -21,7 +21,7 @@ the last request is complete. Each trial is short (~0.1-0.3 s), so raw and worke
 alternate `--repeat` times; the table shows median goodputs and the median (and range) of the
 ratio of each worker trial to the raw trial just before it, which cancels slow load changes;
 the load average before and after is printed, because other work on the machine moves both.
-Not part of the test suite.
+Its numbers are not part of the test suite's pass/fail (its `--smoke` run is).
 """
 
 import argparse

@@ -15,15 +15,16 @@ points (Gilbert chain in the delay line) compare measured loss and mean burst le
 configured ones (--no-burst skips them).
 
 `--rate-sweep` instead measures how fast the delay line itself carries
-(`testbed.net.ratesweep.delayline_sweep`, also run by benchmarks/emulation_speed.py): per configured rate (1, 2, 5, 8 Gbit/s, 5 ms each way), with
-no loss and with a small loss (0.1%, which turns segmentation offload off, so every 1514-byte
-frame is one delay-line packet), the TCP goodput over the rate and over the raw veth goodput of
-the same topology without shaping (measured in the same run, same offload setting); the idle
-RTT's error (p50 - 2 x delay; the raw veth's idle RTT, printed above the table, is the stack's
-share of it); the one-way delay of probes on the reverse (ACK) direction while the bulk flow runs,
-so through a delay line under load with an empty bottleneck queue; reordering seen by the probes
-and by TCP (the sender's reordering counters); and how late the forward delay line released
-packets by its own clock, and its CPU share.
+(`testbed.net.ratesweep.delayline_sweep`, also run by benchmarks/emulation_speed.py): per
+configured rate (1, 2, 5, 8 Gbit/s, 5 ms each way), with no loss and with a small loss (0.1%,
+which turns segmentation offload off, so every 1514-byte frame is one delay-line packet), the
+TCP goodput over the rate and over the raw veth goodput of the same topology without shaping
+(measured in the same run, same offload setting); the idle RTT's error (p50 - 2 x delay; the raw
+veth's idle RTT, printed above the table, is the stack's share of it); the one-way delay of
+probes on the reverse (ACK) direction while the bulk flow runs, so through a delay line under
+load with an empty bottleneck queue; reordering seen by the probes and by TCP (the sender's
+reordering counters); and how late the forward delay line released packets by its own clock, and
+its CPU share.
 
     sudo .venv/bin/python benchmarks/link_fidelity.py --rate-sweep [--json F]
 """

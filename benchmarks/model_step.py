@@ -11,7 +11,8 @@ For each prompt length, side by side in one run:
            engine = `TorchDecodeEngine.step` on the same requests admitted from wire frames;
   memory   state bytes per request (measured and formula) and the process RSS growth per
            in-flight request (receive + assemble + admit 8 requests, divided by 8).
-The ratio engine/plain is the harness overhead. Not part of the test suite.
+The ratio engine/plain is the harness overhead. Its numbers are not part of the test suite's
+pass/fail (its `--smoke` run is).
 """
 
 import argparse
@@ -29,7 +30,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from workers.engine_torch import TorchDecodeEngine, TorchPrefillEngine, request_tokens  # noqa: E402,E501
+from workers.engine_torch import (  # noqa: E402
+    TorchDecodeEngine, TorchPrefillEngine, request_tokens)
 from workers.model.config import HybridConfig  # noqa: E402
 from workers.model.hybrid import analytical_state_bytes  # noqa: E402
 from workers.model.state_wire import encode_state, encode_trailer  # noqa: E402

@@ -6,7 +6,7 @@ peak resident set (VmHWM) and the thread count. Start-up time is the worker's re
 (`ready/<name>`, written with time.time()) minus the process's start time (/proc/<pid>/stat,
 in clock ticks since boot). Prints one row per role (max and median over the role's
 processes) and the run's build / workers-ready / teardown phases from metadata.json. Needs root
-(it is a full run); not part of the test suite.
+(it is a full run); its numbers are not part of the test suite's pass/fail.
 
     sudo python -m benchmarks.worker_rss experiments/many_instances.yaml --out /tmp/many
     sudo python benchmarks/worker_rss.py --smoke    # benchmarks/smoke.yaml: seconds

@@ -1,7 +1,8 @@
 """How long generating a request list takes: full public traces and a large synthetic workload.
 
 Target (issue 6): the request list of a full trace in under 2 s on the 2-core machine. Prints
-each case's time next to the target, measured in one run; not part of the test suite.
+each case's time next to the target, measured in one run; its numbers are not part of the test
+suite's pass/fail.
 
     .venv/bin/python benchmarks/workload_gen.py [--repeat 3]
     .venv/bin/python benchmarks/workload_gen.py --smoke     # once each, 5,000 synthetic requests
