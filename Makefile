@@ -78,12 +78,13 @@ $(VENV)/.torch: FORCE
 	@[ "$$(cat $@ 2>/dev/null)" = "$(TORCH)" ] || echo "$(TORCH)" > $@
 
 # The [cluster] extra (Ray, backend.kind ray: docs/cluster.md) on top of deps. `make test`
-# installs it so that the Ray backend's root tests run (they skip without it); `make demo`
-# and plain `make` do not need it.
+# installs it so that the Ray backend's root tests run (they skip without it), and with it the
+# [profile] extra (py-spy, one small wheel) for benchmarks/profile_run.py's smoke run
+# (tests/test_benchmarks.py); `make demo` and plain `make` need neither.
 cluster: $(VENV)/.cluster
 
 $(VENV)/.cluster: $(STAMP)
-	$(PIP) -e '.[cluster]'
+	$(PIP) -e '.[cluster,profile]'
 	touch $@
 
 # aiperf (workload.client: aiperf) in a venv of its own: it pins pandas~=2.3.3, older than the

@@ -8,6 +8,7 @@ block, `testbed workload`). No network: it isolates what the snapshot policy cos
 (docs/cache.md).
 
     .venv/bin/python benchmarks/cache_snapshots.py [experiments/prefix_cache_mooncake.yaml] [--set k=v]
+    .venv/bin/python benchmarks/cache_snapshots.py --smoke      # the first 300 requests only
 """
 
 import argparse
@@ -21,6 +22,8 @@ from testbed.config import load_experiment  # noqa: E402
 from testbed.workload import generate  # noqa: E402
 from testbed.workload.prefix import hit_tokens  # noqa: E402
 from workers.cache_core import KIND_KV, KIND_STATE, BlockStore, snapshot_blocks  # noqa: E402
+
+SMOKE_SETS = ["requests=300"]
 
 
 def replay(blocks, lengths, every, block=512):
@@ -44,8 +47,9 @@ def main():
     p.add_argument("file", nargs="?",
                    default=str(ROOT / "experiments" / "prefix_cache_mooncake.yaml"))
     p.add_argument("--set", dest="overrides", action="append", default=[])
+    p.add_argument("--smoke", action="store_true", help=f"only {SMOKE_SETS}: seconds")
     args = p.parse_args()
-    exp = load_experiment(args.file, args.overrides)[0]
+    exp = load_experiment(args.file, args.overrides + (SMOKE_SETS if args.smoke else []))[0]
     df = generate(exp.workload, exp.seed, requests=exp.requests, duration_s=exp.duration,
                   base_dir=pathlib.Path(args.file).parent)
     lengths = df.input_len.to_numpy()

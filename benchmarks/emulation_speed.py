@@ -11,18 +11,21 @@ measured / predicted capacity |
 Wall time is the whole `testbed run` (all three variants, set-up and analysis included), per
 variant the span in its metadata.json; the lag is real-world ms from the decode worker's first
 token stamp to its arrival at the client; capacity is the steady throughput over the planner's
-expected-latency prediction. `--sweep` also runs the delay-line rate sweep of
-benchmarks/link_fidelity.py in the same invocation and prints its table: goodput over the
-configured rate and over the raw veth rate measured alongside, delay error (idle RTT, loaded
-one-way delay), reordering and the delay line's CPU, without and with loss (about a minute).
+expected-latency prediction. `--sweep` also runs the delay-line rate sweep
+(`testbed.net.ratesweep`, benchmarks/link_fidelity.py --rate-sweep) in the same invocation and
+prints its table: goodput over the configured rate and over the raw veth rate measured
+alongside, delay error (idle RTT, loaded one-way delay), reordering and the delay line's CPU,
+without and with loss (about a minute).
 
 Needs root (it starts `testbed run`): on a shared machine run it under the root lock, e.g.
 
     flock /tmp/prfaas-root.lock .venv/bin/python benchmarks/emulation_speed.py
+
+`--smoke` runs the same path in well under a minute: the case study at 40x with 30 requests per
+variant and no link probe, and a one-rate sweep (the numbers are too short to mean much).
 """
 
 import argparse
-import json
 import pathlib
 import subprocess
 import sys
@@ -30,23 +33,34 @@ import tempfile
 import time
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from testbed import rundir  # noqa: E402
+from testbed.net import ratesweep  # noqa: E402
+
 EXPERIMENT = REPO / "experiments" / "paper_case_study.yaml"
 # scale.time -> extra --set options it needs (the WAN's emulated rate stays under the cap)
 SCALES = {10: [], 40: ["scale.bytes=2.5e-4"]}
 # Offered above every policy's capacity, so the steady throughput is the capacity (the case
 # study's capacity measurement, docs/results.md); the file's own 3.3/s is PrfaaS-PD's Lambda_max.
 CAPACITY_RATE = "workload.arrival.rate=4/s"
+# --smoke: scale.time 40 only, few requests, no link probe; a one-rate sweep, short
+SMOKE_SCALES = [40.0]
+SMOKE_SETS = ["requests=30"]
+SMOKE_SWEEP = {"rates": (1e9,), "losses": (0.0,), "duration_s": 0.5}
 HEADER = ("| scale.time | variant | instances | wall time | first-token lag (median, p99) "
           "| decode-step ratio | measured / predicted capacity |\n"
           "|---:|---|---:|---:|---:|---:|---:|")
 
 
-def run_case_study(scale_time, sets, out):
+def run_case_study(scale_time, sets, out, probe=True):
     """`testbed run` of the case study at `scale_time`; its wall time in seconds."""
     argv = [sys.executable, "-m", "testbed.cli", "run", str(EXPERIMENT), "--out", str(out),
-            "--set", f"scale.time={scale_time}", "--set", CAPACITY_RATE]
+            "--set", f"scale.time={scale_time}", "--set", CAPACITY_RATE, "--no-progress"]
     for s in sets:
         argv += ["--set", s]
+    if not probe:
+        argv.append("--no-probe")
     t0 = time.monotonic()
     subprocess.run(argv, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
     return time.monotonic() - t0
@@ -54,9 +68,7 @@ def run_case_study(scale_time, sets, out):
 
 def variant_row(vdir):
     """(instances, span s, lag median ms, lag p99 ms, decode-step ratio, capacity ratio)."""
-    summary = json.loads((vdir / "summary.json").read_text())
-    meta = json.loads((vdir / "metadata.json").read_text())
-    rt = json.loads((vdir / "runtime.json").read_text())
+    summary, meta, rt = rundir.summary(vdir), rundir.metadata(vdir), rundir.runtime(vdir)
     instances = sum(1 for i in rt["instances"].values() if i["role"] in ("prefill", "decode"))
     emu, pred = summary.get("emulation") or {}, summary.get("prediction") or {}
     predicted = pred.get("lambda_max_expected", pred.get("lambda_max"))
@@ -72,7 +84,7 @@ def fmt(value, spec):
 
 def table_rows(scale_time, wall_s, run_dir):
     rows = []
-    for vdir in sorted(p for p in run_dir.iterdir() if (p / "summary.json").exists()):
+    for vdir in sorted(rundir.find_runs(run_dir)):
         n, span, lag, lag99, step, cap = variant_row(vdir)
         rows.append(f"| {scale_time:g} | {vdir.name} | {n} | {span:.1f} s (run {wall_s:.1f} s) "
                     f"| {fmt(lag, '.0f')}, {fmt(lag99, '.0f')} ms | {fmt(step, '.3f')}x "
@@ -80,20 +92,18 @@ def table_rows(scale_time, wall_s, run_dir):
     return rows
 
 
-def sweep_rows():
-    """The delay-line sweep as lines (benchmarks/link_fidelity.py's table): goodput over the
-    configured rate and over the raw veth, delay error, reordering, the delay line's CPU."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import link_fidelity   # noqa: E402  (a sibling benchmark: the sweep lives there)
-
+def sweep_rows(rates=ratesweep.SWEEP_RATES, losses=ratesweep.SWEEP_LOSSES,
+               duration_s=ratesweep.SWEEP_S):
+    """The delay-line sweep as lines (benchmarks/link_fidelity.py --rate-sweep's table): goodput
+    over the configured rate and over the raw veth, delay error, reordering, the line's CPU."""
     lines, raw_seen = [], set()
-    for raw, p in link_fidelity.delayline_sweep():
+    for raw, p in ratesweep.delayline_sweep(rates, losses, duration_s):
         for r in raw.values():
             if r.per_frame not in raw_seen:
                 raw_seen.add(r.per_frame)
-                print(link_fidelity.fmt_raw(r))
-        lines.append(link_fidelity.fmt_sweep_row(p))
-    return [link_fidelity.SWEEP_HEADER, *lines]
+                print(ratesweep.fmt_raw(r))
+        lines.append(ratesweep.fmt_sweep_row(p))
+    return [ratesweep.SWEEP_HEADER, *lines]
 
 
 def main():
@@ -104,20 +114,23 @@ def main():
                     help="extra testbed run --set, for every scale")
     ap.add_argument("--sweep", action="store_true",
                     help="also the delay-line rate sweep against the raw veth rate (minutes)")
+    ap.add_argument("--smoke", action="store_true", help="the same path in seconds: 40x, "
+                    f"{SMOKE_SETS}, no link probe, a one-rate sweep")
     ap.add_argument("--out", help="keep the runs here (default: a temporary directory)")
     args = ap.parse_args()
-    scales = args.scale or sorted(SCALES)
+    scales = SMOKE_SCALES if args.smoke else args.scale or sorted(SCALES)
+    extra = args.set + (SMOKE_SETS if args.smoke else [])
     with tempfile.TemporaryDirectory(prefix="emulation_speed-") as tmp:
         base = pathlib.Path(args.out or tmp)
         rows = []
         for st in scales:
             run_dir = base / f"time{st:g}"
-            wall_s = run_case_study(st, SCALES.get(st, []) + args.set, run_dir)
+            wall_s = run_case_study(st, SCALES.get(st, []) + extra, run_dir, not args.smoke)
             rows += table_rows(st, wall_s, run_dir)
         print(HEADER)
         print("\n".join(rows))
-        if args.sweep:
-            print("\n".join(sweep_rows()))
+        if args.sweep or args.smoke:
+            print("\n".join(sweep_rows(**SMOKE_SWEEP) if args.smoke else sweep_rows()))
 
 
 if __name__ == "__main__":

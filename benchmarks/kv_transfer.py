@@ -1,6 +1,7 @@
 """Goodput of the worker's KV transfer path vs a plain TCP socket, over a veth between namespaces.
 
     sudo .venv/bin/python benchmarks/kv_transfer.py [--tokens 4096] [--requests 96] [--repeat 7]
+    sudo .venv/bin/python benchmarks/kv_transfer.py --smoke    # seconds: one tiny row
 
 One run, side by side, over one unshaped veth between two fresh namespaces (`tb<id>-pre`,
 `tb<id>-dec`, removed at the end):
@@ -20,7 +21,7 @@ the last request is complete. Each trial is short (~0.1-0.3 s), so raw and worke
 alternate `--repeat` times; the table shows median goodputs and the median (and range) of the
 ratio of each worker trial to the raw trial just before it, which cancels slow load changes;
 the load average before and after is printed, because other work on the machine moves both.
-Not part of the test suite.
+Its numbers are not part of the test suite's pass/fail (its `--smoke` run is).
 """
 
 import argparse
@@ -38,18 +39,27 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import torch  # noqa: E402
+
+from testbed import lifecycle  # noqa: E402
+from testbed.net.ns import ns_popen, ns_run  # noqa: E402
+from testbed.net.pair import veth_pair  # noqa: E402
+from workers import kvwire  # noqa: E402
+from workers.engine_torch import TorchDecodeEngine  # noqa: E402
+from workers.model.config import HybridConfig  # noqa: E402
+from workers.model.hybrid import HybridModel  # noqa: E402
+from workers.model.state_wire import encode_layer, encode_trailer  # noqa: E402
+
 RAW_PORT, KV_PORT, CTL_PORT = 6000, 6001, 6002
 READY_TIMEOUT_S = 60.0
 TRIAL_TIMEOUT_S = 120.0
+# --smoke: the same path end to end in seconds (a short state, few requests, one row)
+SMOKE = {"tokens": 256, "requests": 4, "chunks": [1 << 16], "streams": [2], "repeat": 1}
 
 
 # ---- receiver (in the decode namespace) ----
 
 async def receiver(host):
-    from workers import kvwire
-    from workers.engine_torch import TorchDecodeEngine
-    from workers.model.config import HybridConfig
-
     kvwire.keep_receive_memory()       # as the decode worker does
     dec = TorchDecodeEngine(HybridConfig(), "cpu")
     state = {"want": None, "done": 0, "failed": 0, "raw": 0, "raw_want": None,
@@ -102,14 +112,68 @@ async def receiver(host):
 
 # ---- sender (in the prefill namespace) ----
 
+def encoded_layers(st, cfg, chunk):
+    """The wire frames of a prefilled state, per layer, plus its trailer."""
+    layers = [encode_layer(i, st.layer_tensors(i), cfg.n_layers, st.kinds[i], chunk)
+              for i in range(cfg.n_layers)]
+    layers.append([encode_trailer(1, st.length, cfg.n_layers)])
+    return layers
+
+
+def raw_runner(host, blob):
+    async def run():   # sendall straight from the buffer: no copy, no framing
+        loop = asyncio.get_running_loop()
+        with socket.socket() as sock:
+            sock.setblocking(False)
+            await loop.sock_connect(sock, (host, RAW_PORT))
+            await loop.sock_sendall(sock, blob)
+    return run
+
+
+def kv_runner(host, layers, requests, n_streams):
+    """`requests` requests' frames over at most `n_streams` pooled connections, as
+    PrefillService._send sends them (a layer's frames in one send_frames)."""
+    pool = kvwire.SenderPool()
+
+    async def one(rid):
+        async with pool.connection(host, KV_PORT) as conn:
+            seq = 0
+            for i, frames in enumerate(layers):
+                last = i == len(layers) - 1
+                batch = [(rid, seq + j, kvwire.FLAG_LAST if last and j == len(frames) - 1
+                          else 0, f) for j, f in enumerate(frames)]
+                seq += len(frames)
+                await conn.send_frames(batch, checksum=False)
+
+    async def run():
+        sem = asyncio.Semaphore(n_streams)
+
+        async def limited(rid):
+            async with sem:
+                await one(rid)
+        try:
+            await asyncio.gather(*(limited(i + 1) for i in range(requests)))
+        finally:
+            pool.close()
+    return run
+
+
+def row(chunk, n_streams, total, raw, kv):
+    """One table row from alternated (wall, send CPU, receive CPU) trials."""
+    ratios = sorted(r[0] / k[0] for r, k in zip(raw, kv))   # t_raw / t_worker
+
+    def med(trials, i):
+        return statistics.median(t[i] for t in trials)
+    return {"chunk_bytes": chunk, "streams": n_streams, "bytes": total,
+            "raw_gbps": 8 * total / med(raw, 0) / 1e9,
+            "worker_gbps": 8 * total / med(kv, 0) / 1e9,
+            "ratio": statistics.median(ratios),
+            "ratio_min": ratios[0], "ratio_max": ratios[-1],
+            "raw_cpu": (med(raw, 1), med(raw, 2)),
+            "worker_cpu": (med(kv, 1), med(kv, 2))}
+
+
 async def sender(host, tokens, requests, chunks, streams, repeat):
-    import torch
-
-    from workers import kvwire
-    from workers.model.config import HybridConfig
-    from workers.model.hybrid import HybridModel
-    from workers.model.state_wire import encode_layer, encode_trailer
-
     cfg = HybridConfig()
     model = HybridModel(cfg)
     ids = torch.randint(0, cfg.vocab, (tokens,), generator=torch.Generator().manual_seed(0))
@@ -131,94 +195,26 @@ async def sender(host, tokens, requests, chunks, streams, repeat):
 
     rows = []
     for chunk in chunks:
-        layers = [encode_layer(i, st.layer_tensors(i), cfg.n_layers, st.kinds[i], chunk)
-                  for i in range(cfg.n_layers)]
-        layers.append([encode_trailer(1, st.length, cfg.n_layers)])
+        layers = encoded_layers(st, cfg, chunk)
         payload = sum(memoryview(f).nbytes for frames in layers for f in frames)
         total = payload * requests
         blob = memoryview(bytearray(os.urandom(1 << 20)) * (total // (1 << 20) + 1))[:total]
-
-        async def raw_run():   # sendall straight from the buffer: no copy, no framing
-            loop = asyncio.get_running_loop()
-            with socket.socket() as sock:
-                sock.setblocking(False)
-                await loop.sock_connect(sock, (host, RAW_PORT))
-                await loop.sock_sendall(sock, blob)
-
-        def kv_run(n_streams):
-            pool = kvwire.SenderPool()
-
-            async def one(rid):
-                async with pool.connection(host, KV_PORT) as conn:
-                    seq = 0
-                    for i, frames in enumerate(layers):   # as PrefillService._send does
-                        last = i == len(layers) - 1
-                        batch = [(rid, seq + j, kvwire.FLAG_LAST if last and j == len(frames) - 1
-                                  else 0, f) for j, f in enumerate(frames)]
-                        seq += len(frames)
-                        await conn.send_frames(batch, checksum=False)
-
-            async def run():
-                sem = asyncio.Semaphore(n_streams)
-
-                async def limited(rid):
-                    async with sem:
-                        await one(rid)
-                try:
-                    await asyncio.gather(*(limited(i + 1) for i in range(requests)))
-                finally:
-                    pool.close()
-            return run
-
         for n_streams in streams:
             raw, kv = [], []
             for _ in range(repeat):     # alternate, so both see the same background load
-                raw.append(await trial({"bytes": total}, raw_run))
-                kv.append(await trial({"requests": requests}, kv_run(n_streams)))
-            ratios = sorted(r[0] / k[0] for r, k in zip(raw, kv))   # t_raw / t_worker
-
-            def med(trials, i):
-                return statistics.median(t[i] for t in trials)
-            rows.append({"chunk_bytes": chunk, "streams": n_streams, "bytes": total,
-                         "raw_gbps": 8 * total / med(raw, 0) / 1e9,
-                         "worker_gbps": 8 * total / med(kv, 0) / 1e9,
-                         "ratio": statistics.median(ratios),
-                         "ratio_min": ratios[0], "ratio_max": ratios[-1],
-                         "raw_cpu": (med(raw, 1), med(raw, 2)),
-                         "worker_cpu": (med(kv, 1), med(kv, 2))})
+                raw.append(await trial({"bytes": total}, raw_runner(host, blob)))
+                kv.append(await trial({"requests": requests},
+                                      kv_runner(host, layers, requests, n_streams)))
+            rows.append(row(chunk, n_streams, total, raw, kv))
     w.close()
     print(json.dumps({"state_bytes": st.nbytes(), "rows": rows}))
 
 
 # ---- orchestration (root namespace) ----
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", type=int, default=4096, help="prompt length of the shipped state")
-    p.add_argument("--requests", type=int, default=96, help="requests per trial")
-    p.add_argument("--chunks", type=int, nargs="+", default=[1 << 16, 1 << 20, 4 << 20])
-    p.add_argument("--streams", type=int, nargs="+", default=[1, 4])
-    p.add_argument("--repeat", type=int, default=7, help="alternated raw/worker trials per row")
-    p.add_argument("--timeout", type=float, default=600, help="bound on the whole sender run (s)")
-    p.add_argument("--role", choices=["recv", "send"], help=argparse.SUPPRESS)
-    p.add_argument("--host", help=argparse.SUPPRESS)
-    a = p.parse_args()
-    if a.role == "recv":
-        return asyncio.run(receiver(a.host))
-    if a.role == "send":
-        return asyncio.run(sender(a.host, a.tokens, a.requests, a.chunks, a.streams, a.repeat))
-    if os.geteuid() != 0:
-        sys.exit("kv_transfer: needs root (two network namespaces and a veth)")
-    from testbed.lifecycle import Registry
-    from testbed.net.pair import ns_popen, ns_run, veth_pair
-
-    import signal
-
-    def on_term(signum, frame):   # so `finally` tears the namespaces down on SIGTERM too
-        raise SystemExit(f"kv_transfer: signal {signum}")
-    signal.signal(signal.SIGTERM, on_term)
-    load_before = os.getloadavg()
-    reg = Registry(secrets.token_hex(4), kind="bench-kv")
+def measure(a):
+    """Receiver in one namespace, sender in the other; the sender's result."""
+    reg = lifecycle.Registry(secrets.token_hex(4), kind="bench-kv")
     try:
         with veth_pair(reg, names=("pre", "dec")) as pair:
             env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -235,9 +231,12 @@ def main():
                          timeout=a.timeout)
             if out.returncode:
                 sys.exit(f"kv_transfer: sender failed:\n{out.stderr[-2000:]}")
-            res = json.loads(out.stdout.strip().splitlines()[-1])
+            return json.loads(out.stdout.strip().splitlines()[-1])
     finally:
         reg.close()
+
+
+def print_table(a, res, load_before):
     load = " ".join(f"{x:.2f}" for x in load_before)
     print(f"# unshaped veth between two namespaces; state of a {a.tokens}-token request "
           f"= {res['state_bytes']} bytes; {a.requests} requests per trial; medians of "
@@ -255,6 +254,37 @@ def main():
               f"{r['worker_cpu'][0]:.2f} / {r['worker_cpu'][1]:.2f} |")
     print("# CPU = process CPU time (user + system) / trial wall time, per side: 1.00 is one "
           "core busy the whole trial")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=4096, help="prompt length of the shipped state")
+    p.add_argument("--requests", type=int, default=96, help="requests per trial")
+    p.add_argument("--chunks", type=int, nargs="+", default=[1 << 16, 1 << 20, 4 << 20])
+    p.add_argument("--streams", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--repeat", type=int, default=7, help="alternated raw/worker trials per row")
+    p.add_argument("--timeout", type=float, default=600, help="bound on the whole sender run (s)")
+    p.add_argument("--smoke", action="store_true",
+                   help=f"tiny parameters, seconds: {SMOKE} (the same path end to end)")
+    p.add_argument("--role", choices=["recv", "send"], help=argparse.SUPPRESS)
+    p.add_argument("--host", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.smoke:
+        vars(a).update(SMOKE)
+    return a
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    if a.role == "recv":
+        return asyncio.run(receiver(a.host))
+    if a.role == "send":
+        return asyncio.run(sender(a.host, a.tokens, a.requests, a.chunks, a.streams, a.repeat))
+    if os.geteuid() != 0:
+        sys.exit("kv_transfer: needs root (two network namespaces and a veth)")
+    lifecycle.sigterm_unwinds()   # so `finally` tears the namespaces down on SIGTERM too
+    load_before = os.getloadavg()
+    print_table(a, measure(a), load_before)
 
 
 if __name__ == "__main__":

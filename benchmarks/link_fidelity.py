@@ -14,16 +14,17 @@ loss within 25% relative over >= 20,000 packets; no reordering. After the sweep,
 points (Gilbert chain in the delay line) compare measured loss and mean burst length with the
 configured ones (--no-burst skips them).
 
-`--rate-sweep` instead measures how fast the delay line itself carries (`delayline_sweep`, also
-for benchmarks/emulation_speed.py): per configured rate (1, 2, 5, 8 Gbit/s, 5 ms each way), with
-no loss and with a small loss (0.1%, which turns segmentation offload off, so every 1514-byte
-frame is one delay-line packet), the TCP goodput over the rate and over the raw veth goodput of
-the same topology without shaping (measured in the same run, same offload setting); the idle
-RTT's error (p50 - 2 x delay; the raw veth's idle RTT, printed above the table, is the stack's
-share of it); the one-way delay of probes on the reverse (ACK) direction while the bulk flow runs,
-so through a delay line under load with an empty bottleneck queue; reordering seen by the probes
-and by TCP (the sender's reordering counters); and how late the forward delay line released
-packets by its own clock, and its CPU share.
+`--rate-sweep` instead measures how fast the delay line itself carries
+(`testbed.net.ratesweep.delayline_sweep`, also run by benchmarks/emulation_speed.py): per
+configured rate (1, 2, 5, 8 Gbit/s, 5 ms each way), with no loss and with a small loss (0.1%,
+which turns segmentation offload off, so every 1514-byte frame is one delay-line packet), the
+TCP goodput over the rate and over the raw veth goodput of the same topology without shaping
+(measured in the same run, same offload setting); the idle RTT's error (p50 - 2 x delay; the raw
+veth's idle RTT, printed above the table, is the stack's share of it); the one-way delay of
+probes on the reverse (ACK) direction while the bulk flow runs, so through a delay line under
+load with an empty bottleneck queue; reordering seen by the probes and by TCP (the sender's
+reordering counters); and how late the forward delay line released packets by its own clock, and
+its CPU share.
 
     sudo .venv/bin/python benchmarks/link_fidelity.py --rate-sweep [--json F]
 """
@@ -34,17 +35,15 @@ import itertools
 import json
 import os
 import pathlib
-import subprocess
 import sys
-import threading
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from testbed import lifecycle  # noqa: E402
-from testbed.net.pair import routed_pair  # noqa: E402
+from testbed.net import ratesweep  # noqa: E402
 from testbed.net.linkmodel import check_params  # noqa: E402
-from testbed.net import probe  # noqa: E402
+from testbed.net.pair import routed_pair  # noqa: E402
 from testbed.net.probe import GOODPUT_BASIS, measure_link  # noqa: E402
 
 RATES = (10e6, 100e6, 1e9)
@@ -113,10 +112,10 @@ BURST_HEADER = ("| rate | delay ms | loss | burst pkts | loss meas/conf | burst 
                 "goodput/rate | reordered |\n|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
-def burst_rows(backend, duration_s):
+def burst_rows(backend, duration_s, burst_points=BURST_POINTS, packets=BURST_PACKETS):
     """The burst-loss points: (row text, misses, result)."""
-    for rate, delay, loss, burst in BURST_POINTS:
-        r = run_point((rate, delay, 0.0, loss), backend, duration_s, BURST_PACKETS, burst)
+    for rate, delay, loss, burst in burst_points:
+        r = run_point((rate, delay, 0.0, loss), backend, duration_s, packets, burst)
         row, miss = fmt_burst(rate, delay, loss, burst, r["measured"])
         yield row, miss, {"loss_burst": burst, **r}
 
@@ -134,173 +133,21 @@ def fmt_burst(rate, delay, loss, burst, m):
 
 # ---------------------------------------------------------------- delay-line rate sweep
 
-SWEEP_RATES = (1e9, 2e9, 5e9, 8e9)
-SWEEP_DELAY_S = 0.005
-SWEEP_LOSSES = (0.0, 0.001)   # 0.1%: small enough for TCP to keep the rate, turns TSO/GSO off
-SWEEP_S = 3.0                 # bulk TCP per point, after probe.WARMUP_S
-SWEEP_IDLE_PROBES = 100
-SWEEP_LOADED_PROBES = 300     # 1.5 s of reverse probes inside the bulk transfer
-
-
-@dataclasses.dataclass(frozen=True)
-class SweepPoint:
-    """One configured rate through the delay line, next to the raw veth goodput of the run."""
-    rate_bps: float
-    loss: float
-    delay_s: float
-    goodput_bps: float
-    raw_bps: float                 # unshaped veth goodput, same run, same offload setting
-    rtt_p50_ms: float              # idle, both directions through a delay line
-    owd_loaded_p50_ms: float       # reverse direction while the bulk flow runs
-    owd_loaded_p99_ms: float
-    probes_reordered: int          # idle and loaded probes
-    tcp_reorder_events: int        # the bulk sender's TcpExt *Reorder counters
-    late_mean_us: float | None     # the forward delay line's release - due time (its own clock)
-    late_max_us: float | None
-    delayline_cpu: float           # forward delay line, share of one core during the bulk flow
-    queue_drops: int               # the forward bottleneck queue (HTB + bfifo)
-
-    @property
-    def rtt_error_ms(self):
-        return self.rtt_p50_ms - 2e3 * self.delay_s
-
-    @property
-    def owd_error_ms(self):
-        return self.owd_loaded_p50_ms - 1e3 * self.delay_s
-
-    @property
-    def reordered(self):
-        return self.probes_reordered + self.tcp_reorder_events
-
-
-def _tcp_reorder_events(ns_path):
-    """Sum of the TcpExt *Reorder counters (reordering TCP detected) in a namespace."""
-    text = subprocess.run(["nsenter", f"--net={ns_path}", "cat", "/proc/net/netstat"],
-                          capture_output=True, text=True, check=True).stdout.splitlines()
-    for names, values in zip(text[::2], text[1::2]):
-        if names.startswith("TcpExt:"):
-            return sum(int(v) for k, v in zip(names.split()[1:], values.split()[1:])
-                       if k.endswith("Reorder"))
-    return 0
-
-
-def _cpu_s(pid):
-    """User + system CPU seconds of a process so far."""
-    f = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
-
-
-@dataclasses.dataclass(frozen=True)
-class RawVeth:
-    """The same src - router - dst namespaces with no shaping at all: what the veths carry."""
-    per_frame: bool                # segmentation offload off on the end hosts, as with loss
-    goodput_bps: float
-    tcp_reorder_events: int        # the kernel's own reordering (per-CPU receive queues)
-    rtt_p50_ms: float              # idle probes: the stack's own RTT, no delay line
-
-
-def raw_veth(per_frame, duration_s=SWEEP_S):
-    """Measure RawVeth: the link is built as for the sweep, then its `Wan` removed."""
-    d = check_params({"rate": 1e9, "loss": SWEEP_LOSSES[1] if per_frame else 0.0}, "raw")
-    with routed_pair({"kv": d, "request": d}) as link:
-        link.wan.stop()
-        c, _ = probe.measure_udp(link.src, link.dst, link.dst_ip, probes=SWEEP_IDLE_PROBES)
-        reorder0 = _tcp_reorder_events(link.src)
-        goodput = probe.measure_goodput(link.src, link.dst, link.dst_ip, duration_s)
-        return RawVeth(per_frame, goodput, _tcp_reorder_events(link.src) - reorder0,
-                       probe._percentile([x / 1e6 for x in c["rtt_ns"]], 0.5))
-
-
-def _loaded(link, duration_s):
-    """Bulk TCP src -> dst while probes go dst -> src: (goodput, probe client, probe server)."""
-    out = {}
-    bulk = threading.Thread(target=lambda: out.setdefault(
-        "goodput", probe.measure_goodput(link.src, link.dst, link.dst_ip, duration_s)))
-    bulk.start()
-    try:
-        time.sleep(probe.WARMUP_S + 0.2)   # past slow start: the queue and the line are loaded
-        c, s = probe.measure_udp(link.dst, link.src, link.src_ip, probes=SWEEP_LOADED_PROBES)
-    finally:
-        bulk.join()
-    if "goodput" not in out:
-        raise RuntimeError("bulk transfer failed (see its traceback above)")
-    return out["goodput"], c, s
-
-
-def sweep_point(rate, loss, raw_bps, delay_s=SWEEP_DELAY_S, duration_s=SWEEP_S):
-    """Measure one configured rate (see the module docstring); returns a SweepPoint."""
-    d = check_params({"rate": rate, "delay": delay_s, "loss": loss}, "sweep")
-    with routed_pair({"kv": d, "request": d}) as link:
-        c, s = probe.measure_udp(link.src, link.dst, link.dst_ip, probes=SWEEP_IDLE_PROBES)
-        rtt_ms = [x / 1e6 for x in c["rtt_ns"]]
-        forward = link.wan._delaylines["kv"]
-        pid, reorder0 = forward.proc.pid, _tcp_reorder_events(link.src)
-        cpu0, drops0, t0 = _cpu_s(pid), link.wan.stats()["kv"]["drops"], time.monotonic()
-        goodput, lc, ls = _loaded(link, duration_s)
-        cpu = (_cpu_s(pid) - cpu0) / (time.monotonic() - t0)
-        drops = link.wan.stats()["kv"]["drops"] - drops0
-        owd_ms = [x / 1e6 for x in ls["owd_ns"]]
-        dl = forward.counters()
-        late_mean = dl["late_sum_ns"] / max(dl["passed"], 1) / 1e3 if "late_sum_ns" in dl else None
-        return SweepPoint(
-            rate_bps=rate, loss=loss, delay_s=delay_s, goodput_bps=goodput, raw_bps=raw_bps,
-            rtt_p50_ms=probe._percentile(rtt_ms, 0.5),
-            owd_loaded_p50_ms=probe._percentile(owd_ms, 0.5),
-            owd_loaded_p99_ms=probe._percentile(owd_ms, 0.99),
-            probes_reordered=s["reordered"]["p"] + ls["reordered"]["p"],
-            tcp_reorder_events=_tcp_reorder_events(link.src) - reorder0,
-            late_mean_us=late_mean,
-            late_max_us=dl["late_max_ns"] / 1e3 if "late_max_ns" in dl else None,
-            delayline_cpu=cpu, queue_drops=drops)
-
-
-def delayline_sweep(rates=SWEEP_RATES, losses=SWEEP_LOSSES, duration_s=SWEEP_S):
-    """Yield ({per_frame: RawVeth}, SweepPoint) for every rate x loss; the raw veth rates are
-    measured first, in the same run, with and without segmentation offload."""
-    raw = {per_frame: raw_veth(per_frame, duration_s)
-           for per_frame in sorted({loss > 0 for loss in losses})}
-    for loss in losses:
-        for rate in rates:
-            yield raw, sweep_point(rate, loss, raw[loss > 0].goodput_bps,
-                                   duration_s=duration_s)
-
-
-SWEEP_HEADER = ("| rate | loss | goodput Gbit/s | goodput/rate | goodput/raw veth | RTT err ms "
-                "| loaded OWD err p50/p99 ms | reordered (probes+TCP) | late mean/max us "
-                "| delay line CPU | queue drops |\n"
-                "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-
-
-def fmt_sweep_row(p):
-    late = "-" if p.late_mean_us is None else f"{p.late_mean_us:.0f}/{p.late_max_us:.0f}"
-    owd_p99_error_ms = p.owd_loaded_p99_ms - 1e3 * p.delay_s
-    return (f"| {p.rate_bps / 1e9:g}G | {p.loss:.1%} | {p.goodput_bps / 1e9:.2f} "
-            f"| {p.goodput_bps / p.rate_bps:.3f} | {p.goodput_bps / p.raw_bps:.3f} "
-            f"| {p.rtt_error_ms:+.2f} | {p.owd_error_ms:+.2f}/{owd_p99_error_ms:+.2f} "
-            f"| {p.probes_reordered}+{p.tcp_reorder_events} | {late} "
-            f"| {p.delayline_cpu:.2f} | {p.queue_drops} |")
-
-
-def fmt_raw(r):
-    return (f"raw veth (no shaping), offload {'off' if r.per_frame else 'on'}: goodput "
-            f"{r.goodput_bps / 1e9:.2f} Gbit/s, TCP reorder events {r.tcp_reorder_events}, "
-            f"idle RTT p50 {r.rtt_p50_ms:.3f} ms")
-
-
-def run_rate_sweep(duration_s, results):
+def run_rate_sweep(duration_s, results, rates=ratesweep.SWEEP_RATES,
+                   losses=ratesweep.SWEEP_LOSSES):
     """Print the sweep as it is measured; append each point's fields to `results`."""
-    print(f"delay-line rate sweep: {SWEEP_DELAY_S * 1e3:g} ms each way, {duration_s:g} s bulk "
-          f"TCP per point; load average at start {os.getloadavg()[0]:.2f} on "
-          f"{os.cpu_count()} CPUs\n")
+    print(f"delay-line rate sweep: {ratesweep.SWEEP_DELAY_S * 1e3:g} ms each way, "
+          f"{duration_s:g} s bulk TCP per point; load average at start "
+          f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs\n")
     raw_shown = False
-    for raw, p in delayline_sweep(duration_s=duration_s):
+    for raw, p in ratesweep.delayline_sweep(rates, losses, duration_s):
         if not raw_shown:
             for r in raw.values():
-                print(fmt_raw(r))
+                print(ratesweep.fmt_raw(r))
                 results.append({"raw_veth": True, **dataclasses.asdict(r)})
-            print("\n" + SWEEP_HEADER)
+            print("\n" + ratesweep.SWEEP_HEADER)
             raw_shown = True
-        print(fmt_sweep_row(p), flush=True)
+        print(ratesweep.fmt_sweep_row(p), flush=True)
         results.append({"sweep_point": True, **dataclasses.asdict(p)})
     print(f"\nload average at end {os.getloadavg()[0]:.2f}")
 
@@ -312,15 +159,16 @@ HEADER = ("| rate | delay ms | jitter ms | loss | goodput/rate | 2xdelay ms | RT
 
 def print_saved(results):
     """The tables of a saved run, from its JSON alone."""
-    sweep = [SweepPoint(**{k: v for k, v in r.items() if k != "sweep_point"})
+    sweep = [ratesweep.SweepPoint(**{k: v for k, v in r.items() if k != "sweep_point"})
              for r in results if r.get("sweep_point")]
     if sweep:
         for r in results:
             if r.get("raw_veth"):
-                print(fmt_raw(RawVeth(**{k: v for k, v in r.items() if k != "raw_veth"})))
-        print("\n" + SWEEP_HEADER)
+                raw = ratesweep.RawVeth(**{k: v for k, v in r.items() if k != "raw_veth"})
+                print(ratesweep.fmt_raw(raw))
+        print("\n" + ratesweep.SWEEP_HEADER)
         for p in sweep:
-            print(fmt_sweep_row(p))
+            print(ratesweep.fmt_sweep_row(p))
         return 0
     print(HEADER)
     for r in results:
@@ -338,33 +186,9 @@ def print_saved(results):
     return 0
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="rates x delays, plus jitter/loss at "
-                                                         "100M 5ms; 1 s of TCP, 5000 loss packets")
-    ap.add_argument("--backend", default="userspace", choices=("userspace", "netem", "auto"))
-    ap.add_argument("--json", help="also write every result to this file")
-    ap.add_argument("--no-burst", action="store_true", help="skip the burst-loss points")
-    ap.add_argument("--rate-sweep", action="store_true", help="only the delay-line rate sweep "
-                                                              "(see above)")
-    ap.add_argument("--table", metavar="JSON", help="print the tables of a saved --json run "
-                                                    "again (no root, measures nothing)")
-    args = ap.parse_args(argv)
-    if args.table:
-        return print_saved(json.loads(pathlib.Path(args.table).read_text()))
-    if os.geteuid() != 0:
-        sys.exit("link_fidelity: needs root (namespaces, tc)")
-    # SIGTERM unwinds like Ctrl-C, so the current link's `finally` removes its namespaces
-    lifecycle.sigterm_unwinds()
-    if args.rate_sweep:
-        results = []
-        try:
-            run_rate_sweep(1.5 if args.quick else SWEEP_S, results)
-        finally:
-            if args.json:
-                pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
-        return 0
-    duration_s, loss_packets = (1.0, 5000) if args.quick else (2.0, 20000)
+def run_sweep(args, plan):
+    """The configured-vs-measured sweep (and the burst-loss points): its results."""
+    duration_s, loss_packets = plan["duration_s"], plan["loss_packets"]
     print(f"backend {args.backend}; {duration_s:g} s bulk TCP per point; {loss_packets} UDP "
           f"packets where loss is set; load average at start {os.getloadavg()[0]:.2f} "
           f"on {os.cpu_count()} CPUs")
@@ -372,7 +196,7 @@ def main(argv=None):
     print(HEADER)
     results, misses = [], 0
     t0 = time.monotonic()
-    for cfg in points(args.quick):
+    for cfg in plan["points"]:
         r = run_point(cfg, args.backend, duration_s, loss_packets)
         v = verdicts(cfg, r["measured"])
         misses += sum(1 for x in v.values() if x is False)
@@ -381,19 +205,79 @@ def main(argv=None):
                         **r, "verdicts": v})
     print(f"\n{len(results)} points, {misses} target misses, {time.monotonic() - t0:.0f} s, "
           f"load average at end {os.getloadavg()[0]:.2f}")
-    if not args.no_burst:
-        print(f"\nburst loss (Gilbert chain in the delay line), {BURST_PACKETS} UDP packets per "
-              f"point; burst = mean run of consecutive losses; targets 25% for both\n")
-        print(BURST_HEADER)
-        bmiss = 0
-        for row, miss, r in burst_rows(args.backend, duration_s):
-            bmiss += miss
-            print(row, flush=True)
-            results.append({"burst_point": True, **r})
-        print(f"\n{len(BURST_POINTS)} burst points, {bmiss} target misses, load average at end "
-              f"{os.getloadavg()[0]:.2f}")
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+    if plan["burst_points"]:
+        results += run_bursts(args.backend, duration_s, plan)
+    return results
+
+
+def run_bursts(backend, duration_s, plan):
+    print(f"\nburst loss (Gilbert chain in the delay line), {plan['burst_packets']} UDP packets "
+          f"per point; burst = mean run of consecutive losses; targets 25% for both\n")
+    print(BURST_HEADER)
+    results, bmiss = [], 0
+    for row, miss, r in burst_rows(backend, duration_s, plan["burst_points"],
+                                   plan["burst_packets"]):
+        bmiss += miss
+        print(row, flush=True)
+        results.append({"burst_point": True, **r})
+    print(f"\n{len(plan['burst_points'])} burst points, {bmiss} target misses, load average "
+          f"at end {os.getloadavg()[0]:.2f}")
+    return results
+
+
+# --smoke: one point without and one with jitter and loss, one burst point, one sweep rate;
+# every code path of the full sweep, in seconds (the numbers are too short to mean much).
+SMOKE = {"points": [(100e6, 0.005, 0.0, 0.0), (100e6, 0.005, 0.002, 0.01)],
+         "duration_s": 0.5, "loss_packets": 2000, "burst_points": [(100e6, 0.005, 0.05, 4.0)],
+         "burst_packets": 2000, "sweep_rates": (1e9,), "sweep_losses": (0.0,)}
+
+
+def plan_of(args):
+    if args.smoke:
+        return SMOKE
+    duration_s, loss_packets = (1.0, 5000) if args.quick else (2.0, 20000)
+    return {"points": points(args.quick), "duration_s": duration_s,
+            "loss_packets": loss_packets, "burst_points": () if args.no_burst else BURST_POINTS,
+            "burst_packets": BURST_PACKETS}
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="rates x delays, plus jitter/loss at "
+                                                         "100M 5ms; 1 s of TCP, 5000 loss packets")
+    ap.add_argument("--smoke", action="store_true", help="two points, one burst point and one "
+                    "delay-line sweep rate, short: every code path in seconds")
+    ap.add_argument("--backend", default="userspace", choices=("userspace", "netem", "auto"))
+    ap.add_argument("--json", help="also write every result to this file")
+    ap.add_argument("--no-burst", action="store_true", help="skip the burst-loss points")
+    ap.add_argument("--rate-sweep", action="store_true", help="only the delay-line rate sweep "
+                                                              "(see above)")
+    ap.add_argument("--table", metavar="JSON", help="print the tables of a saved --json run "
+                                                    "again (no root, measures nothing)")
+    return ap.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.table:
+        return print_saved(json.loads(pathlib.Path(args.table).read_text()))
+    if os.geteuid() != 0:
+        sys.exit("link_fidelity: needs root (namespaces, tc)")
+    # SIGTERM unwinds like Ctrl-C, so the current link's `finally` removes its namespaces
+    lifecycle.sigterm_unwinds()
+    results = []
+    try:
+        if args.rate_sweep:
+            run_rate_sweep(1.5 if args.quick else ratesweep.SWEEP_S, results)
+            return 0
+        results += run_sweep(args, plan_of(args))
+        if args.smoke:
+            print()
+            run_rate_sweep(SMOKE["duration_s"], results, SMOKE["sweep_rates"],
+                           SMOKE["sweep_losses"])
+    finally:
+        if args.json:
+            pathlib.Path(args.json).write_text(json.dumps(results, indent=1, default=str))
     return 0
 
 

@@ -16,6 +16,7 @@ drop minus the median time of the same message without it, in real-world ms:
 - tail-twice: segment 20 and its first retransmission: the RTO, then the RTO backed off.
 
     sudo .venv/bin/python benchmarks/loss_recovery.py [--trials 30] [--scales 1,10]
+    sudo .venv/bin/python benchmarks/loss_recovery.py --smoke    # 10x, three scenarios, 3 trials
 """
 
 import argparse
@@ -36,6 +37,7 @@ from testbed.scale import Scale  # noqa: E402
 SEGMENTS = 20
 SCENARIOS = {"none": (), "mid": (5,), "near-tail": (19,), "tail-two": (19, 20), "tail": (20,),
              "tail-twice": (20, 21)}
+SMOKE = {"trials": 3, "scales": "10", "scenarios": "none,mid,tail"}   # --smoke: seconds
 
 
 def _quartiles(xs):
@@ -78,7 +80,10 @@ def main():
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--sysctl", action="append", default=[],
                     help="name=value also set in the hosts at scales above 1 (to try one)")
+    ap.add_argument("--smoke", action="store_true", help=f"{SMOKE}: seconds")
     args = ap.parse_args()
+    if args.smoke:
+        vars(args).update(SMOKE)
     names = args.scenarios.split(",")
     if "none" not in names:
         names.insert(0, "none")

@@ -1,6 +1,7 @@
 """Prefill and decode step time of the tiny torch model, inside the worker engine vs plain torch.
 
     .venv/bin/python benchmarks/model_step.py [--lengths 1024 4096 16384] [--device cpu]
+    .venv/bin/python benchmarks/model_step.py --smoke     # one short length, few steps: seconds
 
 For each prompt length, side by side in one run:
   prefill  plain  = `HybridModel.prefill(tokens)` called directly (the math only);
@@ -10,21 +11,27 @@ For each prompt length, side by side in one run:
            engine = `TorchDecodeEngine.step` on the same requests admitted from wire frames;
   memory   state bytes per request (measured and formula) and the process RSS growth per
            in-flight request (receive + assemble + admit 8 requests, divided by 8).
-The ratio engine/plain is the harness overhead. Not part of the test suite.
+The ratio engine/plain is the harness overhead. Its numbers are not part of the test suite's
+pass/fail (its `--smoke` run is).
 """
 
 import argparse
 import asyncio
+import json
 import pathlib
+import pickle
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from workers.engine_torch import TorchDecodeEngine, TorchPrefillEngine  # noqa: E402
+from workers.engine_torch import (  # noqa: E402
+    TorchDecodeEngine, TorchPrefillEngine, request_tokens)
 from workers.model.config import HybridConfig  # noqa: E402
 from workers.model.hybrid import analytical_state_bytes  # noqa: E402
 from workers.model.state_wire import encode_state, encode_trailer  # noqa: E402
@@ -54,6 +61,7 @@ def timed(fn, dev, repeat):
 
 
 RSS_REQUESTS = 8
+SMOKE = {"lengths": [256], "repeat": 1, "steps": 2}   # --smoke: the same path in seconds
 
 
 def rss_per_request(state, cfg, dev):
@@ -63,11 +71,6 @@ def rss_per_request(state, cfg, dev):
     warms up, then receives the frames of RSS_REQUESTS requests from a file, assembles,
     admits and decodes one step for all of them.
     """
-    import json
-    import pickle
-    import subprocess
-    import tempfile
-
     frames = [bytes(f) for f in encode_state(state)] + [encode_trailer(1, state.length,
                                                                        cfg.n_layers)]
     with tempfile.NamedTemporaryFile(suffix=".pkl") as f:
@@ -79,9 +82,6 @@ def rss_per_request(state, cfg, dev):
 
 
 def rss_child(path):
-    import json
-    import pickle
-
     data = pickle.load(open(path, "rb"))
     cfg = HybridConfig.from_dict(data["cfg"])
     dec = TorchDecodeEngine(cfg, data["device"])
@@ -107,7 +107,6 @@ def rss_child(path):
 def bench_length(pre, dec, L, repeat, steps):
     model, dev = pre.model, pre.device
     req = {"id": L, "input_len": L}
-    from workers.engine_torch import request_tokens
     tokens = request_tokens(req, pre.cfg.vocab)
     async def null_send(i, frames):
         for f in frames:
@@ -158,8 +157,11 @@ def main():
     p.add_argument("--dtype", default="float32")
     p.add_argument("--repeat", type=int, default=3, help="prefill repetitions (median)")
     p.add_argument("--steps", type=int, default=20, help="decode steps timed (median)")
+    p.add_argument("--smoke", action="store_true", help=f"{SMOKE}: seconds")
     p.add_argument("--rss-child", help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.smoke:
+        vars(a).update(SMOKE)
     if a.rss_child:
         return rss_child(a.rss_child)
     cfg = HybridConfig(dtype=a.dtype)

@@ -7,6 +7,7 @@ medians. The profile engine charges `T(L) - T(P)` for a request with P cached to
 puts the measured continued time next to that prediction (T() measured from scratch here).
 
     python benchmarks/prefix_prefill.py [--lengths 1024 2048 4096] [--trials 3]
+    python benchmarks/prefix_prefill.py --smoke      # one short length, one trial: seconds
 """
 
 import argparse
@@ -18,9 +19,12 @@ import time
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
 from workers.model.config import HybridConfig  # noqa: E402
 from workers.model.hybrid import HybridModel  # noqa: E402
 from workers.model.prefix import PrefixState  # noqa: E402
+
+SMOKE = {"lengths": [512], "block": 128, "trials": 1}    # --smoke: the same path in seconds
 
 
 def timed(fn):
@@ -35,7 +39,10 @@ def main(argv=None):
     p.add_argument("--block", type=int, default=512)
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--smoke", action="store_true", help=f"{SMOKE}: seconds")
     a = p.parse_args(argv)
+    if a.smoke:
+        vars(a).update(SMOKE)
     torch.set_num_threads(a.threads)
     cfg = HybridConfig()
     model = HybridModel(cfg)

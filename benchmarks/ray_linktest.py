@@ -9,22 +9,27 @@ linktest and the teardown hold the shared lock (`--lock`) each for itself:
 
     python benchmarks/ray_linktest.py
     python benchmarks/ray_linktest.py --link "--rate 1Gbit --delay 20ms"
+    python benchmarks/ray_linktest.py --smoke      # one lossy link, 0.5 s: the whole path
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import shlex
 import sys
 import tempfile
 
-from testbed.net import nshosts
-from testbed.net.ns import ns_run
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+from testbed.net import nshosts  # noqa: E402
+from testbed.net.ns import ns_run  # noqa: E402
 
 LINKS = ("--rate 100Mbit --delay 5ms", "--rate 1Gbit --delay 20ms",
          "--rate 50Mbit --delay 5ms --jitter 1ms --loss 2%",
          "--rate 100Mbit --delay 5ms --loss 1% --loss-burst 3")
+SMOKE_LINKS, SMOKE_DURATION_S = ("--rate 100Mbit --delay 5ms --loss 1%",), 0.5
 
 
 def linktest(local, head, link, duration_s, lock):
@@ -56,7 +61,11 @@ def main(argv=None):
     ap.add_argument("--link", action="append", help="linktest arguments (repeatable)")
     ap.add_argument("--duration", type=float, default=1.5)
     ap.add_argument("--lock", default=nshosts.ROOT_LOCK)
+    ap.add_argument("--smoke", action="store_true",
+                    help=f"only {SMOKE_LINKS[0]!r} for {SMOKE_DURATION_S} s".replace("%", "%%"))
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.link, args.duration = list(SMOKE_LINKS), SMOKE_DURATION_S
     print("| link | goodput (of rate) | RTT p50 / p99 | jitter sd | loss (of configured) | "
           "reordered | warnings |")
     print("|---|---|---|---|---|---|---|")

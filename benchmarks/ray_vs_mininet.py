@@ -14,23 +14,29 @@ Root. Each `testbed run`, and the hosts' setup and teardown, holds the shared lo
 (`--lock`, default /tmp/prfaas-root.lock) for itself only, so other users of the lock get turns:
 
     python benchmarks/ray_vs_mininet.py --seeds 1 2 3 --out /tmp/rvm
+    python benchmarks/ray_vs_mininet.py --smoke    # one seed, 12 requests per variant
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import statistics
 import sys
 import tempfile
 
-from testbed.net import nshosts
-from testbed.net.ns import ns_run
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+from testbed import rundir  # noqa: E402
+from testbed.net import nshosts  # noqa: E402
+from testbed.net.ns import ns_run  # noqa: E402
 
 ROOT = nshosts.ROOT
 METRICS = (("steady_throughput", "steady req/s", 0.05), ("median_ttft_ms", "TTFT p50", 0.10),
            ("p90_ttft_ms", "TTFT p90", 0.10))
+# --smoke: one seed, the quickstart shrunk (the whole path, both backends, in about a minute)
+SMOKE_SEEDS = [1]
+SMOKE_SETS = ["requests=12", "workload.output.tokens=64", "scale.time=20"]
 
 
 def run_testbed(argv, out, ns=None, env=None, lock=nshosts.ROOT_LOCK):
@@ -47,8 +53,8 @@ def run_testbed(argv, out, ns=None, env=None, lock=nshosts.ROOT_LOCK):
 def summaries(out):
     """{variant label: summary} of one run directory."""
     found = {}
-    for p in sorted(pathlib.Path(out).glob("**/summary.json")):
-        s = json.loads(p.read_text())
+    for d in rundir.find_runs(out):
+        s = rundir.summary(d)
         if "label" in s:
             found[s["label"]] = s
     return found
@@ -67,6 +73,10 @@ def node_env(args, tmp):
     return env_of
 
 
+def sets_argv(args):
+    return [x for kv in args.set for x in ("--set", kv)]
+
+
 def measure(args):
     """{backend: {seed: {variant: summary}}}."""
     results = {"ray": {}, "mininet": {}}
@@ -79,14 +89,15 @@ def measure(args):
             for seed in args.seeds:
                 d = out / f"ray-seed{seed}"
                 run_testbed([args.experiment, "--backend", "ray", "--address", head,
-                             "--set", f"seed={seed}"], d, ns=local, env=nshosts.ray_env(),
-                            lock=args.lock)
+                             "--set", f"seed={seed}", *sets_argv(args)], d, ns=local,
+                            env=nshosts.ray_env(), lock=args.lock)
                 results["ray"][seed] = summaries(d)
                 print_run("ray", seed, results["ray"][seed], d)
     if args.backend in ("both", "mininet"):
         for seed in args.seeds:
             d = out / f"mininet-seed{seed}"
-            run_testbed([args.experiment, "--set", f"seed={seed}"], d, lock=args.lock)
+            run_testbed([args.experiment, "--set", f"seed={seed}", *sets_argv(args)], d,
+                        lock=args.lock)
             results["mininet"][seed] = summaries(d)
             print_run("mininet", seed, results["mininet"][seed], d)
     return results
@@ -134,13 +145,24 @@ def main(argv=None):
                     help="own: each Ray node keeps its own run directory (TESTBED_NODE_DIR)")
     ap.add_argument("--skew", type=float, default=0.0,
                     help="seconds the PrfaaS node's clock runs ahead (test-only)")
-    ap.add_argument("--out", required=True, help="directory for the run directories")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra testbed run --set, for every run")
+    ap.add_argument("--out", help="directory for the run directories (--smoke: a temporary "
+                                  "one by default)")
     ap.add_argument("--lock", default=nshosts.ROOT_LOCK)
+    ap.add_argument("--smoke", action="store_true",
+                    help=f"seeds {SMOKE_SEEDS}, {' '.join(SMOKE_SETS)}")
     args = ap.parse_args(argv)
+    if args.out is None and not args.smoke:
+        ap.error("--out is required (or --smoke)")
+    if args.smoke:
+        args.seeds, args.set = SMOKE_SEEDS, args.set + SMOKE_SETS
     print("| variant | backend | seed | steady req/s | TTFT p50 ms | TTFT p90 ms | "
           "WAN bytes (kernel) | KV bytes sent | WAN / KV | ok |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    compare(measure(args))
+    with tempfile.TemporaryDirectory(prefix="ray_vs_mininet-") as tmp:
+        args.out = args.out or tmp
+        compare(measure(args))
 
 
 if __name__ == "__main__":

@@ -6,9 +6,10 @@ peak resident set (VmHWM) and the thread count. Start-up time is the worker's re
 (`ready/<name>`, written with time.time()) minus the process's start time (/proc/<pid>/stat,
 in clock ticks since boot). Prints one row per role (max and median over the role's
 processes) and the run's build / workers-ready / teardown phases from metadata.json. Needs root
-(it is a full run); not part of the test suite.
+(it is a full run); its numbers are not part of the test suite's pass/fail.
 
     sudo python -m benchmarks.worker_rss experiments/many_instances.yaml --out /tmp/many
+    sudo python benchmarks/worker_rss.py --smoke    # benchmarks/smoke.yaml: seconds
 """
 
 import argparse
@@ -18,8 +19,17 @@ import pathlib
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from testbed import rundir  # noqa: E402
+from testbed.rundir import RunDir  # noqa: E402
+
+# --smoke: the smallest full run (3 workers, 12 requests), no link probe
+SMOKE_EXPERIMENT = ROOT / "benchmarks" / "smoke.yaml"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -77,7 +87,7 @@ def _workers(runtime):
 def watch(cmd, run_dir, interval_s=0.2):
     """Run `cmd`; returns {pid: {name, module, hwm_kb, threads, start_s}} of its workers."""
     boot_s = _boot_time_s()
-    runtime = run_dir / "runtime.json"
+    runtime = RunDir(run_dir).runtime
     seen = {}
     proc = subprocess.Popen(cmd)
     while proc.poll() is None:
@@ -114,28 +124,37 @@ def report(seen, run_dir):
         print(f"| {module} | {len(rows)} | {max(rss):.1f} | {statistics.median(rss):.1f} "
               f"| {max(thr)} | {statistics.median(up):.2f} | {max(up):.2f} "
               f"| {statistics.median(cpu):.2f} |")
-    meta = json.loads((run_dir / "metadata.json").read_text())
+    meta = rundir.metadata(run_dir)
     wall = meta["end_time"] - meta["start_time"]
     print(f"\nphases (s): {meta.get('phases_s')}; wall {wall:.1f} s")
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = rundir.summary(run_dir)
     for key in ("emulation", "fidelity", "warnings"):
         if key in summary:
             print(f"{key}: {json.dumps(summary[key])}")
-    logged = [line for f in sorted((run_dir / "logs").glob("*.log"))
+    logged = [line for f in sorted(RunDir(run_dir).logs.glob("*.log"))
               for line in f.read_text(errors="replace").splitlines() if " WARNING " in line]
     print(f"worker log warnings: {len(logged)}" + (f"; first: {logged[0]}" if logged else ""))
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("experiment")
-    p.add_argument("--out", required=True, help="run directory (new)")
+    p.add_argument("experiment", nargs="?", help="experiment file (one variant)")
+    p.add_argument("--out", help="run directory (new); --smoke: a temporary one by default")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--smoke", action="store_true",
+                   help="benchmarks/smoke.yaml (3 workers, 12 requests), --no-probe: seconds")
     a = p.parse_args()
-    run_dir = pathlib.Path(a.out).resolve()
-    cmd = [sys.executable, "-m", "testbed.cli", "run", a.experiment, "--out", str(run_dir),
-           "--no-progress", *[x for kv in a.set for x in ("--set", kv)]]
-    report(watch(cmd, run_dir), run_dir)
+    if not a.smoke and (a.experiment is None or a.out is None):
+        p.error("an experiment and --out are needed (or --smoke)")
+    experiment = a.experiment or str(SMOKE_EXPERIMENT)
+    sets = a.set
+    with tempfile.TemporaryDirectory(prefix="worker_rss-") as tmp:
+        run_dir = pathlib.Path(a.out or pathlib.Path(tmp) / "run").resolve()
+        cmd = [sys.executable, "-m", "testbed.cli", "run", experiment, "--out", str(run_dir),
+               "--no-progress", *[x for kv in sets for x in ("--set", kv)]]
+        if a.smoke:
+            cmd.append("--no-probe")
+        report(watch(cmd, run_dir), run_dir)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""What a plain `pip install .` leaves out is refused cleanly: torch is an extra (README,
-Install), so an experiment asking for the torch engine's model without torch gets exit 2 and one
-line saying how to install it."""
+"""What a plain `pip install .` leaves out is refused cleanly: torch is an extra
+(docs/install.md), so an experiment asking for the torch engine's model without torch gets exit
+2 and one line saying how to install it."""
 
 import pathlib
 import subprocess
