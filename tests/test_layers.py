@@ -20,17 +20,10 @@ from testbed.records import RunDir
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
-# Files another branch is splitting (backend/, net/, four workers): those with findings today
-# are xfail until it is merged (not strict: they pass once it is).
-PENDING_IMPORTS = ("testbed/backend/__init__.py", "testbed/backend/agents.py",
-                   "testbed/backend/mininet.py", "testbed/backend/raycluster.py",
-                   "testbed/backend/rayprobe.py", "testbed/net/build.py",
-                   "testbed/net/hostshape.py", "testbed/net/netlink.py", "testbed/net/pair.py",
-                   "testbed/net/probe.py", "testbed/net/spec.py", "testbed/net/timers.py",
-                   "workers/decode.py", "workers/prefill.py")
-PENDING_NAMES = ("testbed/backend/agents.py", "testbed/backend/runfiles.py",
-                 "workers/recovery.py")
-PENDING_CYCLES = [{"testbed.backend.raycluster", "testbed.backend.rayprobe"}]
+# Files with known findings, xfail until fixed (none left: keep them empty).
+PENDING_IMPORTS = ()
+PENDING_NAMES = ()
+PENDING_CYCLES = []
 
 # What may be imported inside a function: a heavy or optional dependency, or a project module
 # whose import pulls one in (said in the line's comment).
@@ -40,7 +33,8 @@ HEAVY_PROJECT = {
     "workers.engine_torch": "torch", "workers.model.config": "torch",
     "workers.model.hybrid": "torch", "workers.roles": "numpy and the planner",
     "testbed.plan_figures": "matplotlib", "testbed.backend.mininet": "mininet",
-    "testbed.backend.raycluster": "ray",
+    "testbed.backend.raycluster": "ray", "testbed.fidelity": "numpy and pandas",
+    "topologies.two_dc": "mininet",
 }
 
 
@@ -109,8 +103,6 @@ def test_no_import_circle_outside_the_pending_backend_split():
     assert not cycles, cycles
 
 
-@pytest.mark.xfail(reason="backend/raycluster.py <-> rayprobe.py: the backend split ends it",
-                   strict=False)
 def test_no_import_circle_at_all():
     assert _cycles() == []
 

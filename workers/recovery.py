@@ -37,6 +37,7 @@ import time
 import grpc
 
 from testbed.proto import testbed_pb2 as pb
+from testbed.records import RunDir
 from workers import control
 
 UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -115,7 +116,7 @@ class Health:
 
         # Start once every worker has said it is ready (the runner waits for the same files):
         # a worker still importing is not an outage.
-        ready = self.svc.rt.dir / "ready"
+        ready = RunDir(self.svc.rt.dir).ready
         for _ in range(600):
             if all((ready / i.name).exists() for i in insts):
                 break

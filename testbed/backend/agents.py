@@ -37,6 +37,7 @@ from testbed import clocks, lifecycle
 from testbed.errors import NetworkError
 from testbed.net import netlink
 from testbed.net.hostshape import HostWan
+from testbed.records import RunDir
 
 GUARD_INTERVAL_S = 0.2
 STOP_GRACE_S = 3.0
@@ -61,7 +62,7 @@ def host_run_dir(run_dir, token, run_id, environ=None):
                 return run_dir, True
         root = pathlib.Path(tempfile.gettempdir()) / "prfaas-testbed-runs"
     local = pathlib.Path(root) / f"{run_id}-{run_dir.name}"
-    (local / "logs").mkdir(parents=True, exist_ok=True)
+    (local / RunDir.LOGS).mkdir(parents=True, exist_ok=True)
     return local, False
 
 

@@ -29,12 +29,14 @@ import os
 import pathlib
 import threading
 
+from testbed.records import RunDir
+
 CHUNK = 4 << 20          # bytes per read/write call
 PERIOD_S = 0.05
-PUSH_LIVE = ("ready/", "control/", "timeseries.csv")
-PULL_LIVE = ("ready/", "requests.jsonl")
-GROWING = ("requests.jsonl", "timeseries.csv")   # only appended to: copied from where we were
-APPENDED = ("events.csv",)      # rows of the host's processes, appended to the orchestrator's
+PUSH_LIVE = (RunDir.READY + "/", RunDir.CONTROL + "/", RunDir.TIMESERIES)
+PULL_LIVE = (RunDir.READY + "/", RunDir.RECORDS)
+GROWING = (RunDir.RECORDS, RunDir.TIMESERIES)   # only appended to: copied from where we were
+APPENDED = (RunDir.EVENTS,)     # rows of the host's processes, appended to the orchestrator's
 
 
 def matches(rel, prefixes):
