@@ -21,7 +21,7 @@ Needs root (it starts `testbed run`): on a shared machine run it under the root 
 
     flock /tmp/prfaas-root.lock .venv/bin/python benchmarks/emulation_speed.py
 
-`--smoke` runs the same path in well under a minute: the case study at 40x with 30 requests per
+`--smoke` runs the same path in well under a minute: the case study at 40x with 15 requests per
 variant and no link probe, and a one-rate sweep (the numbers are too short to mean much).
 """
 
@@ -46,7 +46,7 @@ SCALES = {10: [], 40: ["scale.bytes=2.5e-4"]}
 CAPACITY_RATE = "workload.arrival.rate=4/s"
 # --smoke: scale.time 40 only, few requests, no link probe; a one-rate sweep, short
 SMOKE_SCALES = [40.0]
-SMOKE_SETS = ["requests=30"]
+SMOKE_SETS = ["requests=15"]
 SMOKE_SWEEP = {"rates": (1e9,), "losses": (0.0,), "duration_s": 0.5}
 HEADER = ("| scale.time | variant | instances | wall time | first-token lag (median, p99) "
           "| decode-step ratio | measured / predicted capacity |\n"

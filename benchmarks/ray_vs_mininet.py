@@ -14,7 +14,7 @@ Root. Each `testbed run`, and the hosts' setup and teardown, holds the shared lo
 (`--lock`, default /tmp/prfaas-root.lock) for itself only, so other users of the lock get turns:
 
     python benchmarks/ray_vs_mininet.py --seeds 1 2 3 --out /tmp/rvm
-    python benchmarks/ray_vs_mininet.py --smoke    # one seed, 12 requests per variant
+    python benchmarks/ray_vs_mininet.py --smoke    # one seed of benchmarks/smoke.yaml
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from testbed.net.ns import ns_run  # noqa: E402
 ROOT = nshosts.ROOT
 METRICS = (("steady_throughput", "steady req/s", 0.05), ("median_ttft_ms", "TTFT p50", 0.10),
            ("p90_ttft_ms", "TTFT p90", 0.10))
-# --smoke: one seed, the quickstart shrunk (the whole path, both backends, in about a minute)
+# --smoke: one seed of the smallest full run (one variant, 12 requests) on both backends
 SMOKE_SEEDS = [1]
-SMOKE_SETS = ["requests=12", "workload.output.tokens=64", "scale.time=20"]
+SMOKE_EXPERIMENT = ROOT / "benchmarks" / "smoke.yaml"
 
 
 def run_testbed(argv, out, ns=None, env=None, lock=nshosts.ROOT_LOCK):
@@ -151,12 +151,12 @@ def main(argv=None):
                                   "one by default)")
     ap.add_argument("--lock", default=nshosts.ROOT_LOCK)
     ap.add_argument("--smoke", action="store_true",
-                    help=f"seeds {SMOKE_SEEDS}, {' '.join(SMOKE_SETS)}")
+                    help=f"seeds {SMOKE_SEEDS} of benchmarks/smoke.yaml (one variant)")
     args = ap.parse_args(argv)
     if args.out is None and not args.smoke:
         ap.error("--out is required (or --smoke)")
     if args.smoke:
-        args.seeds, args.set = SMOKE_SEEDS, args.set + SMOKE_SETS
+        args.seeds, args.experiment = SMOKE_SEEDS, str(SMOKE_EXPERIMENT)
     print("| variant | backend | seed | steady req/s | TTFT p50 ms | TTFT p90 ms | "
           "WAN bytes (kernel) | KV bytes sent | WAN / KV | ok |")
     print("|---|---|---|---|---|---|---|---|---|---|")

@@ -27,7 +27,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 BENCHMARKS = sorted((ROOT / "benchmarks").glob("*.py"))
 SMOKE_TIMEOUT_S = 300
 
-# What a benchmark needs beyond the unit tests' environment; one not listed needs nothing.
+# What a benchmark needs beyond the unit tests' environment; one not listed needs nothing (a new
+# benchmark that needs root, Ray, py-spy or torch is added here, or its smoke test fails).
 NEEDS = {
     "emulation_speed.py": {"root"},
     "kv_transfer.py": {"root", "torch"},
