@@ -48,7 +48,7 @@ import numpy as np
 APPROXIMATION = ("M/G/c per prefill stage (Allen-Cunneen mean wait, Erlang C probability of "
                  "waiting, exponential conditional wait), layer-wise KV streaming over a "
                  "processor-sharing WAN, M/M/c decode admission over N_d*BS_max slots")
-QUANTILES = (50, 90, 99)
+QUANTILES = {"median_ttft_ms": 50, "p90_ttft_ms": 90, "p99_ttft_ms": 99}
 
 
 def erlang_c(c: int, a: float) -> float:
@@ -221,12 +221,42 @@ def predict_ttft(inp, policy, threshold, n_prfaas, n_p, n_d, rate, delay_s, step
     out = {"rate": rate, "approximation": APPROXIMATION, "arrival_scv": arrival_scv,
            "stages": stages, "saturated": saturated}
     if saturated or not paths:
-        out.update({"mean_ttft_ms": None, **{f"p{q}_ttft_ms": None for q in QUANTILES}})
+        out.update({"mean_ttft_ms": None, **{key: None for key in QUANTILES}})
         return out
     extra = w_dec + step
     mean = sum(b.share * (b.queue.wait_mean + float(b.probs @ b.fixed)) for b in paths) + extra
     out["mean_ttft_ms"] = mean * 1e3
-    for q in QUANTILES:
-        out[f"p{q}_ttft_ms"] = _quantile(paths, extra, q) * 1e3
-    out["median_ttft_ms"] = out.pop("p50_ttft_ms")
+    for key, q in QUANTILES.items():
+        out[key] = _quantile(paths, extra, q) * 1e3
+    return out
+
+
+def arrival_moments(times) -> tuple[float, float]:
+    """(rate, C_a^2) of arrival times (seconds): n-1 gaps over the span, and the gaps' squared
+    coefficient of variation (1 for Poisson arrivals, more for bursty ones)."""
+    t = np.sort(np.asarray(times, dtype=float))
+    if t.size < 3 or t[-1] <= t[0]:
+        return math.nan, 1.0
+    gaps = np.diff(t)
+    return float(gaps.size / (t[-1] - t[0])), float(gaps.var() / gaps.mean() ** 2)
+
+
+def predict_for(exp, inp, arrival_times, rate=None) -> dict:
+    """`predict_ttft` for one experiment as configured: its policy, threshold and cluster
+    sizes, the WAN's kv-direction delay, the decode step model at the mean context, and the
+    arrival rate and C_a^2 of `arrival_times` (the request list it sends; `rate` overrides
+    the rate, keeping the burstiness)."""
+    measured, scv = arrival_moments(arrival_times)
+    rate = measured if rate is None else float(rate)
+    c, pol = exp.clusters, exp.scheduler.policy
+    decode = exp.decode_model()
+    context = inp.lengths.mean + inp.l_out / 2
+
+    def step_fn(batch):
+        return decode.step_time(batch, batch * context)
+
+    out = predict_ttft(inp, pol, exp.scheduler.threshold,
+                       0 if pol == "homogeneous" else c.prfaas.instances, c.local.prefill,
+                       c.local.decode, rate, float(exp.network.wan.direction("kv")["delay"]),
+                       step_fn, scv)
     return out
