@@ -143,7 +143,8 @@ def table(summaries: list[dict]) -> str:
         cols.insert(5, ("request_goodput", "goodput", "{:.3f}"))
     if any(s.get("cache_enabled") for s in summaries):
         cols.append(("cache_hit_share", "cache hit", "{:.3f}"))
-    header = [c[1] for c in cols] + ["predicted (paper)", "predicted (E[T])"]
+    header = [c[1] for c in cols] + ["predicted (paper)", "predicted (E[T])", "p50 model",
+                                     "p90 model"]
     body = []
     for s in summaries:
         row = []
@@ -153,6 +154,9 @@ def table(summaries: list[dict]) -> str:
         pred = s.get("prediction") or {}
         for key in ("lambda_max", "lambda_max_expected"):
             row.append("-" if pred.get(key) is None else f"{pred[key]:.3f}")
+        model = pred.get("ttft") or {}      # the TTFT model at the run's load (plan/ttft.py)
+        for key in ("median_ttft_ms", "p90_ttft_ms"):
+            row.append("-" if model.get(key) is None else f"{model[key]:.0f}")
         body.append(row)
     widths = [max(len(h), *(len(r[i]) for r in body)) for i, h in enumerate(header)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths))]

@@ -78,3 +78,19 @@ def test_kv_streaming_overlaps_prefill():
     assert ttft.kv_done_s(1.0, 10.0, 10, 100.0) == pytest.approx(1.0 + 0.01)
     assert ttft.kv_done_s(1.0, 1000.0, 10, 100.0) == pytest.approx(0.1 + 10.0)
     assert math.isinf(float(ttft.kv_done_s(np.array(1.0), 1.0, 1, 0.0)))
+
+
+def test_plan_ttft_json(capsys):
+    from testbed import cli
+    import json
+    assert cli.main(["plan", "experiments/quickstart.yaml", "--ttft", "--loads", "0.3,0.6",
+                     "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["ttft"]
+    assert {r["policy"] for r in rows} == {"homogeneous", "naive", "prfaas"}
+    for pol in ("homogeneous", "naive", "prfaas"):
+        a, b = [r for r in rows if r["policy"] == pol]
+        assert a["load"] == 0.3 and b["load"] == 0.6
+        assert a["p90_ttft_ms"] < b["p90_ttft_ms"] and a["rate"] < b["rate"]
+    with pytest.raises(SystemExit) as e:         # argparse: usage error, exit 2
+        cli.main(["plan", "experiments/quickstart.yaml", "--ttft", "--loads", "x"])
+    assert e.value.code == 2
