@@ -26,7 +26,8 @@ import json
 
 import pandas as pd
 
-from testbed import clocks, deploy, faults, fidelity, loadstats, metrics, rundir
+from testbed import (clocks, deploy, faults, fidelity, loadstats, metrics, replicates, rundir,
+                     stats)
 from testbed.net.linkmodel import DIRECTIONS
 from testbed.records import RunDir, client_finished, read_events, read_records
 from testbed.workload import summarize as workload_stats
@@ -74,7 +75,8 @@ def analyse(run_dir) -> dict:
 def _run_facts(run) -> dict:
     """The summary's keys about the run itself: its directory, clocks, pools, link warnings."""
     rd, meta = run.dir, run.metadata
-    out = {"run_dir": str(rd.path)}
+    out = {"run_dir": str(rd.path), "seed": run.experiment.seed,
+           "replicate": run.experiment.replicate}
     out["clock_offsets"] = {h: {k: c.get(k) for k in ("offset_s", "uncertainty_s", "drift_s")}
                             for h, c in (meta.get("clocks") or {}).get("hosts", {}).items()}
     pools = {dc: json.loads(p.read_text()) for dc, p in rd.cache_pools().items()}
@@ -131,7 +133,10 @@ def write_sweep(top, summaries: list[dict]) -> None:
 
 
 def table(summaries: list[dict]) -> str:
-    """The comparison printed at the end of `testbed run` (real-world units)."""
+    """The comparison printed at the end of `testbed run` (real-world units): one row per run,
+    or with replicates one row per run label, each value the median [95% CI] over seeds."""
+    if replicates.has_replicates(summaries):
+        return replicate_table(summaries)
     cols = [("label", "run", "{}"), ("completed", "done", "{:d}"), ("failed", "fail", "{:d}"),
             ("request_throughput", "req/s", "{:.3f}"), ("mean_ttft_ms", "TTFT mean", "{:.0f}"),
             ("median_ttft_ms", "p50", "{:.0f}"), ("p90_ttft_ms", "p90", "{:.0f}"),
@@ -143,7 +148,8 @@ def table(summaries: list[dict]) -> str:
         cols.insert(5, ("request_goodput", "goodput", "{:.3f}"))
     if any(s.get("cache_enabled") for s in summaries):
         cols.append(("cache_hit_share", "cache hit", "{:.3f}"))
-    header = [c[1] for c in cols] + ["predicted (paper)", "predicted (E[T])"]
+    header = [c[1] for c in cols] + ["predicted (paper)", "predicted (E[T])", "p50 model",
+                                     "p90 model"]
     body = []
     for s in summaries:
         row = []
@@ -153,8 +159,42 @@ def table(summaries: list[dict]) -> str:
         pred = s.get("prediction") or {}
         for key in ("lambda_max", "lambda_max_expected"):
             row.append("-" if pred.get(key) is None else f"{pred[key]:.3f}")
+        model = pred.get("ttft") or {}      # the TTFT model at the run's load (plan/ttft.py)
+        for key in ("median_ttft_ms", "p90_ttft_ms"):
+            row.append("-" if model.get(key) is None else f"{model[key]:.0f}")
         body.append(row)
     widths = [max(len(h), *(len(r[i]) for r in body)) for i, h in enumerate(header)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths))]
     lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in body]
+    return "\n".join(lines)
+
+
+REPLICATE_COLUMNS = (("request_throughput", "req/s", "{:.3f}"),
+                     ("steady_throughput", "steady", "{:.3f}"),
+                     ("median_ttft_ms", "TTFT p50", "{:.0f}"), ("p90_ttft_ms", "p90", "{:.0f}"),
+                     ("mean_tpot_ms", "TPOT", "{:.1f}"),
+                     ("egress_mean_gbps", "egress Gb/s", "{:.2f}"),
+                     ("offload_fraction", "offload", "{:.2f}"))
+
+
+def replicate_table(summaries: list[dict]) -> str:
+    """One row per run label over its replicates: n counted/run, each metric's median [CI],
+    the planner's Lambda_max (E[T]); then what the brackets are and which replicates were
+    excluded (failed or cut short) and why."""
+    rows = replicates.aggregate(summaries)
+    header = ["run", "n"] + [name for _, name, _ in REPLICATE_COLUMNS] + ["predicted (E[T])"]
+    body, methods = [], []
+    for r in rows:
+        cells = [r["label"], f"{r['n']}/{r['n_total']}"]
+        for key, _, fmt in REPLICATE_COLUMNS:
+            cells.append(r[key].fmt(fmt))
+            methods.append(r[key].method)
+        lam = (r["first"].get("prediction") or {}).get("lambda_max_expected")
+        cells.append("-" if lam is None else f"{lam:.3f}")
+        body.append(cells)
+    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(header)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(b, widths)) for b in body]
+    lines.append(stats.method_note(methods))
+    lines += [f"warning: {w}" for w in replicates.warnings(rows)]
     return "\n".join(lines)

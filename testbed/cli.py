@@ -13,8 +13,8 @@ from testbed import __version__
 from testbed.errors import TestbedError, one_line
 
 # Verbs in the order `--help` lists them.
-VERBS = ["run", "up", "clean", "workload", "plan", "models", "linktest", "doctor", "selfcheck", "analyse",
-         "plot", "report", "keys"]
+VERBS = ["run", "up", "clean", "workload", "plan", "models", "linktest", "doctor", "selfcheck",
+         "analyse", "compare", "plot", "report", "keys"]
 
 
 def parser():

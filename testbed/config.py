@@ -26,7 +26,8 @@ from testbed import loadgen, yamlload
 from testbed import profile as profiles
 from testbed.errors import ConfigError
 from testbed.experiment import (  # noqa: F401  (re-exported: config.Experiment, ...)
-    DAY_S, MAX_DURATION_S, MAX_ONOFF_CYCLES, MAX_PREFIX_BLOCK_IDS, MAX_RUNS, BackendSpec,
+    DAY_S, MAX_DURATION_S, MAX_ONOFF_CYCLES, MAX_PREFIX_BLOCK_IDS, MAX_REPLICATES, MAX_RUNS,
+    MAX_TOTAL_RUNS, BackendSpec,
     Experiment, SloSpec, _no_cuda_reason, cache_capacity)
 from testbed.net import spec as netspec
 from testbed.net.ratetrace import MAX_LINK_CHANGES, MIN_LOOP_PERIOD_S, read_rate_trace
@@ -281,8 +282,37 @@ def expand(raw, path=None):
                 set_dotted(d, k, copy.deepcopy(v), path)
             for k, v in zip(keys, combo):
                 set_dotted(d, k, copy.deepcopy(v), path)
-            runs.append((d, dict(zip(keys, combo))))
+            runs += [(r, dict(zip(keys, combo))) for r in replicate(d)]
+    if len(runs) > MAX_TOTAL_RUNS:
+        raise ConfigError(f"{total:,} runs x replicates = {len(runs):,} runs, more than "
+                          f"{MAX_TOTAL_RUNS} (a hard limit); split the file", path=path,
+                          key="replicates")
     return runs
+
+
+def replicate(d):
+    """One mapping per replicate of run mapping `d`: `replicate` set to its index and `seed`
+    to its own (`seeds[i]`, else seed + i). A `replicates` or `seeds` value of the wrong type
+    expands to one run, and `validate` names the key."""
+    n, seeds = d.get("replicates", 1), d.get("seeds")
+    if isinstance(seeds, list) and "replicates" not in d:
+        n = len(seeds)
+        d["replicates"] = n
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_REPLICATES:
+        return [d]
+    if "replicate" in d:
+        raise ConfigError("set by the expansion of `replicates`, not in a file", key="replicate")
+    base = d.get("seed", 1)
+    out = []
+    for i in range(n):
+        r = copy.deepcopy(d)
+        r["replicate"] = i
+        if isinstance(seeds, list) and len(seeds) == n:
+            r["seed"] = seeds[i]
+        elif isinstance(base, int) and not isinstance(base, bool) and n > 1:
+            r["seed"] = base + i
+        out.append(r)
+    return out
 
 
 def _label(exp, sweep_point):
@@ -351,9 +381,10 @@ def load_experiment(path, overrides=()):
         runs = [validate(d, str(path), point, traces_read) for d, point in expand(raw, str(path))]
     except RecursionError:
         raise ConfigError("too deeply nested to validate", path=str(path)) from None
-    labels = [r.label for r in runs]
+    labels = [(r.label, r.replicate) for r in runs]
     if len(set(labels)) != len(labels):
-        runs = [dataclasses.replace(r, label=f"{r.label}#{i}") for i, r in enumerate(runs)]
+        runs = [dataclasses.replace(r, label=f"{r.label}#{i // r.replicates}")
+                for i, r in enumerate(runs)]
     return runs
 
 

@@ -31,6 +31,8 @@ MAX_DURATION_S = units.MAX_DURATION_S   # `duration`, the span of arrivals, sche
 MAX_TIMEOUT_S = DAY_S            # run.* timeouts
 MAX_INTERVAL_S = 3600.0          # control and health-check periods
 MAX_RUNS = 100                   # variants x sweep points of one file
+MAX_REPLICATES = 50              # replicates of each of them
+MAX_TOTAL_RUNS = 1000            # variants x sweep points x replicates
 MAX_REQUESTS_DEFAULT = 100_000   # run.max_requests
 MAX_PREFIX_BLOCK_IDS = 50_000_000  # synthetic prefix block ids of one workload (~400 MB)
 MAX_ONOFF_CYCLES = 2_000_000     # on/off periods the generator may have to draw
@@ -382,8 +384,21 @@ class Experiment:
                                     "(several hosts; docs/cluster.md)")
     label: str = spec(optional(path_component), None,
                       "name of this run in tables and its directory (default: the policy)")
+    replicates: int = spec(integer(1, MAX_REPLICATES), 1,
+                           "runs of every variant and sweep point, each with its own seed (seed, "
+                           "seed + 1, ... or `seeds`); tables then show the median and a 95% "
+                           "confidence interval (t below 5 replicates, bootstrap from 5)")
+    seeds: tuple = spec(optional(list_of(integer(0, 2**32 - 1))), None,
+                        "the replicates' seeds, one per replicate (instead of seed + i)")
+    replicate: int = spec(integer(0, MAX_REPLICATES - 1), 0,
+                          "which replicate this run is (0-based): written by the expansion of "
+                          "`replicates`, read back from a run's config.yaml; not for files")
 
     def check(self):
+        if self.seeds is not None and len(self.seeds) != self.replicates:
+            raise ValueError(f"seeds: {len(self.seeds)} seeds for {self.replicates} replicates")
+        if self.seeds is not None and len(set(self.seeds)) != len(self.seeds):
+            raise ValueError("seeds: two replicates with the same seed are one replicate twice")
         if self.requests is not None and self.duration is not None:
             raise ValueError("give at most one of 'requests' or 'duration'")
         w = self.workload

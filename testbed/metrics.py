@@ -230,7 +230,7 @@ def summarize(df: pd.DataFrame, run: RunInfo, timeseries: pd.DataFrame | None = 
     out.update(cache_summary(df, run))
     # The planner's L is the uncached length: what the run really prefilled.
     out["prediction"] = predicted(exp, (df.input_len - df.cached_len.fillna(0)).to_numpy(),
-                                  df.output_len.to_numpy())
+                                  df.output_len.to_numpy(), df.arrival_s.to_numpy())
     return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in out.items()}
 
 
@@ -416,16 +416,22 @@ def egress(ts: pd.DataFrame | None, t0: float, t1: float, scale: Scale) -> dict:
     return out
 
 
-def predicted(exp, input_lengths=None, output_lengths=None) -> dict:
+def predicted(exp, input_lengths=None, output_lengths=None, arrival_times=None) -> dict:
     """The planner's prediction for this run's configuration, from the uncached lengths the run
     really prefilled (input_len - cached_len: the full lengths when the cache is off) and the
     output lengths it asked for (so no workload is regenerated: a trace need not be at hand).
-    """
+    With the request list's `arrival_times` (real-world s), also the TTFT model's prediction
+    at that load (`ttft`: mean, median, p90, p99 ms and each stage's utilisation;
+    testbed/plan/ttft.py)."""
     if exp.model.engine != "profile":
         return {"note": "the planner models profiled accelerators; the torch engine's timing "
                         "is its own (no prediction)"}
     try:
-        return plan.predict(exp, lengths=input_lengths, output_lengths=output_lengths)
+        out = plan.predict(exp, lengths=input_lengths, output_lengths=output_lengths)
+        if arrival_times is not None and len(arrival_times) >= 3:
+            inp = plan.inputs_for(exp, input_lengths, output_lengths=output_lengths)
+            out["ttft"] = plan.predict_ttft_for(exp, inp, arrival_times)
+        return out
     except Exception as e:  # a prediction must never lose a measured run
         return {"error": f"{type(e).__name__}: {e}"}
 

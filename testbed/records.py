@@ -46,6 +46,7 @@ class RunDir:
     SUMMARY = "summary.json"            # analysis: the run's metrics (real-world)
     REPORT = "report.md"
     SWEEP = "sweep.csv"                 # at an experiment's top: one row per run
+    REPLICATES = "replicates.csv"       # at an experiment's top: median and CI per label, metric
     FAILURE_MATRIX = "failure_matrix.csv"
     FAILURE_MATRIX_MD = "failure_matrix.md"
     CACHE_POOL = "cache_{dc}.json"      # a datacenter's prefix cache pool at its exit
@@ -89,6 +90,7 @@ class RunDir:
     summary = property(lambda self: self.path / self.SUMMARY)
     report = property(lambda self: self.path / self.REPORT)
     sweep = property(lambda self: self.path / self.SWEEP)
+    replicates = property(lambda self: self.path / self.REPLICATES)
     failure_matrix = property(lambda self: self.path / self.FAILURE_MATRIX)
     failure_matrix_md = property(lambda self: self.path / self.FAILURE_MATRIX_MD)
     logs = property(lambda self: self.path / self.LOGS)

@@ -36,7 +36,7 @@ import yaml
 from importlib import metadata
 
 from testbed import (__version__, analysis, clocks, config, deploy, fidelity, lifecycle, loadgen,
-                     loadrun, ownership, plot, rundir)
+                     loadrun, ownership, plot, replicates, rundir)
 from testbed.backend import open_backend, preflight
 from testbed.errors import ConfigError, PrivilegeError, RunInterrupted, WorkerError
 from testbed.faults import write_matrix
@@ -429,11 +429,14 @@ def execute(path, overrides=(), out=None, probe=True, cli=False, progress=True, 
     probes = LinkProbes(probe)      # each distinct WAN probed once, in its first run
     try:
         for exp, dep in zip(runs, deployments):
-            run_dir = top / exp.label if len(runs) > 1 else top   # a safe name (config.validate)
-            summaries.append(Run(exp, run_dir, cli=cli, progress=progress, hold=hold,
-                                 probes=probes, deployment=dep).execute())
+            run_dir = run_path(top, exp, len(runs))
+            summaries.append(_replicate(exp, run_dir, Run(
+                exp, run_dir, cli=cli, progress=progress, hold=hold, probes=probes,
+                deployment=dep).execute))
         if len(runs) > 1:
             analysis.write_sweep(top, summaries)
+            if any(exp.replicates > 1 for exp in runs):
+                replicates.write(top, summaries)
             if any(exp.faults for exp in runs):
                 write_matrix(top, runs, summaries)
         plot.run_figures(top)
@@ -441,6 +444,26 @@ def execute(path, overrides=(), out=None, probe=True, cli=False, progress=True, 
         ownership.hand_back(top)
         ownership.hand_back(*made[1:], recursive=False)
     return top, summaries
+
+
+def run_path(top, exp, n_runs):
+    """top (a lone run), top/<label> (a safe name: config.validate), top/<label>/r<i>."""
+    d = top if n_runs == 1 else top / exp.label
+    return d / f"r{exp.replicate}" if exp.replicates > 1 and n_runs > 1 else d
+
+
+def _replicate(exp, run_dir, execute):
+    """A replicate among several that fails is recorded (the tables exclude it with a warning)
+    and the others run; a lone run's failure, and Ctrl-C, stop the experiment."""
+    try:
+        return execute()
+    except Exception as e:      # not KeyboardInterrupt: that stops every run
+        if exp.replicates == 1 or isinstance(e, RunInterrupted):
+            raise
+        why = f"{type(e).__name__}: {e}"
+        _warn(f"replicate {exp.replicate} (seed {exp.seed}) of {exp.label} failed: {why}")
+        return {"label": exp.label, "policy": exp.scheduler.policy, "seed": exp.seed,
+                "replicate": exp.replicate, "run_dir": str(run_dir), "error": why}
 
 
 def _check_runs(runs, path, hold, out):

@@ -251,11 +251,13 @@ def load_run(run_dir) -> RunInfo:
 
 def find_runs(top) -> list[pathlib.Path]:
     """Analysed run directories at or below `top` (those holding a summary.json), in the order
-    they ran (their metadata's start time, then name)."""
+    they ran (their metadata's start time, then name): the top itself, its runs, or their
+    replicates (top/<label>/r<i>)."""
     top = pathlib.Path(top)
     if (top / RunDir.SUMMARY).exists():
         return [top]
-    return sorted((p.parent for p in top.glob(f"*/{RunDir.SUMMARY}")), key=_started)
+    found = [*top.glob(f"*/{RunDir.SUMMARY}"), *top.glob(f"*/r[0-9]*/{RunDir.SUMMARY}")]
+    return sorted((p.parent for p in found), key=_started)
 
 
 def find_recorded_runs(top) -> list[pathlib.Path]:
@@ -263,8 +265,8 @@ def find_recorded_runs(top) -> list[pathlib.Path]:
     top = pathlib.Path(top)
     if (top / RunDir.CONFIG).exists():
         return [top]
-    return sorted(p.parent for p in top.glob(f"*/{RunDir.CONFIG}")
-                  if (p.parent / RunDir.WORKLOAD).exists())
+    found = [*top.glob(f"*/{RunDir.CONFIG}"), *top.glob(f"*/r[0-9]*/{RunDir.CONFIG}")]
+    return sorted(p.parent for p in found if (p.parent / RunDir.WORKLOAD).exists())
 
 
 def _started(d):

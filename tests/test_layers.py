@@ -1,17 +1,16 @@
 """The structure, checked: layers only point down (import-linter's contracts in pyproject.toml,
 and no import circle at all), imports inside functions only for heavy or optional
-dependencies, each with its reason, and the run directory's file names spelled in one module.
-
-Parts owned by the branch that splits the backends and the probe (backend/raycluster.py <->
-backend/rayprobe.py, function-level imports in testbed/backend/, testbed/net/ and four
-workers) are expected failures here until that branch is merged; they pass then.
+dependencies, each with its reason, the run directory's file names spelled in one module, and
+every module of testbed/ and workers/ in a layer of the contract.
 """
 
 import ast
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
+import tomllib
 
 import grimp
 import pytest
@@ -205,3 +204,18 @@ def test_the_name_check_sees_a_hard_coded_name(tmp_path):
                  '    # summary.json too\n    (d / "ready").mkdir()\n'
                  '    return pathlib.Path(d) / "events.csv", f"{d}/requests.jsonl"\n')
     assert [s for _, s in _spelled(p)] == ["ready", "events.csv", "{}/requests.jsonl"]
+
+
+def test_every_module_has_a_layer():
+    """A module the layers contract does not name is unchecked: every one must be in a layer."""
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        contract = tomllib.load(f)["tool"]["importlinter"]["contracts"][0]
+    layers = [m.strip() for row in contract["layers"] for m in re.split(r"[|:]", row)]
+    modules = []
+    for p in _sources():
+        parts = p.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        if "." in name:             # the root packages themselves hold only the layers
+            modules.append(name)
+    loose = [m for m in modules if not any(m == l or m.startswith(l + ".") for l in layers)]
+    assert not loose, f"not in any layer of pyproject.toml's contract: {loose}"

@@ -21,6 +21,7 @@ from testbed import plan as planner
 from testbed import units
 from testbed import deploy
 from testbed.errors import ConfigError
+from testbed.workload.generate import generate
 
 
 def register(subparsers):
@@ -44,8 +45,27 @@ def register(subparsers):
                    help="stage throughputs from T_prefill at the conditional mean length "
                         "(paper, the default) or from the conditional mean of T_prefill "
                         "(expected); both modes are printed either way")
+    p.add_argument("--ttft", action="store_true",
+                   help="also predict TTFT (mean, p50, p90) of each configured run at offered "
+                        "loads, as fractions of its Lambda_max (E[T] form): testbed/plan/ttft.py")
+    p.add_argument("--loads", metavar="F,F,...", type=_fractions, default=DEFAULT_LOADS,
+                   help="with --ttft: the offered loads as fractions of Lambda_max (default "
+                        + ",".join(f"{f:g}" for f in DEFAULT_LOADS) + ")")
     p.set_defaults(func=run)
     return p
+
+
+DEFAULT_LOADS = (0.2, 0.4, 0.6, 0.7, 0.8, 0.9)
+
+
+def _fractions(text):
+    try:
+        out = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected fractions like 0.2,0.5, got {text!r}") from None
+    if not out or any(not (0 < f < 5) for f in out):
+        raise argparse.ArgumentTypeError("each load must be a fraction of Lambda_max in (0, 5)")
+    return out
 
 
 def _rate(text):
@@ -107,11 +127,50 @@ def run(args):
         report["figures"] = [str(f) for f in plan_figures.draw_all(
             runs, args.figures, lengths=lengths, b_out_bps=args.b_out, step=args.step,
             latency=args.latency)]
+    if args.ttft:
+        report["ttft"] = ttft_table([exp for exp, _ in deploy.load(args.file, args.overrides)],
+                                    args.loads, lengths,
+                                    base_dir=str(pathlib.Path(args.file).resolve().parent))
     if args.json:
         print(json.dumps(report, indent=2, allow_nan=False))
     else:
         print(render(report, args.file))
+        if args.ttft:
+            print("\n" + render_ttft(report["ttft"]))
     return 0
+
+
+def ttft_table(runs, loads, lengths=None, base_dir=None):
+    """The TTFT model for each configured run at each load (a fraction of the run's own
+    Lambda_max in the E[T] form), with the burstiness (C_a^2) of the run's request list."""
+    rows = []
+    for exp in runs:
+        inp = planner.inputs_for(exp, lengths, base_dir=base_dir)
+        lam = planner.predict(exp, lengths=lengths, base_dir=base_dir,
+                              latency="expected")["lambda_max"]
+        arrivals = generate(exp.workload, exp.seed, requests=exp.requests,
+                            duration_s=exp.duration, base_dir=base_dir).arrival_s.to_numpy()
+        for f in loads:
+            p = planner.predict_ttft_for(exp, inp, arrivals, rate=f * lam) if lam else {}
+            rows.append({"label": exp.run_label, "policy": exp.scheduler.policy, "load": f,
+                         "rate": f * lam if lam else None, "lambda_max_expected": lam,
+                         **{k: p.get(k) for k in ("mean_ttft_ms", "median_ttft_ms",
+                                                  "p90_ttft_ms", "p99_ttft_ms")},
+                         "arrival_scv": p.get("arrival_scv"),
+                         "saturated": p.get("saturated", [])})
+    return rows
+
+
+def render_ttft(rows):
+    out = ["TTFT model (testbed/plan/ttft.py: " + planner.TTFT_APPROXIMATION + ")",
+           "  run               load  req/s    mean ms     p50 ms     p90 ms  saturated"]
+    for r in rows:
+        cells = ["-" if r[k] is None else f"{r[k]:.0f}"
+                 for k in ("mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms")]
+        rate = "-" if r["rate"] is None else f"{r['rate']:.3f}"
+        out.append(f"  {r['label'][:16]:16s}  {r['load']:4.2f}  {rate:>5s}  "
+                   + "  ".join(c.rjust(9) for c in cells) + "  " + ",".join(r["saturated"]))
+    return "\n".join(out)
 
 
 # ---------------------------------------------------------------- human output

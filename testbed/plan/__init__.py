@@ -65,3 +65,5 @@ from testbed.plan.search import (  # noqa: F401
     best_prfaas, check_latency, egress_warnings, evaluate,
     evaluate_config, inputs_for, naive, phi_kv_table, plan_runs, policy_sizings,
     predict, split, threshold_grid, wan_kv_rate_bps, with_both_modes)
+from testbed.plan.ttft import APPROXIMATION as TTFT_APPROXIMATION  # noqa: F401,E402
+from testbed.plan.ttft import predict_for as predict_ttft_for  # noqa: F401,E402
