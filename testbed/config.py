@@ -349,10 +349,12 @@ def _ray_address(value):
 class BackendSpec:
     """Where the deployment runs (testbed/backend/): one machine in Mininet hosts, or the hosts
     of a Ray cluster, placed by their `dc` node label (docs/cluster.md)."""
-    kind: str = spec(choice("mininet", "ray"), "mininet",
+    kind: str = spec(choice("mininet", "ray", "sim"), "mininet",
                      "mininet: every instance in a Mininet host on this machine | ray: the hosts "
                      "of a Ray cluster labelled dc=prfaas / dc=local, the WAN shaped on their "
-                     "NICs by a shaping agent per host (needs the [cluster] extra)")
+                     "NICs by a shaping agent per host (needs the [cluster] extra) | sim: virtual "
+                     "time, the same decisions over models of the engines and the WAN "
+                     "(docs/sim.md; no root)")
     address: str = spec(_ray_address, "auto", "ray: HOST:PORT of the Ray head, or auto")
     cpus: float = spec(at_most(positive(units.number), 1024, "1024"), 1.0,
                        "ray: logical CPUs requested per instance (prefill and decode on CUDA ask "

@@ -32,10 +32,11 @@ class EventLog:
     their rows to the same file with `EventLog(path, fresh=False)`; readers sort by time.
     """
 
-    def __init__(self, path, fresh=True, by=None):
+    def __init__(self, path, fresh=True, by=None, clock=time.time):
         """`by`: the instance writing (a worker), added to every row as `by=<name>`, so
-        analysis puts its times on the orchestrator's clock (testbed/clocks.py)."""
-        self.by = by
+        analysis puts its times on the orchestrator's clock (testbed/clocks.py); `clock`: what
+        stamps the rows (the simulator's virtual Unix time)."""
+        self.by, self.clock = by, clock
         if fresh:
             with open(path, "w", newline="") as f:
                 csv.writer(f).writerow(["time", "kind", "detail"])
@@ -49,7 +50,7 @@ class EventLog:
         detail = " ".join(f"{k}={v}" for k, v in fields.items())
         with self.lock:
             if not self.f.closed:
-                self.w.writerow([f"{time.time():.6f}", kind, detail])
+                self.w.writerow([f"{self.clock():.6f}", kind, detail])
 
     def close(self):
         with self.lock:

@@ -16,28 +16,22 @@ namespace's loopback (testbed/net/forward.py) and the run lasts until Ctrl-C/SIG
 read only the run directory afterwards. Nothing here imports Mininet.
 """
 
-import contextlib
 import dataclasses
 import json
 import datetime
 import os
 import pathlib
-import platform
 import secrets
 import signal
-import subprocess
 import sys
 import time
 
-import yaml
-
-from testbed import (__version__, clocks, config, deploy, fidelity, lifecycle, loadgen,
-                     metrics, ownership, plot, rundir)
+from testbed import (clocks, config, deploy, fidelity, lifecycle, loadgen, metrics, ownership,
+                     plot, rundir, runinputs, sim)
 from testbed.backend import open_backend, preflight
 from testbed.errors import ConfigError, PrivilegeError, RunInterrupted, WorkerError
 from testbed.measure import CounterSampler, EventLog, LinkProbes
 from testbed.net.tcp import CC_ENV
-from testbed.workload import generate
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 30.0
@@ -52,27 +46,6 @@ def _system_cc():
 def default_out(exp_name):
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     return REPO / "results" / exp_name / f"{stamp}-{secrets.token_hex(2)}"
-
-
-def _git_revision():
-    try:
-        rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
-                             text=True, timeout=5).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain"],
-                               capture_output=True, text=True, timeout=5).stdout.strip()
-        return rev + ("-dirty" if dirty else "") if rev else None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def _versions():
-    from importlib import metadata
-
-    out = {"testbed": __version__, "python": platform.python_version()}
-    for pkg in ("torch", "grpcio", "pyroute2", "pandas", "numpy", "seaborn"):
-        with contextlib.suppress(metadata.PackageNotFoundError):
-            out[pkg] = metadata.version(pkg)
-    return out
 
 
 class Progress:
@@ -142,18 +115,8 @@ class Run:
 
     def execute(self):
         exp, d, dep = self.exp, self.dir, self.deployment
-        (d / "logs").mkdir(parents=True, exist_ok=True)
-        (d / "config.yaml").write_text(yaml.safe_dump(config.resolved(exp), sort_keys=False))
-        dep.dump(d / "deployment.json")
-        self.rt.dump(d / "runtime.json")
-        workload = generate(exp.workload, exp.seed, requests=exp.requests,
-                            duration_s=exp.duration)
-        workload.to_parquet(d / "workload.parquet", index=False)
-        self.meta = {"name": exp.name, "label": exp.label, "git_revision": _git_revision(),
-                     "kernel": platform.release(), "host": platform.node(),
-                     "versions": _versions(), "argv": sys.argv, "start_time": time.time(),
-                     "scale": dep.scale.to_dict(), "requests": len(workload),
-                     "backend": exp.backend.kind}
+        workload = runinputs.write_inputs(exp, dep, d)
+        self.meta = runinputs.base_metadata(exp, dep, workload)
         registry = self.registry = lifecycle.Registry(secrets.token_hex(2))
         events = EventLog(d / "events.csv")
         self.meta["run_id"] = registry.run_id
@@ -445,6 +408,11 @@ def execute(path, overrides=(), out=None, probe=True, cli=False, progress=True, 
     if any(exp.backend.kind == "mininet" for exp in runs) and os.geteuid() != 0:
         raise PrivilegeError("testbed run builds network namespaces and needs root: use sudo")
     for exp in runs:
+        if exp.backend.kind == "sim":
+            why = sim.unsupported(exp) or (hold is not None and "testbed up serves real "
+                                           "clients; the simulator runs in virtual time")
+            if why:
+                raise ConfigError(f"backend sim: {why}", path=str(path), key="backend.kind")
         preflight(exp.backend, deploy.compile(exp))
     top = pathlib.Path(out) if out else default_out(runs[0].name)
     made = ownership.missing_ancestors(top)
@@ -454,6 +422,10 @@ def execute(path, overrides=(), out=None, probe=True, cli=False, progress=True, 
     try:
         for exp in runs:
             run_dir = top / exp.label if len(runs) > 1 else top   # a safe name (config.validate)
+            if exp.backend.kind == "sim":     # virtual time: no network, no processes
+                from testbed.sim.run import SimRun
+                summaries.append(SimRun(exp, run_dir).execute())
+                continue
             summaries.append(Run(exp, run_dir, cli=cli, progress=progress, hold=hold,
                                  probes=probes).execute())
         if len(runs) > 1:
