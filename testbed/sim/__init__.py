@@ -31,4 +31,8 @@ def unsupported(exp):
     if any(f.kind != "link" for f in exp.faults):
         return ("faults of kind pause/kill/restart/slow need health checks and re-dispatch, "
                 "which are not simulated yet (link faults are)")
+    if exp.scheduler.failover.enabled and (exp.faults or any(
+            c.up is False for c in exp.network.wan.changes)):
+        return ("scheduler.failover.enabled with an outage: health checks and re-dispatch are "
+                "not simulated yet")
     return None

@@ -16,6 +16,9 @@ holds it, so the run directory reads as an emulated run's does. Terms (each can 
   jitter; uniform in [-jitter, jitter]; pareto scaled to jitter), delay kept >= 0.
 - `queue`: while the link is saturated, TCP keeps the drop-tail queue full: its drain time
   (queue bytes / rate) adds to the delivery delay and to the round trip.
+- `framing`: the shaper counts and limits frames, not payload: each MSS of 1448 payload bytes
+  is a 1514-byte Ethernet frame on the link, so a flow's payload moves at 1448/1514 of its
+  rate, and the byte counter (timeseries.csv) counts frames' bytes, as the router's does.
 - `loss_cap`: with random loss p, each flow's rate is capped by the Mathis et al. (1997)
   steady-state TCP rate, rate = MSS / (RTT * sqrt(2p/3)) (bytes/s; MSS 1448 bytes, RTT = both
   directions' delays plus the queue's drain time).
@@ -48,6 +51,7 @@ class Terms:
     propagation: bool = True
     jitter: bool = True
     queue: bool = True
+    framing: bool = True
     loss_cap: bool = True
 
     @classmethod
@@ -114,7 +118,9 @@ class LinkModel:
         self.up = link.up if link else True
         self.queue = link.queue if link else None
         self.flows = []             # flows with bytes to send
-        self.tx_bytes = 0.0         # bytes that left the sender side (the router's counter)
+        self.tx_bytes = 0.0         # frame bytes that left the sender side (the router's count)
+        # Payload bytes per byte on the wire (TCP/IP and Ethernet headers of a full frame).
+        self.payload_share = MSS_BYTES / FRAME_BYTES if terms.framing else 1.0
         self.t = loop.now()
         self._gen = 0
 
@@ -192,13 +198,14 @@ class LinkModel:
         now = self.loop.now()
         dt = now - self.t
         if dt > 0:
+            share = self.payload_share
             for f in self.flows:
-                moved = min(f.backlog, f.rate * dt / 8.0)
+                moved = min(f.backlog, f.rate * dt / 8.0 * share)
                 if moved > 0 and f.first_sent is None:
                     f.first_sent = self.t
                 f.backlog -= moved
                 f.sent += moved
-                self.tx_bytes += moved
+                self.tx_bytes += moved / share
         self.t = now
 
     def _rates(self):
@@ -226,7 +233,7 @@ class LinkModel:
         soon = math.inf
         for f in self.flows:
             if f.rate > 0:
-                soon = min(soon, f.backlog * 8.0 / f.rate)
+                soon = min(soon, f.backlog * 8.0 / (f.rate * self.payload_share))
         if soon < math.inf:
             self.loop.at(self.t + soon, self._drained, self._gen)
 
