@@ -159,20 +159,26 @@ def _no_cuda_reason(dev=pathlib.Path("/dev")):
     return ""
 
 
+MAX_HOST_PER_ROLE = 64          # instances per role on mininet and ray hosts
+MAX_SIM_PER_ROLE = 32_000       # in the simulator (the address plan: deploy._ip)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PrfaasClusterSpec:
-    # At most 64 per role: a host's interface is <run prefix><node>-eth0 within the kernel's 15
-    # characters up to index 99; docs/performance.md "Many instances" runs 100 at once.
-    instances: int = spec(integer(0, 64), 0, "PrfaaS prefill instances (remote datacenter)")
+    # At most 64 per role on real hosts (`Experiment.check`): a host's interface is <run
+    # prefix><node>-eth0 within the kernel's 15 characters up to index 99; docs/performance.md
+    # "Many instances" runs 100 at once. The simulator (backend sim) takes up to MAX_SIM_PER_ROLE.
+    instances: int = spec(integer(0, MAX_SIM_PER_ROLE), 0,
+                          "PrfaaS prefill instances (remote datacenter)")
     accelerator: str = spec(string, "h200", "accelerator name in the profile")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LocalClusterSpec:
-    instances: int = spec(integer(1, 128), 1, "local PD instances (N_p + N_d)")
+    instances: int = spec(integer(1, 2 * MAX_SIM_PER_ROLE), 1, "local PD instances (N_p + N_d)")
     accelerator: str = spec(string, "h20", "accelerator name in the profile")
-    prefill: int = spec(integer(0, 64), 0, "N_p: local instances that prefill")
-    decode: int = spec(integer(1, 64), 1, "N_d: local instances that decode")
+    prefill: int = spec(integer(0, MAX_SIM_PER_ROLE), 0, "N_p: local instances that prefill")
+    decode: int = spec(integer(1, MAX_SIM_PER_ROLE), 1, "N_d: local instances that decode")
 
     def check(self):
         if self.prefill + self.decode != self.instances:
@@ -404,6 +410,11 @@ class Experiment:
                 and "trace" not in (w.input.dist, w.output.dist):
             raise ValueError("give 'requests' or 'duration' (only a trace replay may omit both)")
         c, pol = self.clusters, self.scheduler.policy
+        most = max(c.prfaas.instances, c.local.prefill, c.local.decode)
+        if self.backend.kind != "sim" and most > MAX_HOST_PER_ROLE:
+            raise ValueError(f"at most {MAX_HOST_PER_ROLE} instances per role on backend "
+                             f"{self.backend.kind} (got {most}; interface names); backend sim "
+                             f"takes up to {MAX_SIM_PER_ROLE}")
         if pol == "homogeneous" and c.local.prefill < 1:
             raise ValueError("policy homogeneous needs clusters.local.prefill >= 1")
         if pol == "naive" and c.prfaas.instances < 1:

@@ -80,6 +80,7 @@ class SimCluster:
         self.completed = 0
         self.samples = None
         self.last_sample = None
+        self.trace = None       # a list: each routing decision with the book it was made on
         self.decider = self.sched_csv = None
         if rt.scheduler.adaptive is not None:
             self.decider = ThresholdDecider(self.router, rt.scheduler.adaptive)
@@ -174,11 +175,14 @@ class SimCluster:
                       "scheduled": self.unix(now), "lateness_s": 0.0})
         if self.decider is not None:
             self._adapt("request")
+        book = self._book() if self.trace is not None else None
         try:
             r.kind, r.p, r.d = self.router.route(r.input_len)
         except LookupError as e:
             self._fail(r, f"scheduler: {e}")
             return
+        if book is not None:
+            self.trace.append((r.id, r.input_len, book, (r.kind, r.p.name, r.d.name)))
         self.active += 1
         r.d.inflight += 1
         r.opened = now
@@ -186,6 +190,13 @@ class SimCluster:
         r.p.outstanding_s += r.predicted
         delay = self.links["request"].one_way_s() if r.p.dc == "prfaas" else 0.0
         self.loop.at(now + delay, self._prefill_arrives, r)
+
+    def _book(self):
+        """The router's state a decision is made on: threshold and every instance's
+        (outstanding_s, inflight, down)."""
+        ro = self.router
+        return ro.threshold, {i.name: (i.outstanding_s, i.inflight, i.down)
+                              for i in ro.remote + ro.local + ro.decode}
 
     def _link_of(self, r):
         return self.links["kv"] if r.p.dc == "prfaas" else self.fabric[r.p.dc]

@@ -29,7 +29,12 @@ import bisect
 import collections
 import math
 
+import numpy as np
+
 from workers.engine_profile import ProfileDecodeEngine, ProfilePrefillEngine
+
+
+_EMPTY = np.empty(0)
 
 
 class PrefillInstance:
@@ -91,7 +96,7 @@ class DecodeInstance:
         self.sum_input = 0                  # of the batch
         self.sum_join = 0                   # of the batch's first-step indices
         self.next_tick = None               # end of the last step run (None: idle)
-        self.pending = []                   # planned step ends beyond the last one run
+        self.pending = _EMPTY               # planned step ends beyond the last one run
         self.busy_s = 0.0
         self._gen = 0
 
@@ -106,7 +111,7 @@ class DecodeInstance:
             self._boundary_now()
             return
         # The step in progress ends first; the batch changes at its end.
-        j = bisect.bisect_left(self.pending, now)
+        j = int(np.searchsorted(self.pending, now, "left"))
         if j < len(self.pending):
             self._commit(j + 1)
             self._gen += 1
@@ -123,7 +128,7 @@ class DecodeInstance:
         for f in self.flushes[lo:hi]:
             n = f - slot.join + 1
             if n > emitted:
-                chunks.append((emitted, self.steps[f], n - emitted))
+                chunks.append((emitted, times[f - slot.join], n - emitted))
                 emitted = n
         chunks.append((emitted, times[-1], slot.output_len - emitted))   # the last chunk
         return times, chunks
@@ -133,19 +138,35 @@ class DecodeInstance:
         context = self.sum_input + n * k - self.sum_join
         return self.engine.step_seconds(n, context) * self.engine.clock_factor
 
+    def _durations(self, k, m, n):
+        """Durations of steps k .. k+m-1 of a batch of `n`. T_step(B, C) is affine in the
+        context C (`testbed.profile.DecodeModel`), and C grows by B a step, so the durations
+        are an arithmetic progression: two evaluations give it, a third checks it."""
+        t0 = self._step_s(k, n)
+        if m == 1:
+            return np.array([t0])
+        d = self._step_s(k + 1, n) - t0
+        if m > 2 and not math.isclose(self._step_s(k + m - 1, n), t0 + d * (m - 1),
+                                      rel_tol=1e-9, abs_tol=1e-12):
+            return np.array([self._step_s(k + i, n) for i in range(m)])
+        return t0 + d * np.arange(m)
+
     def _commit(self, j):
-        """Run the first `j` planned steps."""
-        flush_s = self.flush_s
-        base = len(self.steps)
-        for i, t in enumerate(self.pending[:j]):
-            if t - self.last_flush >= flush_s:
-                self.last_flush = t
-                self.flushes.append(base + i)
-            self.steps.append(t)
+        """Run the first `j` planned steps; a worker-wide flush at every step that ends
+        `token_flush_s` or more after the last one (workers/decode.py `_send_batch`)."""
+        seg = self.pending[:j]
         if j:
-            self.busy_s += self.pending[j - 1] - self.next_tick
-            self.next_tick = self.pending[j - 1]
-        self.pending = []
+            base = len(self.steps)
+            while True:
+                f = int(np.searchsorted(seg, self.last_flush + self.flush_s, "left"))
+                if f >= j:
+                    break
+                self.flushes.append(base + f)
+                self.last_flush = float(seg[f])
+            self.steps.frombytes(seg.tobytes())
+            self.busy_s += float(seg[-1]) - self.next_tick
+            self.next_tick = float(seg[-1])
+        self.pending = _EMPTY
 
     def _boundary_now(self):
         self._gen += 1
@@ -154,7 +175,7 @@ class DecodeInstance:
     def _boundary(self, gen):
         if gen != self._gen:
             return
-        if self.pending:
+        if len(self.pending):
             self._commit(len(self.pending))
         k = len(self.steps)             # the next step's index
         done = [s for s in self.batch if s.last < k]
@@ -192,10 +213,6 @@ class DecodeInstance:
             return
         n = len(self.batch)
         last = min(s.last for s in self.batch)
-        t, out = self.next_tick, []
-        for i in range(k, last + 1):
-            t += self._step_s(i, n)
-            out.append(t)
-        self.pending = out
+        self.pending = self.next_tick + np.cumsum(self._durations(k, last - k + 1, n))
         self._gen += 1
-        self.loop.at(t, self._boundary, self._gen)
+        self.loop.at(float(self.pending[-1]), self._boundary, self._gen)

@@ -46,11 +46,12 @@ class Records:
 
 
 class SimRun:
-    def __init__(self, exp, run_dir, terms=Terms(), tokens=None):
+    def __init__(self, exp, run_dir, terms=Terms(), tokens=None, trace=None):
         """`terms`: the link model's terms (testbed.sim.wan.Terms); `tokens`: write per-token
-        times (default: up to TOKENS_UP_TO requests)."""
+        times (default: up to TOKENS_UP_TO requests); `trace`: a list that receives every
+        routing decision with the router's book it was made on (`SimCluster.trace`)."""
         self.exp, self.dir = exp, pathlib.Path(run_dir)
-        self.terms, self.tokens = terms, tokens
+        self.terms, self.tokens, self.trace = terms, tokens, trace
         self.deployment = deploy.compile(exp)
 
     def execute(self):
@@ -65,6 +66,7 @@ class SimRun:
         events = EventLog(d / rundir.RunDir.EVENTS, clock=clock)
         records = Records(d / rundir.RunDir.RECORDS)
         cluster = SimCluster(dep, loop, records, events, d, base, self.terms, tokens)
+        cluster.trace = self.trace
         meta.update(run_id=secrets.token_hex(2), client_start_at=base, wan_counters={},
                     teardown_errors=[], dead_workers=[], link_schedule_errors=[],
                     shaping={"backend": "sim", "backend_reason": "flow-level model "

@@ -8,9 +8,9 @@ holds it, so the run directory reads as an emulated run's does. Terms (each can 
 `Terms`, to show what it contributes; docs/sim.md):
 
 - `share`: the transfers with bytes to send share the bottleneck rate max-min fairly
-  (processor sharing; a flow held below its share by its own cap leaves the rest to the
-  others: water-filling, `max_min_rates`). Each KV transfer is its own TCP connection in the
-  emulation (workers/kvwire.SenderPool checks one out per request), so one flow per transfer.
+  (processor sharing: n backlogged flows get rate / n each, or their cap if lower). Each KV
+  transfer is its own TCP connection in the emulation (workers/kvwire.SenderPool checks one
+  out per request), so one flow per transfer.
 - `propagation`: a byte leaving the sender arrives `delay_s` later.
 - `jitter`: each transfer's last byte gets one draw of the configured jitter (normal, sigma =
   jitter; uniform in [-jitter, jitter]; pareto scaled to jitter), delay kept >= 0.
@@ -35,8 +35,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from testbed.net.linkmodel import FRAME_BYTES, queue_limit
+
 MSS_BYTES = 1448
-FRAME_BYTES = 1514
 # Intra-datacenter: Mininet's unshaped veth pairs through a software bridge. Its rate on this
 # machine is CPU-bound (several Gbit/s); emulated KV bytes within a datacenter are small, so the
 # figure matters little; docs/sim.md.
@@ -71,18 +72,6 @@ def mathis_rate_bps(rtt_s, loss, mss_bytes=MSS_BYTES):
     if loss <= 0 or rtt_s <= 0:
         return math.inf
     return 8.0 * mss_bytes / (rtt_s * math.sqrt(2.0 * loss / 3.0))
-
-
-def max_min_rates(capacity, caps):
-    """Max-min fair rates (water-filling) of flows with rate caps `caps` sharing `capacity`."""
-    rates = [0.0] * len(caps)
-    left, k = float(capacity), len(caps)
-    for i in sorted(range(len(caps)), key=caps.__getitem__):
-        r = min(caps[i], left / k)
-        rates[i] = r
-        left -= r
-        k -= 1
-    return rates
 
 
 class Flow:
@@ -126,7 +115,6 @@ class LinkModel:
 
     # ---- parameters ----
     def queue_bytes(self):
-        from testbed.net.linkmodel import queue_limit
         kind, n = queue_limit(self.queue, self.rate_bps, self.delay_s + self.reverse_delay_s)
         return n * FRAME_BYTES if kind == "pfifo" else n
 
@@ -209,22 +197,17 @@ class LinkModel:
         self.t = now
 
     def _rates(self):
-        rate = self.link_bps()
+        """Every flow on a link has the same round trip and loss, so the same cap: the max-min
+        fair share is min(cap, rate / n) for each (`share` off: min(cap, rate), each as if
+        alone). The cap depends on the round trip, which depends on saturation: with loss,
+        one more pass."""
         n = len(self.flows)
         if not n:
             return
-        cap = self.flow_cap_bps()
-        if self.terms.share:
-            rates = max_min_rates(rate, [cap] * n)
-        else:                        # every flow as if alone on the link
-            rates = [min(cap, rate)] * n
-        for f, r in zip(self.flows, rates):
-            f.rate = r
-        if self.terms.loss_cap and self.loss > 0:
-            # The cap depends on the round trip, which depends on saturation: one more pass.
-            cap = self.flow_cap_bps()
-            rates = max_min_rates(rate, [cap] * n) if self.terms.share else [min(cap, rate)] * n
-            for f, r in zip(self.flows, rates):
+        rate = self.link_bps()
+        for _ in range(2 if self.terms.loss_cap and self.loss > 0 else 1):
+            r = min(self.flow_cap_bps(), rate / n if self.terms.share else rate)
+            for f in self.flows:
                 f.rate = r
 
     def _reschedule(self):
