@@ -33,6 +33,7 @@ flow at once.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 
 from testbed.net.linkmodel import FRAME_BYTES, queue_limit
@@ -79,12 +80,11 @@ class Flow:
     piece has left the sender, `on_done(first_arrival, last_sent, last_arrival)` is called
     (virtual times: the first byte's arrival, the last byte's departure and arrival)."""
 
-    __slots__ = ("backlog", "sent", "rate", "last", "first_sent", "on_done", "jitter_s")
+    __slots__ = ("end", "active", "last", "first_sent", "on_done", "jitter_s")
 
     def __init__(self, on_done, jitter_s=0.0):
-        self.backlog = 0.0
-        self.sent = 0.0
-        self.rate = 0.0
+        self.end = 0.0              # the link's service count at which its backlog is sent
+        self.active = False
         self.last = False
         self.first_sent = None
         self.on_done = on_done
@@ -92,7 +92,13 @@ class Flow:
 
 
 class LinkModel:
-    """One direction of the WAN (or a fabric): a bottleneck of `rate_bps` shared by its flows."""
+    """One direction of the WAN (or a fabric): a bottleneck of `rate_bps` shared by its flows.
+
+    Every backlogged flow gets the same rate (one cap for all: the same round trip and loss),
+    so the link keeps one service count `served` (payload bytes each backlogged flow has sent
+    so far) and each flow the count at which its backlog will be gone (`Flow.end`): the next
+    flow to drain is the least `end`, on a heap, and an event costs O(log n) whatever the
+    number of concurrent transfers."""
 
     def __init__(self, loop, link, rng=None, terms=Terms(), reverse_delay_s=0.0):
         """`link`: a `testbed.net.linkmodel.Link` (emulated), or None for a fabric;
@@ -106,12 +112,17 @@ class LinkModel:
         self.loss = link.loss if link else 0.0
         self.up = link.up if link else True
         self.queue = link.queue if link else None
-        self.flows = []             # flows with bytes to send
+        self.n = 0                  # flows with bytes to send
+        self.heap = []              # (end, seq, flow); stale entries skipped
+        self.served = 0.0
+        self.flow_bps = 0.0         # each backlogged flow's rate on the wire
         self.tx_bytes = 0.0         # frame bytes that left the sender side (the router's count)
         # Payload bytes per byte on the wire (TCP/IP and Ethernet headers of a full frame).
         self.payload_share = MSS_BYTES / FRAME_BYTES if terms.framing else 1.0
         self.t = loop.now()
+        self._seq = 0
         self._gen = 0
+        self._unstarted = []        # flows pushed while the link carried nothing
 
     # ---- parameters ----
     def queue_bytes(self):
@@ -120,7 +131,7 @@ class LinkModel:
 
     def saturated(self):
         """The flows together ask for the whole rate (TCP then keeps the queue full)."""
-        return bool(self.flows) and sum(f.rate for f in self.flows) >= self.rate_bps * (1 - 1e-6)
+        return self.n > 0 and self.flow_bps * self.n >= self.rate_bps * (1 - 1e-6)
 
     def queue_delay_s(self):
         if not self.terms.queue or not self.saturated() or self.rate_bps <= 0:
@@ -166,10 +177,16 @@ class LinkModel:
     def push(self, flow, nbytes, last):
         """`nbytes` more of `flow` are ready to send now (`last`: the transfer's final piece)."""
         self._advance()
-        flow.backlog += nbytes
         flow.last = flow.last or last
-        if flow not in self.flows:
-            self.flows.append(flow)
+        if flow.active:
+            flow.end += nbytes
+        else:
+            flow.active, flow.end = True, self.served + nbytes
+            self.n += 1
+            if flow.first_sent is None:
+                self._unstarted.append(flow)
+        self._seq += 1
+        heapq.heappush(self.heap, (flow.end, self._seq, flow))
         self._reschedule()
 
     def _jitter_draw(self):
@@ -185,15 +202,10 @@ class LinkModel:
     def _advance(self):
         now = self.loop.now()
         dt = now - self.t
-        if dt > 0:
-            share = self.payload_share
-            for f in self.flows:
-                moved = min(f.backlog, f.rate * dt / 8.0 * share)
-                if moved > 0 and f.first_sent is None:
-                    f.first_sent = self.t
-                f.backlog -= moved
-                f.sent += moved
-                self.tx_bytes += moved / share
+        if dt > 0 and self.n and self.flow_bps > 0:
+            moved = self.flow_bps * dt / 8.0 * self.payload_share    # payload, per flow
+            self.served += moved
+            self.tx_bytes += moved * self.n / self.payload_share
         self.t = now
 
     def _rates(self):
@@ -201,41 +213,52 @@ class LinkModel:
         fair share is min(cap, rate / n) for each (`share` off: min(cap, rate), each as if
         alone). The cap depends on the round trip, which depends on saturation: with loss,
         one more pass."""
-        n = len(self.flows)
-        if not n:
+        if not self.n:
+            self.flow_bps = 0.0
             return
         rate = self.link_bps()
         for _ in range(2 if self.terms.loss_cap and self.loss > 0 else 1):
-            r = min(self.flow_cap_bps(), rate / n if self.terms.share else rate)
-            for f in self.flows:
-                f.rate = r
+            self.flow_bps = min(self.flow_cap_bps(), rate / self.n if self.terms.share else rate)
+
+    def _top(self):
+        """The valid heap entry of the flow that drains first, or None."""
+        heap = self.heap
+        while heap and (not heap[0][2].active or heap[0][0] != heap[0][2].end):
+            heapq.heappop(heap)
+        return heap[0] if heap else None
 
     def _reschedule(self):
         self._rates()
         self._gen += 1
-        soon = math.inf
-        for f in self.flows:
-            if f.rate > 0:
-                soon = min(soon, f.backlog * 8.0 / (f.rate * self.payload_share))
-        if soon < math.inf:
-            self.loop.at(self.t + soon, self._drained, self._gen)
+        if self.flow_bps <= 0:
+            return
+        if self._unstarted:
+            for f in self._unstarted:
+                f.first_sent = self.t
+            self._unstarted = []
+        top = self._top()
+        if top is not None:
+            left = max(0.0, top[0] - self.served)
+            self.loop.at(self.t + left * 8.0 / (self.flow_bps * self.payload_share),
+                         self._drained, self._gen)
 
     def _drained(self, gen):
         if gen != self._gen:
             return
         self._advance()
-        now = self.t
-        done, keep = [], []
-        for f in self.flows:
-            if f.backlog <= _EPS * max(1.0, f.sent):
-                if f.first_sent is None:
-                    f.first_sent = now
-                f.backlog = 0.0
-                if f.last:
-                    done.append(f)
-            else:
-                keep.append(f)
-        self.flows = keep
+        now, done = self.t, []
+        while True:
+            top = self._top()
+            if top is None or top[0] > self.served + _EPS * max(1.0, top[0]):
+                break
+            heapq.heappop(self.heap)
+            f = top[2]
+            f.active = False
+            self.n -= 1
+            if f.last:
+                done.append(f)
+        if not self.n:
+            self.served = 0.0       # no flow holds a mark: restart the count (precision)
         delay = self.one_way_s()
         self._reschedule()
         for f in done:
