@@ -220,3 +220,20 @@ def test_simulation_speed(tmp_path, capsys):
               f"{meta['virtual_s']:.0f} s emulated")
     assert summary["completed"] == 5000
     assert meta["wall_s"] < meta["virtual_s"]
+
+
+def test_many_small_flows_on_a_fast_link_all_drain():
+    """Tiny remainders late in a run (float rounding of the service count) must not stall the
+    loop at one instant (seen at scale.bytes 1e-5)."""
+    import random
+    rng = random.Random(1)
+    loop = Loop(start_s=30.0)
+    lm = link(loop, rate=1.7e9, delay=0.0005, terms=Terms())
+    done = []
+    for i in range(2000):
+        flow = lm.open(lambda *t: done.append(t))
+        at = 30.0 + rng.random() * 2
+        for j in range(16):
+            loop.at(at + j * 1e-4, lm.push, flow, rng.randint(1, 700), j == 15)
+    loop.run(until=100.0)
+    assert len(done) == 2000 and loop.events < 200_000

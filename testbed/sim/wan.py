@@ -44,6 +44,7 @@ MSS_BYTES = 1448
 # figure matters little; docs/sim.md.
 FABRIC_RATE_BPS = 8e9
 _EPS = 1e-9
+DRAINED_S = 1e-9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,7 +250,11 @@ class LinkModel:
         now, done = self.t, []
         while True:
             top = self._top()
-            if top is None or top[0] > self.served + _EPS * max(1.0, top[0]):
+            # Drained: within a byte's rounding, or less than a nanosecond left to send (a
+            # later event could not move the clock: the flow would never drain).
+            if top is None or (top[0] > self.served + _EPS * max(1.0, top[0]) and (
+                    self.flow_bps <= 0 or (top[0] - self.served) * 8.0
+                    / (self.flow_bps * self.payload_share) > DRAINED_S)):
                 break
             heapq.heappop(self.heap)
             f = top[2]
