@@ -248,6 +248,7 @@ class LinkModel:
             return
         self._advance()
         now, done = self.t, []
+        delay = self.one_way_s()    # as the last bytes crossed: before the drained flows leave
         while True:
             top = self._top()
             # Drained: within a byte's rounding, or less than a nanosecond left to send (a
@@ -264,7 +265,6 @@ class LinkModel:
                 done.append(f)
         if not self.n:
             self.served = 0.0       # no flow holds a mark: restart the count (precision)
-        delay = self.one_way_s()
         self._reschedule()
         for f in done:
             f.on_done(f.first_sent + delay, now, now + max(0.0, delay + f.jitter_s))
