@@ -69,12 +69,13 @@ def test_what_is_not_simulated_yet_exits_2(tmp_path, capsys):
 
 def test_one_request_takes_the_closed_form_path(tmp_path):
     """prefill (T(L) / scale.time) + the last KV piece over the link + the delay + one decode
-    step of a batch of one: TTFT exactly, from the profile alone."""
+    step of a batch of one: TTFT exactly, from the profile alone (without the standing queue
+    the model adds while a flow has the whole link: `Terms.queue`)."""
     path = tmp_path / "one.yaml"
     path.write_text(SMALL_EXPERIMENT.replace("requests: 10", "requests: 1")
                     + "scheduler: {policy: naive}\n")
     exp = sim_exp(path)[0]
-    SimRun(exp, tmp_path / "run").execute()
+    SimRun(exp, tmp_path / "run", terms=Terms(queue=False)).execute()
     df = pd.read_parquet(tmp_path / "run" / "requests.parquet")
     r = df.iloc[0]
     dep = deploy.compile(exp)
