@@ -10,7 +10,10 @@ or compare against an emulated run directory made before (`--emulated DIR`, the 
 `testbed run` of the same file and seed). `--off TERM ...` turns link model terms off in the
 sim (testbed.sim.wan.Terms: share, propagation, jitter, queue, loss_cap) to show what each
 contributes. `--loop-cost` times the event loop against simpy (if installed) on the same
-callback chain. `--smoke` (seconds, no root): quickstart at 30 requests, sim against sim with
+callback chain. `--cost REQUESTS INSTANCES` times one sim run of the quickstart grown to that
+many instances (a third per role) at the quickstart's load per instance (0.2 req/s and 50
+Gbit/s of WAN per PrfaaS instance, scale.bytes 1e-5), per-request records only: wall, events,
+peak memory (run one point per process: the peak is the process's). `--smoke` (seconds, no root): quickstart at 30 requests, sim against sim with
 the same seed: the comparison's path end to end, and every ratio 1.000 (the sim is
 deterministic).
 """
@@ -134,6 +137,26 @@ def loop_cost(n=200_000):
           f"({proc_s / heap_s:.1f}x), callbacks {cb_s * 1e6:.2f} us/event ({cb_s / heap_s:.1f}x)")
 
 
+def cost(requests, instances, top):
+    n = instances // 3
+    overrides = [f"requests={requests}", f"clusters.prfaas.instances={n}",
+                 f"clusters.local.instances={instances - n}", f"clusters.local.prefill={n}",
+                 f"clusters.local.decode={instances - 2 * n}",
+                 f"workload.arrival.rate={0.2 * instances:g}/s",
+                 f"network.wan.rate={50 * n}Gbit", "scale.bytes=1e-5", "variants=[]",
+                 "backend.kind=sim"]
+    exp = config.load_experiment("experiments/quickstart.yaml", overrides)[0]
+    t0 = time.monotonic()
+    summary = SimRun(exp, top, tokens=False).execute()
+    total = time.monotonic() - t0
+    meta = json.loads((top / rundir.RunDir.METADATA).read_text())["sim"]
+    import resource
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"| {requests} | {instances} | {meta['wall_s']:.1f} | {meta['cpu_s']:.1f} | {total:.1f} | "
+          f"{meta['requests_per_wall_s']:.0f} | {meta['events']} | {meta['peak_rss_mb']:.0f} | "
+          f"{rss:.0f} | {summary['completed']} |")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("experiments", nargs="*", default=["experiments/quickstart.yaml"])
@@ -142,8 +165,12 @@ def main():
     p.add_argument("--off", nargs="*", default=[], help="link model terms to turn off (sim)")
     p.add_argument("--out", help="keep the run directories here")
     p.add_argument("--loop-cost", action="store_true")
+    p.add_argument("--cost", nargs=2, type=int, metavar=("REQUESTS", "INSTANCES"))
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args()
+    if args.cost:
+        cost(*args.cost, pathlib.Path(args.out or tempfile.mkdtemp(prefix="sim-cost-")))
+        return 0
     if args.loop_cost:
         loop_cost(20_000 if args.smoke else 200_000)
         return 0
