@@ -238,3 +238,20 @@ def test_many_small_flows_on_a_fast_link_all_drain():
             loop.at(at + j * 1e-4, lm.push, flow, rng.randint(1, 700), j == 15)
     loop.run(until=100.0)
     assert len(done) == 2000 and loop.events < 200_000
+
+
+def test_the_adaptive_threshold_is_the_emulations_law_on_the_simulated_link(tmp_path):
+    """On the degrading WAN the law moves the threshold (scheduler.csv, as the emulation writes
+    it), and every request is routed with the threshold of its own evaluation's row."""
+    exp = next(e for e in sim_exp(str(ROOT / "experiments" / "wan_degradation.yaml"))
+               if e.label == "prfaas-adaptive")
+    trace = []
+    SimRun(exp, tmp_path / "a", trace=trace).execute()
+    rows = pd.read_csv(tmp_path / "a" / "scheduler.csv")
+    per_request = rows[rows.trigger == "request"]
+    assert len(per_request) == len(trace) > 100
+    assert (rows.trigger == "timer").any()
+    assert per_request.threshold.nunique() > 1
+    assert set(rows.reason) & {"raise:link", "raise:compute", "lower:idle"}
+    routed_with = [threshold for _, _, (threshold, _), _ in trace]
+    assert per_request.threshold.tolist() == routed_with
