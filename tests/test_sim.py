@@ -255,3 +255,18 @@ def test_the_adaptive_threshold_is_the_emulations_law_on_the_simulated_link(tmp_
     assert set(rows.reason) & {"raise:link", "raise:compute", "lower:idle"}
     routed_with = [threshold for _, _, (threshold, _), _ in trace]
     assert per_request.threshold.tolist() == routed_with
+
+
+def test_roles_convert_instances_with_the_emulations_planner(tmp_path):
+    """shifting_mix's dual variant: the long timescale's re-plans (RolePlanner) convert local
+    instances on the measured mix, drain before converting and pay the conversion cost; the
+    summary counts the conversions from events.csv as for an emulated run."""
+    exp = next(e for e in sim_exp(str(ROOT / "experiments" / "shifting_mix.yaml"))
+               if e.label == "dual")
+    summary = SimRun(exp, tmp_path / "d").execute()
+    conv = summary["role_conversions"]
+    assert conv["done"] >= 1 and conv["failed"] == 0
+    assert conv["convert_s_median"] == pytest.approx(exp.scheduler.roles.cost, rel=1e-6)
+    events = (tmp_path / "d" / "events.csv").read_text()
+    assert "replan," in events and "state=draining" in events
+    assert summary["completed"] == summary["requests"]

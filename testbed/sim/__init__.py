@@ -26,8 +26,6 @@ def unsupported(exp):
                 "itself (workload.client: builtin)")
     if exp.cache.enabled:
         return "cache.enabled: the prefix cache and its placement are not simulated yet"
-    if exp.scheduler.roles.enabled:
-        return "scheduler.roles.enabled: role conversion is not simulated yet"
     if any(f.kind != "link" for f in exp.faults):
         return ("faults of kind pause/kill/restart/slow need health checks and re-dispatch, "
                 "which are not simulated yet (link faults are)")

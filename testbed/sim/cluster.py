@@ -21,10 +21,16 @@ workers/recovery.Flight do without failures:
 5. at its last token the request's `done` line is written, built by the emulation's own client
    record (`workers.client.Tracker`) from the chunks the decode worker would have sent.
 
+With `scheduler.roles` every local instance has both models (a dual-role worker) and the
+long timescale re-plans every `interval` with `workers.roles.RolePlanner` (the emulation's
+decisions); a conversion takes the instance out of its role's list, waits (polling as the
+emulation does) until the router's book and the worker show nothing of the old role, then the
+conversion cost, and puts it in the new role's list (`role` and `replan` rows in events.csv).
+
 The link schedule (`Deployment.link_changes`: changes, rate trace, link faults) is applied to
 the link models at its times. Not simulated yet: instance faults (pause, kill, restart, slow)
-with health checks and re-dispatch, the prefix cache and its placement, role conversion, and an
-external client; `testbed.sim.unsupported` says which one a deployment asks for.
+with health checks and re-dispatch, the prefix cache and its placement, and an external
+client; `testbed.sim.unsupported` says which one a deployment asks for.
 """
 
 from __future__ import annotations
@@ -42,8 +48,10 @@ from workers.adaptive import COLUMNS as SCHEDULER_COLUMNS
 from workers.adaptive import ThresholdDecider
 from workers.client import Tracker
 from workers.policy import Router
+from workers.roles import RolePlanner
 
 SAMPLE_HZ = 20.0          # timeseries.csv, as the emulation's counter sampler
+ROLE_POLL_S = 0.01        # the scheduler's and the worker's drain checks (workers/roles.py)
 
 
 class Request:
@@ -70,6 +78,13 @@ class SimCluster:
         self.router = Router.of_runtime(rt, profiles.load(rt.profile))
         self.prefill = {i.name: PrefillInstance(rt, i) for i in rt.of_role("prefill")}
         self.decode = {i.name: DecodeInstance(loop, rt, i) for i in rt.of_role("decode")}
+        self.planner = self.converting = None
+        if rt.scheduler.roles is not None:      # dual-role local instances: both models
+            for i in rt.of_role("prefill", "decode"):
+                if i.dc == "local":
+                    self.prefill.setdefault(i.name, PrefillInstance(rt, i))
+                    self.decode.setdefault(i.name, DecodeInstance(loop, rt, i))
+            self.planner = RolePlanner(rt, self.router)
         rng = random.Random(dep.seed)
         kv, req = dep.links["kv"], dep.links["request"]
         self.links = {"kv": LinkModel(loop, kv, rng, terms, reverse_delay_s=req.delay_s),
@@ -106,6 +121,8 @@ class SimCluster:
         self._sample()
         if self.decider is not None:
             self.loop.after(self.rt.scheduler.adaptive.interval_s, self._adapt_timer)
+        if self.planner is not None:
+            self.loop.after(self.rt.scheduler.roles.interval_s, self._replan_timer)
 
     def busy(self):
         return self.active > 0 or self.to_send > 0
@@ -166,6 +183,49 @@ class SimCluster:
         if self.busy():
             self.loop.after(interval, self._adapt_timer)
 
+    # ---- role conversion (workers/roles.py's RoleManager, in virtual time) ----
+    def _replan_timer(self):
+        out = self.planner.decide(self.unix(self.loop.now()), self.converting is not None)
+        if out is not None:
+            _, fields, pick, role = out
+            self.events("replan", **fields)
+            if pick is not None:
+                self._convert(pick, role)
+        if self.busy():
+            self.loop.after(self.rt.scheduler.roles.interval_s, self._replan_timer)
+
+    def _convert(self, inst, role):
+        """No new work of the old role from now; once the scheduler's book shows none left on
+        the instance and the worker has drained, the conversion cost, then the new role."""
+        old = inst.role
+        src, dst = self.planner.lists(inst, role)
+        src.remove(inst)
+        self.converting = (inst, old, role, dst, self.loop.now())
+        self.events("role", instance=inst.name, state="draining", **{"from": old, "to": role})
+        self._drain_poll()
+
+    def _drain_poll(self):
+        inst, old, role, dst, t0 = self.converting
+        now = self.loop.now()
+        dec = self.decode[inst.name]
+        worker_busy = (self.prefill[inst.name].free_at > now if old == "prefill"
+                       else bool(dec.batch or dec.waiting))
+        if inst.inflight > 0 or inst.outstanding_s > 1e-9 or worker_busy:
+            self.loop.after(ROLE_POLL_S, self._drain_poll)
+            return
+        self.loop.after(self.rt.scheduler.roles.cost_s, self._converted, now)
+
+    def _converted(self, drained_at):
+        inst, old, role, dst, t0 = self.converting
+        inst.role = role
+        dst.append(inst)
+        self.events("role", instance=inst.name, state="done", **{"from": old, "to": role},
+                    drain_s=f"{drained_at - t0:.4f}",
+                    convert_s=f"{self.loop.now() - drained_at:.4f}")
+        if self.rt.scheduler.roles.retune and self.planner.last is not None:
+            self.planner.retune(self.planner.n_prefill())
+        self.converting = None
+
     # ---- one request ----
     def submit(self, w):
         now = self.loop.now()
@@ -175,6 +235,8 @@ class SimCluster:
                       "scheduled": self.unix(now), "lateness_s": 0.0})
         if self.decider is not None:
             self._adapt("request")
+        if self.planner is not None:
+            self.planner.on_request(self.unix(now), r.input_len, r.output_len)
         book = self._book() if self.trace is not None else None
         try:
             r.kind, r.p, r.d = self.router.route(r.input_len)
