@@ -67,8 +67,17 @@ def ratio(a, b):
     return a / b
 
 
+# Issue 25's bar below saturation: throughput within 3%, TTFT p50 and p90 within 10%.
+BAR = (("steady_throughput", 0.03), ("median_ttft_ms", 0.10), ("p90_ttft_ms", 0.10))
+
+
+def within_bar(s, e):
+    rs = [(ratio(s.get(k), e.get(k)), tol) for k, tol in BAR]
+    return all(r is not None and abs(r - 1) <= tol for r, tol in rs)
+
+
 def table(sim, emu, name):
-    head = ["experiment", "variant"] + [m[1] for m in METRICS]
+    head = ["experiment", "variant"] + [m[1] for m in METRICS] + ["within bar"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label in sim:
         if label not in emu:
@@ -77,6 +86,7 @@ def table(sim, emu, name):
         for key, _ in METRICS:
             r = ratio(sim[label].get(key), emu[label].get(key))
             cells.append("-" if r is None else f"{r:.3f}")
+        cells.append("yes" if within_bar(sim[label], emu[label]) else "no")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
