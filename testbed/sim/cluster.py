@@ -149,7 +149,7 @@ class SimCluster:
         prev = self.last_sample
         counts = {}
         for d, link in self.links.items():
-            link._advance()
+            link.advance()
             tx = int(link.tx_bytes)
             counts[d] = tx
             rate = 0.0
@@ -305,7 +305,7 @@ class SimCluster:
         self.records(out)
 
     def _finished(self, slot):
-        r = slot.rid
+        r = slot.req
         self._end(r)
         self.completed += 1
         dec = self.decode[r.d.name]

@@ -63,13 +63,13 @@ class PrefillInstance:
 
 
 class Slot:
-    """A request on a decode instance."""
+    """A request on a decode instance (`req`: the caller's own record of it)."""
 
-    __slots__ = ("rid", "input_len", "output_len", "need", "reserved", "join", "join_time",
+    __slots__ = ("req", "input_len", "output_len", "need", "reserved", "join", "join_time",
                  "kv_done", "on_finish")
 
-    def __init__(self, rid, input_len, output_len, need, on_finish):
-        self.rid, self.input_len, self.output_len = rid, input_len, output_len
+    def __init__(self, req, input_len, output_len, need, on_finish):
+        self.req, self.input_len, self.output_len = req, input_len, output_len
         self.need, self.reserved = need, 0.0
         self.join = -1              # index of its first step on the instance
         self.join_time = None

@@ -152,7 +152,7 @@ class LinkModel:
 
     def set(self, **changes):
         """A link change (the shaper's keys, emulated), in force from now."""
-        self._advance()
+        self.advance()
         for k, v in changes.items():
             if k == "rate":
                 self.rate_bps = float(v)
@@ -177,7 +177,7 @@ class LinkModel:
 
     def push(self, flow, nbytes, last):
         """`nbytes` more of `flow` are ready to send now (`last`: the transfer's final piece)."""
-        self._advance()
+        self.advance()
         flow.last = flow.last or last
         if flow.active:
             flow.end += nbytes
@@ -200,7 +200,8 @@ class LinkModel:
             return j * (self.rng.paretovariate(3.0) - 1.5)   # mean 0, scale ~ jitter
         return self.rng.gauss(0.0, j)
 
-    def _advance(self):
+    def advance(self):
+        """Bring the counters and every flow's progress up to now."""
         now = self.loop.now()
         dt = now - self.t
         if dt > 0 and self.n and self.flow_bps > 0:
@@ -246,7 +247,7 @@ class LinkModel:
     def _drained(self, gen):
         if gen != self._gen:
             return
-        self._advance()
+        self.advance()
         now, done = self.t, []
         delay = self.one_way_s()    # as the last bytes crossed: before the drained flows leave
         while True:
