@@ -59,7 +59,7 @@ class Request:
 
     __slots__ = ("id", "input_len", "output_len", "send", "kind", "p", "d", "predicted",
                  "queued", "start", "end", "kv_bytes", "send_start", "send_end",
-                 "recv_start", "recv_end", "opened", "threshold")
+                 "recv_start", "recv_end", "opened")
 
     def __init__(self, w, send):
         self.id, self.input_len, self.output_len = int(w.id), int(w.input_len), int(w.output_len)
