@@ -184,6 +184,12 @@ def load(path, overrides=()):
 
 # ---------------------------------------------------------------- instances
 
+def _ip(dc, first, stride, i):
+    """The i-th address of a role: <dc>.<first>.<i+1> for the first 254 (what a host backend
+    runs), then the next third octet of that role (`stride` roles share a datacenter)."""
+    return f"{DC_NET[dc]}.{first + stride * (i // 254)}.{i % 254 + 1}"
+
+
 def _instances(exp, pool_bytes):
     """Every placed process with its address, in start order: PrfaaS prefill, local prefill,
     local decode, scheduler, client, then a cache pool per datacenter (`pool_bytes(dc)`
@@ -196,13 +202,11 @@ def _instances(exp, pool_bytes):
         out.append(InstanceRuntime(name=name, role=role, dc=dc, accelerator=accelerator,
                                    worker=local_worker or role, ip=ip, **kw))
     for i in range(c.prfaas.instances):
-        add(f"rp{i}", "prefill", "prfaas", f"{DC_NET['prfaas']}.1.{i + 1}", c.prfaas.accelerator)
+        add(f"rp{i}", "prefill", "prfaas", _ip("prfaas", 1, 1, i), c.prfaas.accelerator)
     for i in range(c.local.prefill):
-        add(f"lp{i}", "prefill", "local", f"{DC_NET['local']}.1.{i + 1}", c.local.accelerator,
-            worker)
+        add(f"lp{i}", "prefill", "local", _ip("local", 1, 2, i), c.local.accelerator, worker)
     for i in range(c.local.decode):
-        add(f"ld{i}", "decode", "local", f"{DC_NET['local']}.2.{i + 1}", c.local.accelerator,
-            worker)
+        add(f"ld{i}", "decode", "local", _ip("local", 2, 2, i), c.local.accelerator, worker)
     add("scheduler", "scheduler", "local", f"{DC_NET['local']}.0.2")
     add("client", "client", "local", f"{DC_NET['local']}.0.3")
     if exp.cache.enabled:

@@ -37,6 +37,8 @@ MAX_REQUESTS_DEFAULT = 100_000   # run.max_requests
 MAX_PREFIX_BLOCK_IDS = 50_000_000  # synthetic prefix block ids of one workload (~400 MB)
 MAX_ONOFF_CYCLES = 2_000_000     # on/off periods the generator may have to draw
 MAX_TORCH_PARAMS = 100_000_000   # the torch engine's tiny model (~400 MB in float32)
+MAX_HOST_PER_ROLE = 64           # instances per role on mininet and ray hosts
+MAX_SIM_PER_ROLE = 32_000        # in the simulator (the address plan: deploy._ip)
 
 
 def _duration(hi, what):
@@ -152,18 +154,20 @@ def _no_cuda_reason(dev=pathlib.Path("/dev")):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PrfaasClusterSpec:
-    # At most 64 per role: a host's interface is <run prefix><node>-eth0 within the kernel's 15
-    # characters up to index 99; docs/performance.md "Many instances" runs 100 at once.
-    instances: int = spec(integer(0, 64), 0, "PrfaaS prefill instances (remote datacenter)")
+    # At most 64 per role on real hosts (`Experiment.check`): a host's interface is <run
+    # prefix><node>-eth0 within the kernel's 15 characters up to index 99; docs/performance.md
+    # "Many instances" runs 100 at once. The simulator (backend sim) takes up to MAX_SIM_PER_ROLE.
+    instances: int = spec(integer(0, MAX_SIM_PER_ROLE), 0,
+                          "PrfaaS prefill instances (remote datacenter)")
     accelerator: str = spec(string, "h200", "accelerator name in the profile")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LocalClusterSpec:
-    instances: int = spec(integer(1, 128), 1, "local PD instances (N_p + N_d)")
+    instances: int = spec(integer(1, 2 * MAX_SIM_PER_ROLE), 1, "local PD instances (N_p + N_d)")
     accelerator: str = spec(string, "h20", "accelerator name in the profile")
-    prefill: int = spec(integer(0, 64), 0, "N_p: local instances that prefill")
-    decode: int = spec(integer(1, 64), 1, "N_d: local instances that decode")
+    prefill: int = spec(integer(0, MAX_SIM_PER_ROLE), 0, "N_p: local instances that prefill")
+    decode: int = spec(integer(1, MAX_SIM_PER_ROLE), 1, "N_d: local instances that decode")
 
     def check(self):
         if self.prefill + self.decode != self.instances:
@@ -340,10 +344,12 @@ def _ray_address(value):
 class BackendSpec:
     """Where the deployment runs (testbed/backend/): one machine in Mininet hosts, or the hosts
     of a Ray cluster, placed by their `dc` node label (docs/cluster.md)."""
-    kind: str = spec(choice("mininet", "ray"), "mininet",
+    kind: str = spec(choice("mininet", "ray", "sim"), "mininet",
                      "mininet: every instance in a Mininet host on this machine | ray: the hosts "
                      "of a Ray cluster labelled dc=prfaas / dc=local, the WAN shaped on their "
-                     "NICs by a shaping agent per host (needs the [cluster] extra)")
+                     "NICs by a shaping agent per host (needs the [cluster] extra) | sim: virtual "
+                     "time, the same decisions over models of the engines and the WAN "
+                     "(docs/sim.md; no root)")
     address: str = spec(_ray_address, "auto", "ray: HOST:PORT of the Ray head, or auto")
     cpus: float = spec(at_most(positive(units.number), 1024, "1024"), 1.0,
                        "ray: logical CPUs requested per instance (prefill and decode on CUDA ask "
@@ -406,6 +412,11 @@ class Experiment:
                 and "trace" not in (w.input.dist, w.output.dist):
             raise ValueError("give 'requests' or 'duration' (only a trace replay may omit both)")
         c, pol = self.clusters, self.scheduler.policy
+        most = max(c.prfaas.instances, c.local.prefill, c.local.decode)
+        if self.backend.kind != "sim" and most > MAX_HOST_PER_ROLE:
+            raise ValueError(f"at most {MAX_HOST_PER_ROLE} instances per role on backend "
+                             f"{self.backend.kind} (got {most}; interface names); backend sim "
+                             f"takes up to {MAX_SIM_PER_ROLE}")
         if pol == "homogeneous" and c.local.prefill < 1:
             raise ValueError("policy homogeneous needs clusters.local.prefill >= 1")
         if pol == "naive" and c.prfaas.instances < 1:

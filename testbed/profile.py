@@ -12,6 +12,7 @@ caller (the planner) passes arrays, so a profile worker stays small (docs/perfor
 """
 
 import dataclasses
+import functools
 import pathlib
 
 import yaml
@@ -198,6 +199,13 @@ def load(name_or_path):
     if not path.exists():
         raise ConfigError(f"no profile {name_or_path!r}; available: {', '.join(available())}",
                           key="model.profile")
+    return _load(path.resolve(), path.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=32)
+def _load(path, mtime_ns):
+    """The fitted profile of one file version (every engine of a simulated cluster of thousands
+    loads it: parsed once)."""
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:

@@ -269,13 +269,18 @@ def on_reference_clock(sent: SentRecord, offsets: dict, client="client") -> Sent
 
 class RecordLog:
     """Appends JSON lines (requests.jsonl, frontdoor.jsonl), one write each, line-buffered:
-    a crash keeps every line written so far."""
+    a crash keeps every line written so far. `buffering`: the simulator's, which cannot crash
+    half-way through a line, writes in large blocks."""
 
-    def __init__(self, path):
-        self.f = open(path, "a", buffering=1)
+    def __init__(self, path, buffering=1):
+        self.f = open(path, "a", buffering=buffering)
 
-    def write(self, obj):
-        if isinstance(obj, (SentRecord, RequestRecord)):
+    def write(self, obj, chunks=None):
+        """One line: a typed record (a `RequestRecord`'s token times compact when `chunks`, the
+        client's [first token index, arrival] pairs, are given) or a dict (`all_sent`, ...)."""
+        if isinstance(obj, RequestRecord):
+            obj = obj.line(chunks)
+        elif isinstance(obj, SentRecord):
             obj = obj.line()
         self.f.write(json.dumps(obj, separators=(",", ":")) + "\n")
 
@@ -346,10 +351,11 @@ class EventLog:
     their rows to the same file with `EventLog(path, fresh=False)`; readers sort by time.
     """
 
-    def __init__(self, path, fresh=True, by=None):
+    def __init__(self, path, fresh=True, by=None, clock=time.time):
         """`by`: the instance writing (a worker), added to every row as `by=<name>`, so
-        analysis puts its times on the orchestrator's clock (testbed/clocks.py)."""
-        self.by = by
+        analysis puts its times on the orchestrator's clock (testbed/clocks.py); `clock`: what
+        stamps the rows (the simulator's virtual Unix time)."""
+        self.by, self.clock = by, clock
         if fresh:
             with open(path, "w", newline="") as f:
                 csv.writer(f).writerow(["time", "kind", "detail"])
@@ -363,7 +369,7 @@ class EventLog:
         detail = " ".join(f"{k}={v}" for k, v in fields.items())
         with self.lock:
             if not self.f.closed:
-                self.w.writerow([f"{time.time():.6f}", kind, detail])
+                self.w.writerow([f"{self.clock():.6f}", kind, detail])
 
     def close(self):
         with self.lock:

@@ -31,12 +31,8 @@ import subprocess
 import sys
 import time
 
-import yaml
-
-from importlib import metadata
-
-from testbed import (__version__, analysis, clocks, config, deploy, fidelity, lifecycle, loadgen,
-                     loadrun, ownership, plot, replicates, rundir)
+from testbed import (analysis, clocks, config, deploy, fidelity, lifecycle, loadgen, loadrun,
+                     ownership, plot, replicates, rundir, runinputs, sim)
 from testbed.backend import open_backend, preflight
 from testbed.errors import ConfigError, PrivilegeError, RunInterrupted, WorkerError
 from testbed.faults import write_matrix
@@ -47,7 +43,7 @@ from testbed.net.schedule import LinkSchedule
 from testbed.net.tcp import CC_ENV
 from testbed.progress import Progress
 from testbed.records import EventLog, RunDir
-from testbed.workload import generate
+from testbed.sim.run import SimRun
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 30.0
@@ -62,25 +58,6 @@ def _system_cc():
 def default_out(exp_name):
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     return REPO / "results" / exp_name / f"{stamp}-{secrets.token_hex(2)}"
-
-
-def _git_revision():
-    try:
-        rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
-                             text=True, timeout=5).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain"],
-                               capture_output=True, text=True, timeout=5).stdout.strip()
-        return rev + ("-dirty" if dirty else "") if rev else None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def _versions():
-    out = {"testbed": __version__, "python": platform.python_version()}
-    for pkg in ("torch", "grpcio", "pyroute2", "pandas", "numpy", "seaborn"):
-        with contextlib.suppress(metadata.PackageNotFoundError):
-            out[pkg] = metadata.version(pkg)
-    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,21 +120,10 @@ class Run:
         return summary
 
     def _write_description(self):
-        """config.yaml, deployment.json, runtime.json, workload.parquet and the metadata so
-        far; returns the request list."""
-        exp, d, dep = self.exp, self.rd, self.deployment
-        d.logs.mkdir(parents=True, exist_ok=True)
-        d.config.write_text(yaml.safe_dump(config.resolved(exp), sort_keys=False))
-        dep.dump(d.deployment)
-        self.rt.dump(d.runtime)
-        workload = generate(exp.workload, exp.seed, requests=exp.requests,
-                            duration_s=exp.duration)
-        workload.to_parquet(d.workload, index=False)
-        self.meta = {"name": exp.name, "label": exp.label, "git_revision": _git_revision(),
-                     "kernel": platform.release(), "host": platform.node(),
-                     "versions": _versions(), "argv": sys.argv, "start_time": time.time(),
-                     "scale": dep.scale.to_dict(), "requests": len(workload),
-                     "backend": exp.backend.kind}
+        """The run's inputs and the metadata so far (testbed/runinputs.py, shared with the
+        simulator); returns the request list."""
+        workload = runinputs.write_inputs(self.exp, self.deployment, self.rd)
+        self.meta = runinputs.base_metadata(self.exp, self.deployment, workload)
         return workload
 
     def _build_and_drive(self, workload, events):
@@ -430,9 +396,8 @@ def execute(path, overrides=(), out=None, probe=True, cli=False, progress=True, 
     try:
         for exp, dep in zip(runs, deployments):
             run_dir = run_path(top, exp, len(runs))
-            summaries.append(_replicate(exp, run_dir, Run(
-                exp, run_dir, cli=cli, progress=progress, hold=hold, probes=probes,
-                deployment=dep).execute))
+            summaries.append(_replicate(exp, run_dir, _runner(
+                exp, dep, run_dir, cli=cli, progress=progress, hold=hold, probes=probes)))
         if len(runs) > 1:
             analysis.write_sweep(top, summaries)
             if any(exp.replicates > 1 for exp in runs):
@@ -450,6 +415,14 @@ def run_path(top, exp, n_runs):
     """top (a lone run), top/<label> (a safe name: config.validate), top/<label>/r<i>."""
     d = top if n_runs == 1 else top / exp.label
     return d / f"r{exp.replicate}" if exp.replicates > 1 and n_runs > 1 else d
+
+
+def _runner(exp, dep, run_dir, **kw):
+    """The `execute` of one run: in virtual time on backend sim (no network, no processes),
+    else the emulation's `Run`."""
+    if exp.backend.kind == "sim":
+        return SimRun(exp, run_dir, deployment=dep).execute
+    return Run(exp, run_dir, deployment=dep, **kw).execute
 
 
 def _replicate(exp, run_dir, execute):
@@ -478,6 +451,12 @@ def _check_runs(runs, path, hold, out):
         check_out(out)
     if any(exp.backend.kind == "mininet" for exp in runs) and os.geteuid() != 0:
         raise PrivilegeError("testbed run builds network namespaces and needs root: use sudo")
+    for exp in runs:
+        if exp.backend.kind == "sim":
+            why = sim.unsupported(exp) or (hold is not None and "testbed up serves real "
+                                           "clients; the simulator runs in virtual time")
+            if why:
+                raise ConfigError(f"backend sim: {why}", path=str(path), key="backend.kind")
 
 
 def check_out(out):

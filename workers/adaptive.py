@@ -33,9 +33,9 @@ import asyncio
 import collections
 import csv
 import pathlib
-import time
 
 from testbed.records import RunDir
+from workers.clock import WALL
 
 COLUMNS = ["time", "threshold", "egress_utilisation", "backlog_remote_s", "backlog_local_s",
            "remote_trend_s", "reason", "trigger"]
@@ -139,13 +139,42 @@ class Control:
         return t, util, trend, sig
 
 
-class ThresholdController:
-    """Drives a `Control` from the run's measurements and sets `router.threshold`."""
+class ThresholdDecider:
+    """One evaluation of the law against the router's own book: the decision part of the
+    controller, with no clock and no I/O (the emulation's `ThresholdController` and the
+    simulator, testbed/sim/cluster.py, both drive it). Sets `router.threshold`."""
 
-    def __init__(self, router, cfg, run_dir, log):
-        self.router, self.cfg, self.log = router, cfg, log
-        self.timeseries = RunDir(run_dir).timeseries
+    def __init__(self, router, cfg):
+        self.router, self.cfg = router, cfg
         self.law = Control(router.threshold, cfg)
+
+    @staticmethod
+    def _backlog(instances):
+        up = [i for i in instances if not i.down]
+        return sum(i.outstanding_s for i in up) / len(up) if up else 0.0
+
+    def decide(self, now, tx, link_bps):
+        """Evaluate at `now` with the KV egress counter `tx` (bytes) and the link rate in force
+        (`link_bps`, emulated; None when unknown); returns (old threshold, the row of
+        scheduler.csv without its trigger)."""
+        remote, local = self._backlog(self.router.remote), self._backlog(self.router.local)
+        old = self.router.threshold
+        self.law.t = old            # the long timescale may have re-planned it
+        t, util, trend, reason = self.law.observe(now, tx, link_bps, remote, local)
+        self.router.threshold = t
+        return old, [f"{now:.6f}", t, "" if util is None else f"{util:.4f}",
+                     f"{remote:.6f}", f"{local:.6f}", f"{trend:.6f}", reason]
+
+
+class ThresholdController:
+    """Drives a `ThresholdDecider` from the run's measurements (timeseries.csv, the wall
+    clock) and writes its decisions to scheduler.csv."""
+
+    def __init__(self, router, cfg, run_dir, log, clock=WALL):
+        self.router, self.cfg, self.log, self.clock = router, cfg, log, clock
+        self.timeseries = RunDir(run_dir).timeseries
+        self.decider = ThresholdDecider(router, cfg)
+        self.law = self.decider.law
         self.last_eval = 0.0
         self.out = open(RunDir(run_dir).scheduler, "w", newline="", buffering=1)
         self.w = csv.writer(self.out)
@@ -160,26 +189,15 @@ class ThresholdController:
         except (TypeError, KeyError, ValueError):
             return None, None
 
-    @staticmethod
-    def _backlog(instances):
-        up = [i for i in instances if not i.down]
-        return sum(i.outstanding_s for i in up) / len(up) if up else 0.0
-
     def step(self, trigger="timer"):
-        now = time.time()
+        now = self.clock.now()
         self.last_eval = now
-        tx, link_bps = self.link()
-        remote, local = self._backlog(self.router.remote), self._backlog(self.router.local)
-        old = self.router.threshold
-        self.law.t = old            # the long timescale may have re-planned it
-        t, util, trend, reason = self.law.observe(now, tx, link_bps, remote, local)
+        old, row = self.decider.decide(now, *self.link())
+        t = self.router.threshold
         if t != old:
-            self.log.info("threshold %d -> %d (%s; egress %s, backlog remote %.3fs local %.3fs, "
-                          "trend %+.3fs)", old, t, reason, "?" if util is None else f"{util:.2f}",
-                          remote, local, trend)
-        self.router.threshold = t
-        self.w.writerow([f"{now:.6f}", t, "" if util is None else f"{util:.4f}",
-                         f"{remote:.6f}", f"{local:.6f}", f"{trend:.6f}", reason, trigger])
+            self.log.info("threshold %d -> %d (%s; egress %s, backlog remote %ss local %ss, "
+                          "trend %ss)", old, t, row[6], row[2] or "?", row[3], row[4], row[5])
+        self.w.writerow([*row, trigger])
 
     def on_request(self):
         """Per request: evaluate before the request is routed."""
@@ -189,7 +207,7 @@ class ThresholdController:
         try:
             while True:
                 await asyncio.sleep(self.cfg.interval_s)
-                if time.time() - self.last_eval >= self.cfg.interval_s:
+                if self.clock.now() - self.last_eval >= self.cfg.interval_s:
                     self.step()
         finally:
             self.out.close()

@@ -83,6 +83,10 @@ class Tracker:
     def record(self, error=None, end=True):
         """The `done` line: `error` is the reason of a request that did not end `ok` (a stream
         broken or cut short); one that ended `ok` with fewer tokens than asked for fails too."""
+        return self.finish(error, end).line(self.chunks)
+
+    def finish(self, error=None, end=True):
+        """The typed `RequestRecord` of `record` (the simulator stamps `end_time` itself)."""
         out = self.out
         if error is not None and out.status != "ok":
             out.status, out.error = "failed", error
@@ -91,7 +95,7 @@ class Tracker:
                                                f"{self.req.output_len} tokens")
         if end:
             out.end_time = time.time()      # when the stream ended here (a failure's time)
-        return out.line(self.chunks)
+        return out
 
 
 async def one_request(stub, row, scheduled, rec, timeout_s):

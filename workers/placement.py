@@ -34,13 +34,13 @@ only the recurrent state plus the MLA KV beyond it.
 
 import asyncio
 import dataclasses
-import time
 
 from testbed.proto import testbed_pb2 as pb
 from testbed.records import RunDir
 from workers import cache_wire
 from workers.adaptive import read_last_row
 from workers.cache_core import BlockSizes
+from workers.clock import WALL
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,8 +108,9 @@ class CachePlacer:
 
     MIN_WINDOW_S = 0.1      # the link's utilisation is measured over at least this (emulated)
 
-    def __init__(self, rt, router, prefill_s, log):
+    def __init__(self, rt, router, prefill_s, log, clock=WALL):
         c = rt.cache
+        self.clock = clock
         self.cfg, self.router, self.prefill_s, self.log = c, router, prefill_s, log
         self.placement = rt.scheduler.placement
         self.block = c.block
@@ -124,7 +125,7 @@ class CachePlacer:
         self.fetch_s_per_byte = None        # learned from the prefill workers' reports
 
     def _link(self):
-        now = time.monotonic()
+        now = self.clock.now()
         if now - self._checked >= self.MIN_WINDOW_S:
             self._checked = now
             util, bps, self._last = link_state(self.timeseries, self._last)
@@ -209,22 +210,16 @@ class CachePlacer:
         return tokens if tokens > 0 and exposed < \
             self.prefill_s(inst, L, 0) - self.prefill_s(inst, L, tokens) else 0
 
-    async def place(self, req):
-        """(kind, prefill Instance, decode Instance, Route fields) for one request; fills the
-        request's cached_len / decode_cached_len."""
-        L = req.input_len
-        whole = min(L // self.block, len(req.prefix_blocks))
-        blocks = list(req.prefix_blocks[:whole])
-        view = await self.lookup(blocks)
-        cap = ((L - 1) // self.block) * self.block     # at least one token is computed
-        view = CacheView(view.local_kv, min(view.local_state, cap), view.prfaas_kv,
-                         min(view.prfaas_state, cap))
+    def choose(self, L, view, abundant):
+        """The placement decision for a request of `L` tokens given what the pools hold
+        (`view`, capped) and whether the WAN is abundant: (ClusterChoice, best plan) where the
+        plan is (instance, tokens continued from, pool to move the prefix from or ""), None
+        when no instance of the chosen cluster is up (or the placement is not cache_aware).
+        No RPC and no asyncio: the emulation's `place` and a simulator decide alike."""
         r = self.router
-        choice = choose_cluster(self.placement, r.policy, r.threshold, L, view,
-                                self.abundant())
+        choice = choose_cluster(self.placement, r.policy, r.threshold, L, view, abundant)
         if self.placement != "cache_aware":
-            kind, p, d = r.route_to(choice.remote, L)
-            return self._finish(req, kind, p, d, view, whole, p.dc, view.state(p.dc), 0)
+            return choice, None
         # Plans: (estimated TTFT, instance, tokens continued from, prefix move from, its time).
         plans = []
         here = "prfaas" if choice.remote else "local"
@@ -245,10 +240,31 @@ class CachePlacer:
                 if not inst.down:
                     c = self.worth(inst, L, view.prfaas_state)
                     plans.append((self.plan_cost(inst, L, c, view.local_kv), inst, c, "", 0.0))
-        if not plans:                      # the chosen cluster is down: fail over as usual
+        if not plans:
+            return choice, None
+        _, inst, cached, move_from, _ = min(plans, key=lambda x: (x[0], x[1].name))
+        return choice, (inst, cached, move_from)
+
+    async def place(self, req):
+        """(kind, prefill Instance, decode Instance, Route fields) for one request; fills the
+        request's cached_len / decode_cached_len."""
+        L = req.input_len
+        whole = min(L // self.block, len(req.prefix_blocks))
+        blocks = list(req.prefix_blocks[:whole])
+        view = await self.lookup(blocks)
+        cap = ((L - 1) // self.block) * self.block     # at least one token is computed
+        view = CacheView(view.local_kv, min(view.local_state, cap), view.prfaas_kv,
+                         min(view.prfaas_state, cap))
+        choice, best = self.choose(L, view, self.abundant())
+        r = self.router
+        if self.placement != "cache_aware":
+            kind, p, d = r.route_to(choice.remote, L)
+            return self._finish(req, kind, p, d, view, whole, p.dc, view.state(p.dc), 0)
+        if best is None:                   # the chosen cluster is down: fail over as usual
+            here = "prfaas" if choice.remote else "local"
             kind, p, d = r.route_to(choice.remote, L - view.state(here))
             return self._finish(req, kind, p, d, view, whole, p.dc, view.state(p.dc), 0)
-        _, inst, cached, move_from, _ = min(plans, key=lambda x: (x[0], x[1].name))
+        inst, cached, move_from = best
         moved = 0
         if move_from:
             start = self.move_start(cached, view.kv(inst.dc))

@@ -37,6 +37,20 @@ class Router:
         self.decode = [i for i in instances if i.role == "decode"]
         self.predict_s = predict_s          # (instance, uncached_len) -> predicted prefill seconds
 
+    @classmethod
+    def of_runtime(cls, rt, profile):
+        """The scheduler's router for a run (`testbed.runtime.WorkerRuntime`, emulated) and its
+        model profile (`testbed.profile.Profile`): the emulation's scheduler and the simulator
+        both build it here, so both route alike."""
+        scale = rt.scale
+        instances = [Instance(name=i.name, role=i.role, dc=i.dc, accelerator=i.accelerator,
+                              addr=i.addr, kv_addr=i.kv_addr)
+                     for i in rt.of_role("prefill", "decode")]
+        return cls(rt.scheduler.policy, rt.scheduler.threshold, instances,
+                   lambda inst, l: scale.emulated_s(profile.t_prefill(inst.accelerator,
+                                                                      max(l, 1))),
+                   max_local=rt.scheduler.failover_max_local)
+
     def _want_remote(self, uncached):
         if self.policy == "naive":
             return True

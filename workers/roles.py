@@ -33,6 +33,7 @@ from testbed import plan
 from testbed import profile as profiles
 from testbed.proto import testbed_pb2 as pb
 from testbed.proto import testbed_pb2_grpc as pbg
+from workers.clock import WALL
 
 
 def planner_inputs(rt, lengths, outputs):
@@ -73,70 +74,119 @@ def replan(inp, n_prfaas, n_local, n_p_now, gain):
             "binding_now": binding}
 
 
-class RoleManager:
-    def __init__(self, svc, rt, log):
-        self.svc, self.rt, self.log = svc, rt, log
+class RolePlanner:
+    """The long timescale's decisions, with no clock, no asyncio and no RPC: the requests seen
+    (`on_request(now, ...)`), the re-plan (`decide(now, busy)`), and which instance to convert
+    to which role. The emulation's `RoleManager` and the simulator both drive it."""
+
+    def __init__(self, rt, router):
+        self.rt, self.router = rt, router
         self.cfg = rt.scheduler.roles
-        self.events = svc.health.events
         self.seen = collections.deque()          # (time, input_len, output_len)
-        self.router = svc.router
-        self.local = [i for i in self.router.local + self.router.decode if i.dc == "local"]
-        self.role_stub = {i.name: pbg.RoleStub(svc.channels[i.name]) for i in self.local}
-        for i in self.local:        # a dual-role worker serves both services
-            svc.prefill_stub.setdefault(i.name, pbg.PrefillStub(svc.channels[i.name]))
-            svc.decode_stub.setdefault(i.name, pbg.DecodeStub(svc.channels[i.name]))
-        self.converting = None
+        self.local = [i for i in router.local + router.decode if i.dc == "local"]
         self.last = None
 
-    def on_request(self, req):
-        now = time.time()
-        self.seen.append((now, req.input_len - req.cached_len, req.output_len))
+    def on_request(self, now, input_len, output_len):
+        self.seen.append((now, input_len, output_len))
+        self._trim(now)
+
+    def _trim(self, now):
         while self.seen and self.seen[0][0] < now - self.cfg.window_s:
             self.seen.popleft()
 
     def n_prefill(self):
         return len(self.router.local)
 
-    def step(self):
-        now = time.time()
-        while self.seen and self.seen[0][0] < now - self.cfg.window_s:
-            self.seen.popleft()
-        if len(self.seen) < self.cfg.min_requests or self.converting is not None:
+    def decide(self, now, busy=False):
+        """One re-plan at `now`: None (too few requests, or a conversion in progress: `busy`),
+        else (decision, the `replan` event's fields, the instance to convert or None, its new
+        role). With `retune`, sets the router's threshold for the split in force."""
+        self._trim(now)
+        if len(self.seen) < self.cfg.min_requests or busy:
             return None
         _, lens, outs = zip(*self.seen)
         inp = planner_inputs(self.rt, lens, outs)
         n_p = self.n_prefill()
         d = replan(inp, len(self.router.remote), len(self.local), n_p, self.cfg.gain)
         self.last = d
-        self.events("replan", window=len(lens), mean_input=round(inp.lengths.mean),
-                    n_p=n_p, n_d=len(self.local) - n_p, n_p_best=d["n_p_best"],
-                    target=d["target"], lambda_now=f"{d['lambda_now']:.4f}",
-                    lambda_best=f"{d['lambda_best']:.4f}", binding=d["binding_now"],
-                    threshold=d["threshold"][n_p])
+        fields = dict(window=len(lens), mean_input=round(inp.lengths.mean),
+                      n_p=n_p, n_d=len(self.local) - n_p, n_p_best=d["n_p_best"],
+                      target=d["target"], lambda_now=f"{d['lambda_now']:.4f}",
+                      lambda_best=f"{d['lambda_best']:.4f}", binding=d["binding_now"],
+                      threshold=d["threshold"][n_p])
         if self.cfg.retune:
-            self._retune(n_p)
+            self.retune(n_p)
+        pick, role = None, None
         if d["target"] > n_p:
             pick = min((i for i in self.router.decode if i.dc == "local" and not i.down),
                        key=lambda i: (i.inflight, i.name), default=None)
-            if pick is not None and len(self.router.decode) > 1:
-                self.converting = asyncio.create_task(self.convert(pick, "prefill"))
+            role = "prefill" if pick is not None and len(self.router.decode) > 1 else None
         elif d["target"] < n_p:
             pick = min((i for i in self.router.local if not i.down),
                        key=lambda i: (i.outstanding_s, i.name), default=None)
-            if pick is not None and len(self.router.local) > 1:
-                self.converting = asyncio.create_task(self.convert(pick, "decode"))
+            role = "decode" if pick is not None and len(self.router.local) > 1 else None
+        return d, fields, pick if role else None, role
+
+    def retune(self, n_p):
+        """Set the router's threshold to the last re-plan's best t for `n_p` prefill instances;
+        the (old, new) pair when it changed, else None."""
+        t = self.last["threshold"].get(n_p)
+        if t is not None and t != self.router.threshold:
+            old, self.router.threshold = self.router.threshold, t
+            return old, t
+        return None
+
+    def lists(self, inst, role):
+        """(the router's list of `inst`'s role in force, the list of `role`)."""
+        src = self.router.local if inst.role == "prefill" else self.router.decode
+        dst = self.router.local if role == "prefill" else self.router.decode
+        return src, dst
+
+
+class RoleManager:
+    """Drives a `RolePlanner` on the wall clock and converts instances over `Role.SetRole`."""
+
+    def __init__(self, svc, rt, log, clock=WALL):
+        self.svc, self.rt, self.log, self.clock = svc, rt, log, clock
+        self.cfg = rt.scheduler.roles
+        self.events = svc.health.events
+        self.router = svc.router
+        self.planner = RolePlanner(rt, self.router)
+        self.local = self.planner.local
+        self.role_stub = {i.name: pbg.RoleStub(svc.channels[i.name]) for i in self.local}
+        for i in self.local:        # a dual-role worker serves both services
+            svc.prefill_stub.setdefault(i.name, pbg.PrefillStub(svc.channels[i.name]))
+            svc.decode_stub.setdefault(i.name, pbg.DecodeStub(svc.channels[i.name]))
+        self.converting = None
+
+    @property
+    def last(self):
+        return self.planner.last
+
+    def on_request(self, req):
+        self.planner.on_request(self.clock.now(), req.input_len - req.cached_len, req.output_len)
+
+    def n_prefill(self):
+        return self.planner.n_prefill()
+
+    def step(self):
+        out = self.planner.decide(self.clock.now(), self.converting is not None)
+        if out is None:
+            return None
+        d, fields, pick, role = out
+        self.events("replan", **fields)
+        if pick is not None:
+            self.converting = asyncio.create_task(self.convert(pick, role))
         return d
 
     def _retune(self, n_p):
-        t = self.last["threshold"].get(n_p)
-        if t is not None and t != self.router.threshold:
-            self.log.info("re-plan: threshold %d -> %d (N_p %d)", self.router.threshold, t, n_p)
-            self.router.threshold = t
+        changed = self.planner.retune(n_p)
+        if changed:
+            self.log.info("re-plan: threshold %d -> %d (N_p %d)", *changed, n_p)
 
     async def convert(self, inst, role):
         old = inst.role
-        src = self.router.local if old == "prefill" else self.router.decode
-        dst = self.router.local if role == "prefill" else self.router.decode
+        src, dst = self.planner.lists(inst, role)
         t0 = time.time()
         try:
             src.remove(inst)            # no new work of the old role from here on

@@ -21,7 +21,7 @@ from testbed.proto import testbed_pb2_grpc as pbg
 from workers import common
 from workers.adaptive import ThresholdController
 from workers.placement import CachePlacer
-from workers.policy import Instance, Router
+from workers.policy import Router
 from workers.recovery import Flight, Health
 
 
@@ -30,13 +30,8 @@ class SchedulerService(pbg.SchedulerServicer):
         self.rt, self.log = rt, log
         scale = rt.scale
         prof = profiles.load(rt.profile)
-        instances = [Instance(name=i.name, role=i.role, dc=i.dc, accelerator=i.accelerator,
-                              addr=i.addr, kv_addr=i.kv_addr)
-                     for i in rt.of_role("prefill", "decode")]
-        self.router = Router(rt.scheduler.policy, rt.scheduler.threshold, instances,
-                             lambda inst, l: scale.emulated_s(
-                                 prof.t_prefill(inst.accelerator, max(l, 1))),
-                             max_local=rt.scheduler.failover_max_local)
+        self.router = Router.of_runtime(rt, prof)
+        instances = self.router.remote + self.router.local + self.router.decode
         opts = common.grpc_options()
         self.channels = {i.name: grpc.aio.insecure_channel(i.addr, options=opts) for i in instances}
         self.prefill_stub = {i.name: pbg.PrefillStub(self.channels[i.name])

@@ -18,8 +18,9 @@ def register(sub):
     p.add_argument("--cli", action="store_true",
                    help="open the Mininet CLI once the network and workers are up")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--backend", choices=("mininet", "ray"),
-                   help="where it runs (the experiment's backend.kind; docs/cluster.md)")
+    p.add_argument("--backend", choices=("mininet", "ray", "sim"),
+                   help="where it runs (the experiment's backend.kind; docs/cluster.md; sim: "
+                        "virtual time, docs/sim.md)")
     p.add_argument("--address", metavar="HOST:PORT",
                    help="ray: the Ray head (the experiment's backend.address)")
     p.set_defaults(func=main)

@@ -1,0 +1,215 @@
+"""The simulator against the emulation: the same experiment, the same seed, both backends.
+
+For each variant it prints sim / emulation ratios of request throughput (steady, and completed
+over the span), TTFT p50/p90/p99, mean TPOT and mean KV egress (issue 25's table; docs/sim.md
+keeps it). The emulation needs root and minutes: run it under the shared lock,
+
+    flock /tmp/heavy.lock python benchmarks/sim_vs_emulation.py experiments/quickstart.yaml
+
+or compare against an emulated run directory made before (`--emulated DIR`, the top of a
+`testbed run` of the same file and seed). `--off TERM ...` turns link model terms off in the
+sim (testbed.sim.wan.Terms: share, propagation, jitter, queue, loss_cap) to show what each
+contributes. `--loop-cost` times the event loop against simpy (if installed) on the same
+callback chain. `--cost REQUESTS INSTANCES` times one sim run of the quickstart grown to that
+many instances (a third per role) at the quickstart's load per instance (0.2 req/s and 50
+Gbit/s of WAN per PrfaaS instance, scale.bytes 1e-5), per-request records only: wall, events,
+peak memory (run one point per process: the peak is the process's). `--smoke` (seconds, no root): quickstart at 30 requests, sim against sim with
+the same seed: the comparison's path end to end, and every ratio 1.000 to 1e-6 (the sim is
+deterministic; stamps are Unix times from each run's own start, to the microsecond).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import tempfile
+import time
+
+from testbed import config, rundir
+from testbed import run as runner
+from testbed.sim.run import SimRun
+from testbed.sim.wan import Terms
+
+METRICS = (("steady_throughput", "thr (steady)"), ("request_throughput", "thr"),
+           ("median_ttft_ms", "TTFT p50"), ("p90_ttft_ms", "TTFT p90"),
+           ("p99_ttft_ms", "TTFT p99"), ("mean_tpot_ms", "TPOT"),
+           ("egress_mean_gbps", "egress"))
+
+
+def sim_runs(path, overrides, top, terms):
+    """Run every variant of `path` in the sim under `top`; {label: summary}."""
+    runs = config.load_experiment(path, [*overrides, "backend.kind=sim"])
+    out = {}
+    for exp in runs:
+        d = top / exp.label if len(runs) > 1 else top
+        out[exp.label] = SimRun(exp, d, terms=terms).execute()
+    return out
+
+
+def emulated_runs(path, overrides, top):
+    runner.execute(path, overrides, out=top, probe=False, progress=False)
+    return summaries(top)
+
+
+def summaries(top):
+    return {json.loads((d / rundir.RunDir.SUMMARY).read_text())["label"]:
+            json.loads((d / rundir.RunDir.SUMMARY).read_text())
+            for d in rundir.find_runs(top)}
+
+
+def ratio(a, b):
+    if a is None or b is None:
+        return None
+    if b == 0:
+        return 1.0 if a == 0 else float("inf")
+    return a / b
+
+
+# Issue 25's bar below saturation: throughput within 3%, TTFT p50 and p90 within 10%.
+BAR = (("steady_throughput", 0.03), ("median_ttft_ms", 0.10), ("p90_ttft_ms", 0.10))
+
+
+def within_bar(s, e):
+    rs = [(ratio(s.get(k), e.get(k)), tol) for k, tol in BAR]
+    return all(r is not None and abs(r - 1) <= tol for r, tol in rs)
+
+
+def table(sim, emu, name):
+    head = ["experiment", "variant"] + [m[1] for m in METRICS] + ["within bar"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label in sim:
+        if label not in emu:
+            continue
+        cells = [name, label]
+        for key, _ in METRICS:
+            r = ratio(sim[label].get(key), emu[label].get(key))
+            cells.append("-" if r is None else f"{r:.3f}")
+        cells.append("yes" if within_bar(sim[label], emu[label]) else "no")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def absolute(sim, emu):
+    """Both backends' values side by side (real-world units)."""
+    lines = []
+    for label in sim:
+        if label not in emu:
+            continue
+        parts = [f"{m[1]} {sim[label].get(m[0]) or 0:.4g}/{emu[label].get(m[0]) or 0:.4g}"
+                 for m in METRICS]
+        lines.append(f"  {label}: sim/emulation  " + ", ".join(parts))
+    return "\n".join(lines)
+
+
+def loop_cost(n=200_000):
+    """Seconds per event: the heap loop vs simpy on a chain of `n` timed callbacks."""
+    from testbed.sim.loop import Loop
+    loop = Loop()
+    left = [n]
+
+    def tick():
+        left[0] -= 1
+        if left[0]:
+            loop.after(0.001, tick)
+    loop.at(0.0, tick)
+    t = time.perf_counter()
+    loop.run()
+    heap_s = (time.perf_counter() - t) / n
+    print(f"heap loop: {heap_s * 1e6:.2f} us/event ({n} events)")
+    try:
+        import simpy
+    except ImportError:
+        print("simpy: not installed (pip install simpy to compare)")
+        return
+    env = simpy.Environment()
+
+    def proc():
+        for _ in range(n):
+            yield env.timeout(0.001)
+    env.process(proc())
+    t = time.perf_counter()
+    env.run()
+    proc_s = (time.perf_counter() - t) / n
+    env = simpy.Environment()
+    left = [n]
+
+    def cb(_):
+        left[0] -= 1
+        if left[0]:
+            env.timeout(0.001).callbacks.append(cb)
+    env.timeout(0.0).callbacks.append(cb)
+    t = time.perf_counter()
+    env.run()
+    cb_s = (time.perf_counter() - t) / n
+    print(f"simpy {simpy.__version__}: process {proc_s * 1e6:.2f} us/event "
+          f"({proc_s / heap_s:.1f}x), callbacks {cb_s * 1e6:.2f} us/event ({cb_s / heap_s:.1f}x)")
+
+
+def cost(requests, instances, top):
+    n = instances // 3
+    overrides = [f"requests={requests}", f"clusters.prfaas.instances={n}",
+                 f"clusters.local.instances={instances - n}", f"clusters.local.prefill={n}",
+                 f"clusters.local.decode={instances - 2 * n}",
+                 f"workload.arrival.rate={0.2 * instances:g}/s",
+                 f"network.wan.rate={50 * n}Gbit", "scale.bytes=1e-5", "variants=[]",
+                 "backend.kind=sim"]
+    exp = config.load_experiment("experiments/quickstart.yaml", overrides)[0]
+    t0 = time.monotonic()
+    summary = SimRun(exp, top, tokens=False).execute()
+    total = time.monotonic() - t0
+    meta = json.loads((top / rundir.RunDir.METADATA).read_text())["sim"]
+    import resource
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"| {requests} | {instances} | {meta['wall_s']:.1f} | {meta['cpu_s']:.1f} | {total:.1f} | "
+          f"{meta['requests_per_wall_s']:.0f} | {meta['events']} | {meta['peak_rss_mb']:.0f} | "
+          f"{rss:.0f} | {summary['completed']} |")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("experiments", nargs="*", default=["experiments/quickstart.yaml"])
+    p.add_argument("--set", dest="overrides", action="append", default=[])
+    p.add_argument("--emulated", help="an emulated run directory of the (one) experiment")
+    p.add_argument("--off", nargs="*", default=[], help="link model terms to turn off (sim)")
+    p.add_argument("--out", help="keep the run directories here")
+    p.add_argument("--loop-cost", action="store_true")
+    p.add_argument("--cost", nargs=2, type=int, metavar=("REQUESTS", "INSTANCES"))
+    p.add_argument("--smoke", action="store_true")
+    args = p.parse_args()
+    if args.cost:
+        cost(*args.cost, pathlib.Path(args.out or tempfile.mkdtemp(prefix="sim-cost-")))
+        return 0
+    if args.loop_cost:
+        loop_cost(20_000 if args.smoke else 200_000)
+        return 0
+    terms = Terms.parse(args.off)
+    top = pathlib.Path(args.out or tempfile.mkdtemp(prefix="sim-vs-emu-"))
+    if args.smoke:
+        overrides = [*args.overrides, "requests=30"]
+        path = "experiments/quickstart.yaml"
+        a = sim_runs(path, overrides, top / "sim-a", terms)
+        b = sim_runs(path, overrides, top / "sim-b", terms)
+        print(table(a, b, "quickstart (smoke: sim/sim)"))
+        # Stamps are Unix times from each run's start, written to the microsecond: equal to
+        # about 1e-7 (egress is a difference of such stamps)
+        same = all(ratio(a[k].get(m), b[k].get(m)) is None
+                   or abs(ratio(a[k].get(m), b[k].get(m)) - 1) < 1e-6
+                   for k in a for m, _ in METRICS)
+        print("deterministic" if same else "NOT deterministic")
+        return 0 if same else 1
+    for path in args.experiments:
+        name = pathlib.Path(path).stem
+        sim = sim_runs(path, args.overrides, top / name / "sim", terms)
+        emu = (summaries(args.emulated) if args.emulated else
+               emulated_runs(path, args.overrides, top / name / "emulation"))
+        print(f"sim / emulation, {name}, terms off: {', '.join(args.off) or 'none'}")
+        print(table(sim, emu, name))
+        print(absolute(sim, emu))
+    print(top, file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

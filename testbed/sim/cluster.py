@@ -1,0 +1,345 @@
+"""The simulated cluster: the scheduler's own decisions over the engine and WAN models.
+
+    deploy (Deployment) -> cluster (this): Router, ThresholdDecider <- engine, wan, loop -> records
+
+Per request, in virtual time (emulated seconds after arrival 0), what workers/scheduler.py and
+workers/recovery.Flight do without failures:
+
+1. the scheduler receives it at its arrival (the client sits beside it: no delay); the adaptive
+   threshold, if on, is evaluated first (`workers.adaptive.ThresholdDecider`, the emulation's
+   law, fed the sampled KV egress counter as the emulation's scheduler reads timeseries.csv);
+2. `workers.policy.Router.route` picks the prefill and decode instances from its own book
+   (outstanding prefill seconds, decode requests in flight), the decode instance's count goes
+   up, and the predicted prefill seconds are added to the prefill instance's book;
+3. the Prefill call reaches a PrfaaS instance after the request direction's one-way delay (a
+   local one at once); it queues FIFO and computes (`engine.PrefillInstance`), handing its KV
+   pieces to one flow on the WAN's KV direction (PrfaaS) or the datacenter's fabric (local);
+4. the decode instance takes the request once its last KV byte has arrived (or fails it past
+   the KV deadline, as the worker does), batches and steps it (`engine.DecodeInstance`); the
+   prefill's reply reaches the scheduler after its last byte was sent plus the KV direction's
+   delay, and the predicted seconds leave the book then;
+5. at its last token the request's `done` line is written, built by the emulation's own client
+   record (`workers.client.Tracker`) from the chunks the decode worker would have sent.
+
+With `scheduler.roles` every local instance has both models (a dual-role worker) and the
+long timescale re-plans every `interval` with `workers.roles.RolePlanner` (the emulation's
+decisions); a conversion takes the instance out of its role's list, waits (polling as the
+emulation does) until the router's book and the worker show nothing of the old role, then the
+conversion cost, and puts it in the new role's list (`role` and `replan` rows in events.csv).
+
+The link schedule (`Deployment.link_changes`: changes, rate trace, link faults) is applied to
+the link models at its times. Not simulated yet: instance faults (pause, kill, restart, slow)
+with health checks and re-dispatch, the prefix cache and its placement, and an external
+client; `testbed.sim.unsupported` says which one a deployment asks for.
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+import random
+
+from testbed import profile as profiles
+from testbed.measure import CounterSampler
+from testbed.records import RunDir, SentRecord
+from testbed.proto import testbed_pb2 as pb
+from testbed.sim.engine import DecodeInstance, PrefillInstance, Slot
+from testbed.sim.wan import LinkModel, Terms
+from workers.adaptive import COLUMNS as SCHEDULER_COLUMNS
+from workers.adaptive import ThresholdDecider
+from workers.client import Tracker
+from workers.policy import Router
+from workers.roles import RolePlanner
+
+SAMPLE_HZ = 20.0          # timeseries.csv, as the emulation's counter sampler
+ROLE_POLL_S = 0.01        # the scheduler's and the worker's drain checks (workers/roles.py)
+
+
+class Request:
+    """One request's state through the cluster (virtual times)."""
+
+    __slots__ = ("id", "input_len", "output_len", "send", "kind", "p", "d", "predicted",
+                 "queued", "start", "end", "kv_bytes", "send_start", "send_end",
+                 "recv_start", "recv_end", "opened")
+
+    def __init__(self, w, send):
+        self.id, self.input_len, self.output_len = int(w.id), int(w.input_len), int(w.output_len)
+        self.send = send
+
+
+class SimCluster:
+    def __init__(self, dep, loop, records, events, run_dir, base_unix, terms=Terms(),
+                 tokens=True):
+        """`records`: requests.jsonl (a `testbed.records.RecordLog`); `events(kind, **fields)`: events.csv;
+        `base_unix`: the Unix time arrival 0 is given in the run directory; `tokens`: write every
+        token's time (off: first and last only, for very large runs)."""
+        self.dep, self.loop, self.records, self.events = dep, loop, records, events
+        self.base, self.tokens = base_unix, tokens
+        rt = self.rt = dep.runtime
+        self.router = Router.of_runtime(rt, profiles.load(rt.profile))
+        self.prefill = {i.name: PrefillInstance(rt, i) for i in rt.of_role("prefill")}
+        self.decode = {i.name: DecodeInstance(loop, rt, i) for i in rt.of_role("decode")}
+        self.planner = self.converting = None
+        if rt.scheduler.roles is not None:      # dual-role local instances: both models
+            for i in rt.of_role("prefill", "decode"):
+                if i.dc == "local":
+                    self.prefill.setdefault(i.name, PrefillInstance(rt, i))
+                    self.decode.setdefault(i.name, DecodeInstance(loop, rt, i))
+            self.planner = RolePlanner(rt, self.router)
+        rng = random.Random(dep.seed)
+        kv, req = dep.links["kv"], dep.links["request"]
+        self.links = {"kv": LinkModel(loop, kv, rng, terms, reverse_delay_s=req.delay_s),
+                      "request": LinkModel(loop, req, rng, terms, reverse_delay_s=kv.delay_s)}
+        self.fabric = {dc: LinkModel(loop, None, terms=terms) for dc in ("prfaas", "local")}
+        self.active = 0               # requests sent and not finished
+        self.to_send = 0
+        self.completed = 0
+        self.samples = None
+        self.last_sample = None
+        self.trace = None       # a list: each routing decision with the book it was made on
+        self.decider = self.sched_csv = None
+        if rt.scheduler.adaptive is not None:
+            self.decider = ThresholdDecider(self.router, rt.scheduler.adaptive)
+            self._sched_file = open(RunDir(run_dir).scheduler, "w", newline="")
+            self.sched_csv = csv.writer(self._sched_file)
+            self.sched_csv.writerow(SCHEDULER_COLUMNS)
+            self.last_eval = -float("inf")
+
+    def unix(self, t):
+        return self.base + t
+
+    # ---- start ----
+    def start(self, workload, timeseries_path):
+        """Schedule every arrival, the link schedule and the samplers."""
+        self.to_send = len(workload)
+        for w in workload.itertuples(index=False):
+            self.loop.at(self.dep.scale.emulated_s(float(w.arrival_s)), self.submit, w)
+        for c in self.dep.link_changes:
+            self.loop.at(c.at_s, self._link_change, c)
+        self.samples = open(timeseries_path, "w", newline="")
+        self.sample_csv = csv.writer(self.samples)
+        self.sample_csv.writerow(CounterSampler.COLUMNS)
+        self._sample()
+        if self.decider is not None:
+            self.loop.after(self.rt.scheduler.adaptive.interval_s, self._adapt_timer)
+        if self.planner is not None:
+            self.loop.after(self.rt.scheduler.roles.interval_s, self._replan_timer)
+
+    def busy(self):
+        return self.active > 0 or self.to_send > 0
+
+    def close(self):
+        self._sample(again=False)
+        self.samples.close()
+        if self.sched_csv is not None:
+            self._sched_file.close()
+
+    # ---- the link schedule and the counters ----
+    def _link_change(self, c):
+        if c.fault:
+            n = dict(c.fault)
+            self.events(f"fault_{n.pop('phase')}", **n)
+        for d in ((c.direction,) if c.direction else ("kv", "request")):
+            self.links[d].set(**c.changes)
+
+    def _sample(self, again=True):
+        """One timeseries.csv row from the link models' byte counters (CounterSampler's
+        columns; the model has no drops and no reading time)."""
+        now = self.loop.now()
+        row = [f"{self.unix(now):.6f}", f"{now:.6f}", f"{self.dep.scale.real_s(now):.6f}"]
+        prev = self.last_sample
+        counts = {}
+        for d, link in self.links.items():
+            link.advance()
+            tx = int(link.tx_bytes)
+            counts[d] = tx
+            rate = 0.0
+            if prev is not None and now > prev[0]:
+                rate = (tx - prev[1][d]) * 8 / (now - prev[0])
+            backlog = int(link.queue_bytes()) if link.saturated() and link.terms.queue else 0
+            bps = link.link_bps()
+            row += [tx, tx // 1514, f"{rate:.1f}", f"{self.dep.scale.real_rate(rate) / 1e9:.6f}",
+                    backlog, backlog // 1514, 0, int(link.up), f"{bps:.1f}",
+                    f"{self.dep.scale.real_rate(bps) / 1e9:.6f}"]
+        row += ["0.000000", 0, 0]
+        self.sample_csv.writerow(row)
+        self.last_sample = (now, counts)
+        if again and self.busy():
+            self.loop.after(1.0 / SAMPLE_HZ, self._sample)
+
+    # ---- the adaptive threshold ----
+    def _adapt(self, trigger):
+        now = self.loop.now()
+        self.last_eval = now
+        tx, link_bps = None, None
+        if self.last_sample is not None:
+            tx, link_bps = self.last_sample[1]["kv"], self.links["kv"].link_bps()
+        _, row = self.decider.decide(self.unix(now), tx, link_bps)
+        self.sched_csv.writerow([*row, trigger])
+
+    def _adapt_timer(self):
+        interval = self.rt.scheduler.adaptive.interval_s
+        if self.loop.now() - self.last_eval >= interval:
+            self._adapt("timer")
+        if self.busy():
+            self.loop.after(interval, self._adapt_timer)
+
+    # ---- role conversion (workers/roles.py's RoleManager, in virtual time) ----
+    def _replan_timer(self):
+        out = self.planner.decide(self.unix(self.loop.now()), self.converting is not None)
+        if out is not None:
+            _, fields, pick, role = out
+            self.events("replan", **fields)
+            if pick is not None:
+                self._convert(pick, role)
+        if self.busy():
+            self.loop.after(self.rt.scheduler.roles.interval_s, self._replan_timer)
+
+    def _convert(self, inst, role):
+        """No new work of the old role from now; once the scheduler's book shows none left on
+        the instance and the worker has drained, the conversion cost, then the new role."""
+        old = inst.role
+        src, dst = self.planner.lists(inst, role)
+        src.remove(inst)
+        self.converting = (inst, old, role, dst, self.loop.now())
+        self.events("role", instance=inst.name, state="draining", **{"from": old, "to": role})
+        self._drain_poll()
+
+    def _drain_poll(self):
+        inst, old, role, dst, t0 = self.converting
+        now = self.loop.now()
+        dec = self.decode[inst.name]
+        worker_busy = (self.prefill[inst.name].free_at > now if old == "prefill"
+                       else bool(dec.batch or dec.waiting))
+        if inst.inflight > 0 or inst.outstanding_s > 1e-9 or worker_busy:
+            self.loop.after(ROLE_POLL_S, self._drain_poll)
+            return
+        self.loop.after(self.rt.scheduler.roles.cost_s, self._converted, now)
+
+    def _converted(self, drained_at):
+        inst, old, role, dst, t0 = self.converting
+        inst.role = role
+        dst.append(inst)
+        self.events("role", instance=inst.name, state="done", **{"from": old, "to": role},
+                    drain_s=f"{drained_at - t0:.4f}",
+                    convert_s=f"{self.loop.now() - drained_at:.4f}")
+        if self.rt.scheduler.roles.retune and self.planner.last is not None:
+            self.planner.retune(self.planner.n_prefill())
+        self.converting = None
+
+    # ---- one request ----
+    def submit(self, w):
+        now = self.loop.now()
+        self.to_send -= 1
+        r = Request(w, now)
+        self.records.write(SentRecord(id=r.id, send_time=self.unix(now),
+                                      scheduled=self.unix(now), lateness_s=0.0))
+        if self.decider is not None:
+            self._adapt("request")
+        if self.planner is not None:
+            self.planner.on_request(self.unix(now), r.input_len, r.output_len)
+        book = self._book() if self.trace is not None else None
+        try:
+            r.kind, r.p, r.d = self.router.route(r.input_len)
+        except LookupError as e:
+            self._fail(r, f"scheduler: {e}")
+            return
+        if book is not None:
+            self.trace.append((r.id, r.input_len, book, (r.kind, r.p.name, r.d.name)))
+        self.active += 1
+        r.d.inflight += 1
+        r.opened = now
+        r.predicted = self.router.predict_s(r.p, r.input_len)
+        r.p.outstanding_s += r.predicted
+        delay = self.links["request"].one_way_s() if r.p.dc == "prfaas" else 0.0
+        self.loop.at(now + delay, self._prefill_arrives, r)
+
+    def _book(self):
+        """The router's state a decision is made on: threshold and every instance's
+        (outstanding_s, inflight, down)."""
+        ro = self.router
+        return ro.threshold, {i.name: (i.outstanding_s, i.inflight, i.down)
+                              for i in ro.remote + ro.local + ro.decode}
+
+    def _link_of(self, r):
+        return self.links["kv"] if r.p.dc == "prfaas" else self.fabric[r.p.dc]
+
+    def _prefill_arrives(self, r):
+        r.queued = self.loop.now()
+        r.start, r.end, pieces = self.prefill[r.p.name].schedule(r.queued, r.input_len)
+        r.kv_bytes = sum(n for _, n, _ in pieces)
+        r.send_start = pieces[0][0]
+        link = self._link_of(r)
+        flow = link.open(functools.partial(self._kv_done, r))
+        for ready, nbytes, last in pieces:
+            self.loop.at(ready, link.push, flow, nbytes, last)
+
+    def _kv_done(self, r, first_arrival, last_sent, last_arrival):
+        r.recv_start, r.send_end, r.recv_end = first_arrival, last_sent, last_arrival
+        reply_delay = self.links["kv"].one_way_s() if r.p.dc == "prfaas" else 0.0
+        self.loop.at(last_sent + reply_delay, self._prefill_replied, r)
+        if last_arrival - r.opened > self.rt.kv_deadline_s:
+            self.loop.at(r.opened + self.rt.kv_deadline_s, self._kv_late, r)
+            return
+        dec = self.decode[r.d.name]
+        need = dec.engine.kv_need(r.input_len, r.output_len)
+        slot = Slot(r, r.input_len, r.output_len, need, self._finished)
+        self.loop.at(last_arrival, dec.arrive, slot)
+
+    def _prefill_replied(self, r):
+        r.p.outstanding_s -= r.predicted
+
+    def _kv_late(self, r):
+        self._end(r)
+        self._fail(r, f"{r.d.name}: KV not complete after {self.rt.kv_deadline_s:.3g}s "
+                      f"(emulated); received {r.kv_bytes} bytes")
+
+    def _end(self, r):
+        self.active -= 1
+        r.d.inflight -= 1
+
+    def _fail(self, r, error):
+        t = Tracker(pb.Request(id=r.id, input_len=r.input_len, output_len=r.output_len),
+                    self.unix(r.send))
+        out = t.finish(error, end=False)
+        out.end_time = self.unix(self.loop.now())
+        self.records.write(out, t.chunks)
+
+    def _finished(self, slot):
+        r = slot.req
+        self._end(r)
+        self.completed += 1
+        dec = self.decode[r.d.name]
+        times, chunks = dec.tokens_of(slot)
+        u = self.base
+        stamps = [u + t for t in times] if self.tokens else None
+        track = Tracker(pb.Request(id=r.id, input_len=r.input_len, output_len=r.output_len),
+                        self.unix(r.send))
+        for i, arrival, n in chunks[:-1] if self.tokens else chunks[:-1][:1]:
+            track.add(pb.TokenChunk(times=stamps[i:i + n] if stamps else [u + arrival]),
+                      u + arrival)
+        i, arrival, n = chunks[-1]
+        last = self._last_chunk(r, slot, stamps[i:] if stamps else [u + arrival])
+        track.add(last, u + arrival)
+        if not self.tokens:         # per-request record only: first and last token
+            track.out.n_tokens = r.output_len
+        out = track.finish(None, end=False)
+        out.end_time = u + arrival
+        if not self.tokens:
+            out.token_times = None
+        self.records.write(out, track.chunks if self.tokens else None)
+
+    def _last_chunk(self, r, slot, times):
+        u = self.base
+        prefill = pb.PrefillReply(
+            instance=r.p.name, queued=u + r.queued, start=u + r.start, end=u + r.end,
+            status="ok", kv_bytes=r.kv_bytes, send_start=u + r.send_start,
+            send_end=u + r.send_end,
+            overlap_s=max(0.0, min(r.end, r.send_end) - r.send_start))
+        return pb.TokenChunk(
+            times=times, done=True, status="ok",
+            route=pb.Route(kind=r.kind, prefill=r.p.name, decode=r.d.name,
+                           threshold=self.router.threshold),
+            prefill=prefill, kv_recv_start=u + r.recv_start, kv_recv_end=u + r.recv_end,
+            kv_recv_bytes=r.kv_bytes, decode_instance=r.d.name,
+            decode_join=u + slot.join_time, kv_attempt=0, attempts=1)

@@ -1,0 +1,88 @@
+"""One expanded run in virtual time: the sim backend's counterpart of testbed/run.py's `Run`.
+
+    Experiment -> deploy.compile -> runinputs (config.yaml, deployment.json, runtime.json,
+    workload.parquet) -> cluster in the event loop -> requests.jsonl, events.csv,
+    timeseries.csv, scheduler.csv, metadata.json (`backend: sim`) -> analysis.analyse
+
+The run directory holds the same files, in the same form, as an emulated run's, so `testbed
+analyse`, `plot` and `report` read it unchanged. Times in it are Unix times: arrival 0 is the
+wall clock when the run started, and every later stamp is that plus virtual (emulated) seconds.
+metadata.json records what the simulation cost (`sim`: wall seconds, events, peak memory) and
+which model terms were on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import resource
+import secrets
+import time
+
+from testbed import analysis, deploy, rundir, runinputs
+from testbed.records import EventLog, RecordLog, RunDir
+from testbed.sim.cluster import SimCluster
+from testbed.sim.loop import Loop
+from testbed.sim.wan import Terms
+
+# Above this many requests only per-request records are written (first and last token): the
+# per-token times of a million requests would not fit (docs/sim.md).
+TOKENS_UP_TO = 50_000
+
+
+class SimRun:
+    def __init__(self, exp, run_dir, terms=Terms(), tokens=None, trace=None, deployment=None):
+        """`terms`: the link model's terms (testbed.sim.wan.Terms); `tokens`: write per-token
+        times (default: up to TOKENS_UP_TO requests); `trace`: a list that receives every
+        routing decision with the router's book it was made on (`SimCluster.trace`);
+        `deployment`: the run's compiled `Deployment` (testbed/run.py compiles every run once),
+        compiled here when not given."""
+        self.exp, self.dir = exp, RunDir(run_dir)
+        self.terms, self.tokens, self.trace = terms, tokens, trace
+        self.deployment = deployment if deployment is not None else deploy.compile(exp)
+
+    def execute(self):
+        exp, d, dep = self.exp, self.dir, self.deployment
+        wall0, cpu0 = time.monotonic(), time.process_time()
+        workload = runinputs.write_inputs(exp, dep, d)
+        meta = runinputs.base_metadata(exp, dep, workload)
+        tokens = self.tokens if self.tokens is not None else len(workload) <= TOKENS_UP_TO
+        base = time.time()
+        loop = Loop()
+        clock = lambda: base + loop.now()           # noqa: E731  virtual Unix time
+        events = EventLog(d.events, clock=clock)
+        records = RecordLog(d.records, buffering=1 << 20)   # cannot crash half-way: one block
+        cluster = SimCluster(dep, loop, records, events, d, base, self.terms, tokens)
+        cluster.trace = self.trace
+        meta.update(run_id=secrets.token_hex(2), client_start_at=base, wan_counters={},
+                    teardown_errors=[], dead_workers=[], link_schedule_errors=[],
+                    shaping={"backend": "sim", "backend_reason": "flow-level model "
+                             "(testbed/sim/wan.py)"},
+                    link_fidelity={"skipped": "backend sim: the link is a model"},
+                    topology={"kind": "sim", "instances": len(dep.instances)},
+                    tcp={"congestion_control_kv": "model (max-min fair share, Mathis loss cap)"})
+        try:
+            events("workers_ready", count=len(dep.workers()))
+            events("client_started", requests=len(workload))
+            cluster.start(workload, d.timeseries)
+            last = dep.scale.emulated_s(float(workload.arrival_s.max())) if len(workload) else 0
+            loop.run(until=last)
+            records.write({"ev": "all_sent", "time": clock()})
+            loop.run(until=last + dep.runtime.drain_timeout_s)
+            cluster.close()
+            records.write({"ev": "finished", "time": clock()})
+            events("client_finished", code=0)
+        finally:
+            records.close()
+            events.close()
+        wall = time.monotonic() - wall0
+        meta["end_time"] = clock()
+        meta["sim"] = {"wall_s": round(wall, 3), "cpu_s": round(time.process_time() - cpu0, 3),
+                       "events": loop.events, "virtual_s": round(loop.now(), 6),
+                       "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                                            / 1024, 1),
+                       "requests_per_wall_s": round(len(workload) / wall, 1) if wall else None,
+                       "per_token_records": tokens, "terms": dataclasses.asdict(self.terms),
+                       "not_finished": cluster.active}
+        meta["phases_s"] = {"simulate": round(wall, 3)}
+        rundir.write_metadata(d, meta)
+        return analysis.analyse(d)
