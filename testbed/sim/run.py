@@ -46,10 +46,14 @@ class Records:
 
 
 class SimRun:
-    def __init__(self, exp, run_dir, terms=Terms(), tokens=None, trace=None):
+    def __init__(self, exp, run_dir, terms=Terms(), tokens=None, trace=None,
+                 controllers_since_s=0.0):
         """`terms`: the link model's terms (testbed.sim.wan.Terms); `tokens`: write per-token
         times (default: up to TOKENS_UP_TO requests); `trace`: a list that receives every
-        routing decision with the router's book it was made on (`SimCluster.trace`)."""
+        routing decision with the router's book it was made on (`SimCluster.trace`);
+        `controllers_since_s`: emulated seconds the periodic controllers (adaptive threshold,
+        re-plan) ran before arrival 0 (default 0: they start with it)."""
+        self.controllers_since_s = controllers_since_s
         self.exp, self.dir = exp, pathlib.Path(run_dir)
         self.terms, self.tokens, self.trace = terms, tokens, trace
         self.deployment = deploy.compile(exp)
@@ -77,7 +81,7 @@ class SimRun:
         try:
             events("workers_ready", count=len(dep.workers()))
             events("client_started", requests=len(workload))
-            cluster.start(workload, d / rundir.RunDir.TIMESERIES)
+            cluster.start(workload, d / rundir.RunDir.TIMESERIES, self.controllers_since_s)
             last = dep.scale.emulated_s(float(workload.arrival_s.max())) if len(workload) else 0
             loop.run(until=last)
             records({"ev": "all_sent", "time": clock()})
@@ -96,6 +100,7 @@ class SimRun:
                                             / 1024, 1),
                        "requests_per_wall_s": round(len(workload) / wall, 1) if wall else None,
                        "per_token_records": tokens, "terms": dataclasses.asdict(self.terms),
+                       "controllers_since_s": self.controllers_since_s,
                        "not_finished": cluster.active}
         meta["phases_s"] = {"simulate": round(wall, 3)}
         rundir.write_metadata(d, meta)
