@@ -7,7 +7,9 @@ keeps it). The emulation needs root and minutes: run it under the shared lock,
     flock /tmp/heavy.lock python benchmarks/sim_vs_emulation.py experiments/quickstart.yaml
 
 or compare against an emulated run directory made before (`--emulated DIR`, the top of a
-`testbed run` of the same file and seed). `--off TERM ...` turns link model terms off in the
+`testbed run` of the same file and seed). `--same-phase` starts the sim's periodic controllers
+(adaptive threshold, re-plan) at the emulated run's phase: the emulation's start with the
+scheduler, seconds before arrival 0. `--off TERM ...` turns link model terms off in the
 sim (testbed.sim.wan.Terms: share, propagation, jitter, queue, loss_cap) to show what each
 contributes. `--loop-cost` times the event loop against simpy (if installed) on the same
 callback chain. `--cost REQUESTS INSTANCES` times one sim run of the quickstart grown to that
@@ -38,13 +40,31 @@ METRICS = (("steady_throughput", "thr (steady)"), ("request_throughput", "thr"),
            ("egress_mean_gbps", "egress"))
 
 
-def sim_runs(path, overrides, top, terms):
-    """Run every variant of `path` in the sim under `top`; {label: summary}."""
+def sim_runs(path, overrides, top, terms, phases=None):
+    """Run every variant of `path` in the sim under `top`; {label: summary}. `phases`:
+    {label: emulated seconds the emulation's controllers ran before arrival 0}."""
     runs = config.load_experiment(path, [*overrides, "backend.kind=sim"])
     out = {}
     for exp in runs:
         d = top / exp.label if len(runs) > 1 else top
-        out[exp.label] = SimRun(exp, d, terms=terms).execute()
+        out[exp.label] = SimRun(exp, d, terms=terms,
+                                controllers_since_s=(phases or {}).get(exp.label, 0.0)
+                                ).execute()
+    return out
+
+
+def controller_phases(top):
+    """{label: emulated seconds from the emulation's workers being ready (the scheduler's
+    controllers start then) to arrival 0}, from each run's events.csv and metadata.json."""
+    import csv
+    out = {}
+    for d in rundir.find_runs(top):
+        meta = json.loads((d / rundir.RunDir.METADATA).read_text())
+        with open(d / rundir.RunDir.EVENTS, newline="") as f:
+            ready = [float(r[0]) for r in csv.reader(f) if len(r) > 1 and r[1] == "workers_ready"]
+        if ready and meta.get("client_start_at"):
+            label = json.loads((d / rundir.RunDir.SUMMARY).read_text())["label"]
+            out[label] = max(0.0, meta["client_start_at"] - ready[0])
     return out
 
 
@@ -173,6 +193,9 @@ def main():
     p.add_argument("--set", dest="overrides", action="append", default=[])
     p.add_argument("--emulated", help="an emulated run directory of the (one) experiment")
     p.add_argument("--off", nargs="*", default=[], help="link model terms to turn off (sim)")
+    p.add_argument("--same-phase", action="store_true",
+                   help="start the sim's periodic controllers (adaptive, re-plan) as long "
+                        "before arrival 0 as the emulation's started (measured in its run)")
     p.add_argument("--out", help="keep the run directories here")
     p.add_argument("--loop-cost", action="store_true")
     p.add_argument("--cost", nargs=2, type=int, metavar=("REQUESTS", "INSTANCES"))
@@ -201,9 +224,10 @@ def main():
         return 0 if same else 1
     for path in args.experiments:
         name = pathlib.Path(path).stem
-        sim = sim_runs(path, args.overrides, top / name / "sim", terms)
-        emu = (summaries(args.emulated) if args.emulated else
-               emulated_runs(path, args.overrides, top / name / "emulation"))
+        emu_top = pathlib.Path(args.emulated) if args.emulated else top / name / "emulation"
+        emu = summaries(emu_top) if args.emulated else emulated_runs(path, args.overrides, emu_top)
+        phases = controller_phases(emu_top) if args.same_phase else None
+        sim = sim_runs(path, args.overrides, top / name / "sim", terms, phases)
         print(f"sim / emulation, {name}, terms off: {', '.join(args.off) or 'none'}")
         print(table(sim, emu, name))
         print(absolute(sim, emu))

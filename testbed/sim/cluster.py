@@ -55,6 +55,11 @@ SAMPLE_HZ = 20.0          # timeseries.csv, as the emulation's counter sampler
 ROLE_POLL_S = 0.01        # the scheduler's and the worker's drain checks (workers/roles.py)
 
 
+def _first_tick(interval_s, since_s):
+    """The first tick at or after arrival 0 of a timer started `since_s` before it."""
+    return interval_s - (since_s % interval_s) if since_s > 0 else interval_s
+
+
 class Request:
     """One request's state through the cluster (virtual times)."""
 
@@ -109,8 +114,10 @@ class SimCluster:
         return self.base + t
 
     # ---- start ----
-    def start(self, workload, timeseries_path):
-        """Schedule every arrival, the link schedule and the samplers."""
+    def start(self, workload, timeseries_path, controllers_since_s=0.0):
+        """Schedule every arrival, the link schedule, the samplers and the periodic controllers
+        (`controllers_since_s`: how long before arrival 0 they started; the emulation's start
+        with the scheduler, before the client, so their ticks fall at that phase)."""
         self.to_send = len(workload)
         for w in workload.itertuples(index=False):
             self.loop.at(self.dep.scale.emulated_s(float(w.arrival_s)), self.submit, w)
@@ -121,9 +128,11 @@ class SimCluster:
         self.sample_csv.writerow(CounterSampler.COLUMNS)
         self._sample()
         if self.decider is not None:
-            self.loop.after(self.rt.scheduler.adaptive.interval_s, self._adapt_timer)
+            self.loop.at(_first_tick(self.rt.scheduler.adaptive.interval_s, controllers_since_s),
+                         self._adapt_timer)
         if self.planner is not None:
-            self.loop.after(self.rt.scheduler.roles.interval_s, self._replan_timer)
+            self.loop.at(_first_tick(self.rt.scheduler.roles.interval_s, controllers_since_s),
+                         self._replan_timer)
 
     def busy(self):
         return self.active > 0 or self.to_send > 0

@@ -30,12 +30,16 @@ TOKENS_UP_TO = 50_000
 
 
 class SimRun:
-    def __init__(self, exp, run_dir, terms=Terms(), tokens=None, trace=None, deployment=None):
+    def __init__(self, exp, run_dir, terms=Terms(), tokens=None, trace=None,
+                 controllers_since_s=0.0, deployment=None):
         """`terms`: the link model's terms (testbed.sim.wan.Terms); `tokens`: write per-token
         times (default: up to TOKENS_UP_TO requests); `trace`: a list that receives every
         routing decision with the router's book it was made on (`SimCluster.trace`);
-        `deployment`: the run's compiled `Deployment` (testbed/run.py compiles every run once),
-        compiled here when not given."""
+        `controllers_since_s`: emulated seconds the periodic controllers (adaptive threshold,
+        re-plan) ran before arrival 0 (default 0: they start with it); `deployment`: the run's
+        compiled `Deployment` (testbed/run.py compiles every run once), compiled here when not
+        given."""
+        self.controllers_since_s = controllers_since_s
         self.exp, self.dir = exp, RunDir(run_dir)
         self.terms, self.tokens, self.trace = terms, tokens, trace
         self.deployment = deployment if deployment is not None else deploy.compile(exp)
@@ -63,7 +67,7 @@ class SimRun:
         try:
             events("workers_ready", count=len(dep.workers()))
             events("client_started", requests=len(workload))
-            cluster.start(workload, d.timeseries)
+            cluster.start(workload, d.timeseries, self.controllers_since_s)
             last = dep.scale.emulated_s(float(workload.arrival_s.max())) if len(workload) else 0
             loop.run(until=last)
             records.write({"ev": "all_sent", "time": clock()})
@@ -82,6 +86,7 @@ class SimRun:
                                             / 1024, 1),
                        "requests_per_wall_s": round(len(workload) / wall, 1) if wall else None,
                        "per_token_records": tokens, "terms": dataclasses.asdict(self.terms),
+                       "controllers_since_s": self.controllers_since_s,
                        "not_finished": cluster.active}
         meta["phases_s"] = {"simulate": round(wall, 3)}
         rundir.write_metadata(d, meta)
