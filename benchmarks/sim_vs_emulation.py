@@ -31,6 +31,7 @@ import time
 
 from testbed import config, rundir
 from testbed import run as runner
+from testbed.records import read_events
 from testbed.sim.run import SimRun
 from testbed.sim.wan import Terms
 
@@ -46,7 +47,7 @@ def sim_runs(path, overrides, top, terms, phases=None):
     runs = config.load_experiment(path, [*overrides, "backend.kind=sim"])
     out = {}
     for exp in runs:
-        d = top / exp.label if len(runs) > 1 else top
+        d = runner.run_path(top, exp, len(runs))
         out[exp.label] = SimRun(exp, d, terms=terms,
                                 controllers_since_s=(phases or {}).get(exp.label, 0.0)
                                 ).execute()
@@ -56,12 +57,11 @@ def sim_runs(path, overrides, top, terms, phases=None):
 def controller_phases(top):
     """{label: emulated seconds from the emulation's workers being ready (the scheduler's
     controllers start then) to arrival 0}, from each run's events.csv and metadata.json."""
-    import csv
     out = {}
     for d in rundir.find_runs(top):
         meta = json.loads((d / rundir.RunDir.METADATA).read_text())
-        with open(d / rundir.RunDir.EVENTS, newline="") as f:
-            ready = [float(r[0]) for r in csv.reader(f) if len(r) > 1 and r[1] == "workers_ready"]
+        ready = [e[0] for e in read_events(d / rundir.RunDir.EVENTS, meta.get("clocks"))
+                 if e[1] == "workers_ready"]
         if ready and meta.get("client_start_at"):
             label = json.loads((d / rundir.RunDir.SUMMARY).read_text())["label"]
             out[label] = max(0.0, meta["client_start_at"] - ready[0])
