@@ -36,7 +36,7 @@ import yaml
 from importlib import metadata
 
 from testbed import (__version__, analysis, clocks, config, deploy, fidelity, lifecycle, loadgen,
-                     loadrun, ownership, plot, replicates, rundir)
+                     loadrun, ownership, plot, plot_load, replicates, rundir)
 from testbed.backend import open_backend, preflight
 from testbed.errors import ConfigError, PrivilegeError, RunInterrupted, WorkerError
 from testbed.faults import write_matrix
@@ -435,6 +435,7 @@ def execute(path, overrides=(), out=None, probe=True, cli=False, progress=True, 
                 deployment=dep).execute))
         if len(runs) > 1:
             analysis.write_sweep(top, summaries)
+            plot_load.write_table(top)
             if any(exp.replicates > 1 for exp in runs):
                 replicates.write(top, summaries)
             if any(exp.faults for exp in runs):
