@@ -32,7 +32,7 @@ import sys
 import time
 
 from testbed import (analysis, clocks, config, deploy, fidelity, lifecycle, loadgen, loadrun,
-                     ownership, plot, replicates, rundir, runinputs, sim)
+                     ownership, plot, plot_load, replicates, rundir, runinputs, sim)
 from testbed.backend import open_backend, preflight
 from testbed.errors import ConfigError, PrivilegeError, RunInterrupted, WorkerError
 from testbed.faults import write_matrix
@@ -400,6 +400,7 @@ def execute(path, overrides=(), out=None, probe=True, cli=False, progress=True, 
                 exp, dep, run_dir, cli=cli, progress=progress, hold=hold, probes=probes)))
         if len(runs) > 1:
             analysis.write_sweep(top, summaries)
+            plot_load.write_table(top)
             if any(exp.replicates > 1 for exp in runs):
                 replicates.write(top, summaries)
             if any(exp.faults for exp in runs):
