@@ -35,6 +35,7 @@ from testbed import (__version__, clocks, config, deploy, fidelity, lifecycle, l
                      metrics, ownership, plot, rundir)
 from testbed.backend import open_backend, preflight
 from testbed.errors import ConfigError, PrivilegeError, RunInterrupted, WorkerError
+from testbed.live.serve import Exporter
 from testbed.measure import CounterSampler, EventLog, LinkProbes
 from testbed.net.tcp import CC_ENV
 from testbed.workload import generate
@@ -428,9 +429,11 @@ def _warn(msg):
     print(msg, file=sys.stderr, flush=True)
 
 
-def execute(path, overrides=(), out=None, probe=True, cli=False, progress=True, hold=None):
+def execute(path, overrides=(), out=None, probe=True, cli=False, progress=True, hold=None,
+            metrics=None):
     """Run every variant of an experiment file; returns (top run dir, list of summaries).
-    With `hold` (`testbed up`): the one run, no load generator, until Ctrl-C/SIGTERM."""
+    With `hold` (`testbed up`): the one run, no load generator, until Ctrl-C/SIGTERM.
+    `metrics`: a port of 127.0.0.1 where the Prometheus exporter serves (testbed/live/)."""
     if hold is not None:
         overrides = [*overrides, "workload.client=none", "workload.command=null"]
     runs = config.load_experiment(path, overrides)
@@ -451,7 +454,10 @@ def execute(path, overrides=(), out=None, probe=True, cli=False, progress=True, 
     top.mkdir(parents=True, exist_ok=True)
     summaries = []
     probes = LinkProbes(probe)      # each distinct WAN probed once, in its first run
+    exporter = None
     try:
+        if metrics is not None:     # beside the orchestrator, until the figures are made
+            exporter = Exporter.start(top, metrics)
         for exp in runs:
             run_dir = top / exp.label if len(runs) > 1 else top   # a safe name (config.validate)
             summaries.append(Run(exp, run_dir, cli=cli, progress=progress, hold=hold,
@@ -463,6 +469,8 @@ def execute(path, overrides=(), out=None, probe=True, cli=False, progress=True, 
                 faults.write_matrix(top, runs, summaries)
         plot.run_figures(top)
     finally:    # also on Ctrl-C and errors: what sudo made belongs to the user who ran it
+        if exporter is not None:
+            exporter.stop()
         ownership.hand_back(top)
         ownership.hand_back(*made[1:], recursive=False)
     return top, summaries

@@ -25,7 +25,7 @@ import time
 
 from testbed.proto import testbed_pb2 as pb
 from testbed.proto import testbed_pb2_grpc as pbg
-from workers import common, control, kvwire, tokens
+from workers import common, control, kvwire, status, tokens
 from workers.engine import AssemblingDecodeEngine, DecodeEngine, PacedDecodeEngine
 
 
@@ -483,6 +483,8 @@ async def main():
     loop_task = asyncio.create_task(service.step_loop())
     discard_task = asyncio.create_task(service.discard_loop())
     control.install(rt, args.name, service.engine, log)
+    # status/<name>.json for the live exporter (--metrics only); the task is held while it runs
+    status_task = status.start(rt, args.name, lambda: status.decode_sample(service))  # noqa: F841
     common.mark_ready(rt, args.name)
     log.info("decode worker up on %s, KV on :%s", inst.addr, inst.kv_port)
 

@@ -12,7 +12,7 @@ import time
 
 from testbed.proto import testbed_pb2 as pb
 from testbed.proto import testbed_pb2_grpc as pbg
-from workers import common, control, kvwire
+from workers import common, control, kvwire, status
 from workers.engine import PrefillEngine
 
 
@@ -143,6 +143,8 @@ async def main():
         service.cache = await PrefillCache(rt, inst, log).start()
     server = await common.start_grpc(inst, pbg.add_PrefillServicer_to_server, service)
     control.install(rt, args.name, service.engine, log)
+    # status/<name>.json for the live exporter (--metrics only); the task is held while it runs
+    status_task = status.start(rt, args.name, lambda: status.prefill_sample(service))  # noqa: F841
     # KV connections to every decode worker are opened now, not by the first request: a serving
     # system keeps its transfer connections up, and a request's TTFT should not include the TCP
     # handshake (or an ARP miss) across the WAN.
