@@ -35,6 +35,7 @@ from testbed import (__version__, clocks, config, deploy, fidelity, lifecycle, l
                      metrics, ownership, plot, rundir)
 from testbed.backend import open_backend, preflight
 from testbed.errors import ConfigError, PrivilegeError, RunInterrupted, WorkerError
+from testbed.live import view
 from testbed.live.serve import Exporter
 from testbed.measure import CounterSampler, EventLog, LinkProbes
 from testbed.net.tcp import CC_ENV
@@ -311,7 +312,9 @@ class Run:
             start_at = self._external_arrival_zero(workload, events)
         self.meta["client_start_at"] = start_at
         events("client_started", requests=len(workload))
-        progress = Progress(records, len(workload), self.exp.label, self.progress)
+        progress = (self.progress.track(self.dir, len(workload))     # the live view (rich)
+                    if isinstance(self.progress, view.Board)
+                    else Progress(records, len(workload), self.exp.label, self.progress))
         schedule, injector = self._start_schedules(start_at, events, progress.write)
         last_arrival = float(workload.arrival_s.max()) if len(workload) else 0.0
         bound = (start_at + self.deployment.scale.emulated_s(last_arrival)

@@ -3,9 +3,8 @@
 The run directory's path is the last line of standard output, so scripts can capture it.
 """
 
-import sys
-
 from testbed import lifecycle, metrics
+from testbed.live import view
 
 
 def register(sub):
@@ -38,7 +37,7 @@ def main(args):
         overrides.append(f"backend.address={args.address}")
     top, summaries = run.execute(args.file, overrides, out=args.out,
                                  probe=not args.no_probe, cli=args.cli,
-                                 progress=not args.no_progress and sys.stderr.isatty(),
+                                 progress=view.choose(args.no_progress),
                                  metrics=args.metrics)
     print()
     print(metrics.table(summaries))
