@@ -186,6 +186,8 @@ class Proc:
             return "orchestrator" if self.is_root else "orchestrator fork"
         if m == "testbed.net.probe":
             return "link probe"
+        if m == "testbed.live.exporter":
+            return "live exporter"
         exe = self.exe
         if exe.startswith("tb-delayline"):
             return "delayline"
@@ -658,6 +660,8 @@ def main():
     ap.add_argument("--out", help="run directory (new or empty); default results/profile/<time>")
     ap.add_argument("--no-pyspy", action="store_true", help="CPU per process only")
     ap.add_argument("--no-probe", action="store_true", help="testbed run --no-probe")
+    ap.add_argument("--metrics", type=int, metavar="PORT",
+                    help="testbed run --metrics PORT (the live exporter, docs/live.md)")
     ap.add_argument("--rate", type=int, default=25, help="py-spy samples per second")
     ap.add_argument("--every", action="store_true",
                     help="py-spy on every worker (default: one per role and variant)")
@@ -681,6 +685,8 @@ def main():
         argv += ["--set", s]
     if args.no_probe:
         argv.append("--no-probe")
+    if args.metrics:
+        argv += ["--metrics", str(args.metrics)]
     out.parent.mkdir(parents=True, exist_ok=True)
     log_path = out.parent / f".{out.name}.testbed-run.log"
     load0 = os.getloadavg()
