@@ -78,8 +78,8 @@ class Tracker:
         self.board, self.total = board, total
         self.run = RunState(run_dir)
         self.last = 0.0
-        self.live = Live(Text(""), console=board.console, refresh_per_second=REFRESH_HZ,
-                         transient=True)
+        # Redrawn from poll() only: no refresh thread beside the 20 Hz counter sampler's
+        self.live = Live(Text(""), console=board.console, auto_refresh=False, transient=True)
         self.live.start()
 
     def poll(self):
@@ -88,7 +88,7 @@ class Tracker:
             return
         self.last = now
         self.run.poll()
-        self.live.update(Text(line(self.run, self.total)))
+        self.live.update(Text(line(self.run, self.total)), refresh=True)
 
     def write(self, msg):
         self.board.console.print(msg, markup=False, highlight=False)
