@@ -3,7 +3,8 @@
     orchestrator's run dir                               a host's copy (agents.Launcher)
       inputs at spawn: runtime.json, workload.parquet ->
       live: ready/*, control/*, timeseries.csv        ->
-                                                      <- live: ready/*, requests.jsonl
+                                                      <- live: ready/*, requests.jsonl,
+                                                         status/* (--metrics)
                                                       <- at the end: everything else (logs/,
                                                          records), events.csv rows appended
 
@@ -32,7 +33,7 @@ import threading
 CHUNK = 4 << 20          # bytes per read/write call
 PERIOD_S = 0.05
 PUSH_LIVE = ("ready/", "control/", "timeseries.csv")
-PULL_LIVE = ("ready/", "requests.jsonl")
+PULL_LIVE = ("ready/", "requests.jsonl", "status/")    # status/: --metrics (testbed/live/)
 GROWING = ("requests.jsonl", "timeseries.csv")   # only appended to: copied from where we were
 APPENDED = ("events.csv",)      # rows of the host's processes, appended to the orchestrator's
 
