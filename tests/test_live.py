@@ -7,6 +7,7 @@ back from the exporter's registry and compared with what those files say, conver
 
 import csv
 import json
+import os
 
 import pytest
 
@@ -134,3 +135,31 @@ def test_status_files_become_instance_gauges(tmp_path):
     assert m.registry.get_sample_value("vllm:num_requests_running", lab) == 3
     assert m.registry.get_sample_value("vllm:num_requests_waiting", lab) == 2
     assert m.registry.get_sample_value("vllm:kv_cache_usage_perc", lab) == 0.25
+
+
+def test_exporter_process_serves_and_stops(tmp_path):
+    import socket
+    import urllib.request
+
+    from testbed.errors import ConfigError
+    from testbed.live import STATUS_ENV
+    from testbed.live.serve import Exporter
+
+    d, _ = _run_dir(tmp_path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.listen()
+        with pytest.raises(ConfigError, match="in use"):
+            Exporter.start(d, port)
+    ex = Exporter.start(d, port)
+    try:
+        assert os.environ[STATUS_ENV] == "0.2"
+        with urllib.request.urlopen(ex.url, timeout=10) as r:
+            text = r.read().decode()
+        assert 'testbed_scale_time{datacenter="local",experiment="tiny"' in text
+    finally:
+        ex.stop()
+    assert STATUS_ENV not in os.environ
+    live = json.loads((d / "live.json").read_text())
+    assert live["code"] == 0 and live["cpu_s"] > 0
