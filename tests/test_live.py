@@ -16,6 +16,7 @@ from testbed.live.exporter import BUCKET_RATIO, TOKEN_BUCKETS, TTFT_BUCKETS, Met
 from testbed.live.state import EGRESS_WINDOW_S, RunState, Tail, Watch
 from testbed.measure import CounterSampler
 
+from promserver import prometheus  # noqa: F401  (a fixture)
 from test_run_root import TINY
 
 
@@ -163,3 +164,30 @@ def test_exporter_process_serves_and_stops(tmp_path):
     assert STATUS_ENV not in os.environ
     live = json.loads((d / "live.json").read_text())
     assert live["code"] == 0 and live["cpu_s"] > 0
+
+
+def test_prometheus_stores_vllm_names_and_instance_labels(tmp_path, prometheus):
+    """A real Prometheus (no run: the run directory written here) keeps vLLM's colons and the
+    testbed's `instance` label, as the dashboard's queries expect."""
+    import time
+
+    from promserver import scalar
+    from testbed.live.serve import Exporter
+
+    api, port = prometheus
+    d, dep = _run_dir(tmp_path)
+    _records(d, time.time())
+    ex = Exporter.start(d, port)
+    try:
+        expr = 'vllm:time_to_first_token_seconds_count{instance="ld0", role="decode"}'
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                assert scalar(api, expr) == 1
+                break
+            except AssertionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+    finally:
+        ex.stop()

@@ -20,12 +20,14 @@ one). The histograms' buckets are 20% wide (`BUCKET_RATIO`): vLLM's jump from 1 
 from __future__ import annotations
 
 import argparse
+import http.server
 import math
 import signal
 import sys
 import threading
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, Counter, Gauge, Histogram,
+                               generate_latest)
 
 from testbed.live.state import DIRECTION_DC, DIRECTIONS, EGRESS_WINDOW_S, Watch
 
@@ -196,6 +198,35 @@ class Metrics:
             self.kv_usage.labels(**lab).set(st.get("kv_reserved_real_bytes", 0.0) / cap)
 
 
+def http_server(registry, host, port):
+    """/metrics in Prometheus's text format (0.0.4), whatever the scraper accepts.
+
+    prometheus_client's own server answers a Prometheus scrape (which prefers OpenMetrics)
+    with names escaped to underscores (0.26: `vllm_time_to_first_token_seconds_count`), and
+    vLLM's names are the point; the text format keeps their colons."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path.split("?")[0] not in ("/metrics", "/"):
+                self.send_error(404)
+                return
+            body = generate_latest(registry)
+            self.send_response(200)
+            self.send_header("Content-Type", CONTENT_TYPE_PLAIN_0_0_4)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):      # a line per scrape is noise in live.log
+            pass
+
+    server = http.server.ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True)
+    thread.start()
+    return server, thread
+
+
 def serve(top, port, host="127.0.0.1", poll_s=0.5, stop=None):
     """Tail `top` and serve its metrics on host:port until `stop` (a threading.Event) is set;
     returns the number of polls. The first poll runs before the port opens."""
@@ -210,13 +241,14 @@ def serve(top, port, host="127.0.0.1", poll_s=0.5, stop=None):
         polls += 1
 
     once()
-    server, thread = start_http_server(port, addr=host, registry=metrics.registry)
+    server, thread = http_server(metrics.registry, host, port)
     try:
         while not stop.wait(poll_s):
             once()
         once()          # what the run wrote last
     finally:
         server.shutdown()
+        server.server_close()
         thread.join(timeout=5)
     return polls
 
