@@ -433,10 +433,10 @@ def _warn(msg):
 
 
 def execute(path, overrides=(), out=None, probe=True, cli=False, progress=True, hold=None,
-            metrics=None):
+            metrics_port=None):
     """Run every variant of an experiment file; returns (top run dir, list of summaries).
     With `hold` (`testbed up`): the one run, no load generator, until Ctrl-C/SIGTERM.
-    `metrics`: a port of 127.0.0.1 where the Prometheus exporter serves (testbed/live/)."""
+    `metrics_port`: a port of 127.0.0.1 where the Prometheus exporter serves (testbed/live/)."""
     if hold is not None:
         overrides = [*overrides, "workload.client=none", "workload.command=null"]
     runs = config.load_experiment(path, overrides)
@@ -459,8 +459,8 @@ def execute(path, overrides=(), out=None, probe=True, cli=False, progress=True, 
     probes = LinkProbes(probe)      # each distinct WAN probed once, in its first run
     exporter = None
     try:
-        if metrics is not None:     # beside the orchestrator, until the figures are made
-            exporter = Exporter.start(top, metrics)
+        if metrics_port is not None:    # beside the orchestrator, until the figures are made
+            exporter = Exporter.start(top, metrics_port)
         for exp in runs:
             run_dir = top / exp.label if len(runs) > 1 else top   # a safe name (config.validate)
             summaries.append(Run(exp, run_dir, cli=cli, progress=progress, hold=hold,

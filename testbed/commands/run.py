@@ -38,7 +38,7 @@ def main(args):
     top, summaries = run.execute(args.file, overrides, out=args.out,
                                  probe=not args.no_probe, cli=args.cli,
                                  progress=view.choose(args.no_progress),
-                                 metrics=args.metrics)
+                                 metrics_port=args.metrics)
     print()
     print(metrics.table(summaries))
     for s in summaries:

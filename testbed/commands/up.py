@@ -51,7 +51,7 @@ def main(args):
     top, summaries = run.execute(args.file, args.overrides, out=args.out,
                                  probe=not args.no_probe, progress=False,
                                  hold=run.Hold(port=args.port, announce=announce),
-                                 metrics=args.metrics)
+                                 metrics_port=args.metrics)
     served = [s for s in summaries if s.get("requests")]
     if served:
         print()
