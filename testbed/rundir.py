@@ -24,7 +24,6 @@ import json
 import pathlib
 from typing import TYPE_CHECKING
 
-import pandas as pd
 import yaml
 
 from testbed import tokentimes
@@ -32,6 +31,8 @@ from testbed.errors import RunDirError
 from testbed.scale import Scale
 
 if TYPE_CHECKING:       # config imports faults, loadgen, ...: analysis imports it when needed
+    import pandas as pd
+
     from testbed.config import Experiment
 
 SCHEMA = 1      # major version; bump when a file's meaning changes incompatibly
@@ -274,6 +275,7 @@ def client_finished(run_dir) -> bool:
 def read_csv_numeric(path) -> pd.DataFrame | None:
     """A numeric CSV (timeseries.csv) as numbers, or None; a last line cut by a crash is
     dropped."""
+    import pandas as pd     # here, not at the top: testbed/live/ reads RunDir without pandas
     p = pathlib.Path(path)
     if not p.exists():
         return None
@@ -292,20 +294,24 @@ def timeseries(run_dir) -> pd.DataFrame | None:
 
 
 def workload(run_dir) -> pd.DataFrame:
+    import pandas as pd
     return pd.read_parquet(RunDir(run_dir).workload)
 
 
 def requests(run_dir) -> pd.DataFrame:
     """requests.parquet: one row per request, real-world durations (`analyse` wrote it)."""
+    import pandas as pd
     return pd.read_parquet(RunDir(run_dir).requests)
 
 
 def tokens(run_dir) -> pd.DataFrame:
+    import pandas as pd
     return pd.read_parquet(RunDir(run_dir).tokens)
 
 
 def csv_table(run_dir, name) -> pd.DataFrame | None:
     """A CSV the run wrote (scheduler.csv, ...), or None when absent or empty."""
+    import pandas as pd
     path = RunDir(run_dir) / name
     if not path.exists() or path.stat().st_size == 0:
         return None

@@ -24,7 +24,7 @@ from testbed.errors import ConfigError
 from testbed.live import STATUS_ENV
 
 START_TIMEOUT_S = 20.0      # importing prometheus_client and pandas on a loaded 2-core machine
-STATUS_PERIOD_S = 0.2       # the workers' status files (wall clock)
+STATUS_PERIOD_S = 1.0       # the workers' status files (wall clock): the exporter's poll
 
 
 def _listening(host, port):

@@ -27,7 +27,8 @@ import dataclasses
 import json
 import pathlib
 
-from testbed import tokentimes
+import numpy as np
+
 from testbed.live import STATUS_DIR
 from testbed.rundir import RunDir
 from testbed.runtime import WorkerRuntime
@@ -35,9 +36,9 @@ from testbed.runtime import WorkerRuntime
 DIRECTIONS = ("kv", "request")
 # The WAN's datacenters: the KV direction leaves the PrfaaS cluster, requests leave the local one.
 DIRECTION_DC = {"kv": "prfaas", "request": "local"}
-# Egress is the mean over this much of the machine's (emulated) clock: a scrape every second
+# Egress is the mean over this much of the machine's (emulated) clock: a scrape every 2 s
 # (dashboards/prometheus.yml) samples windows that tile the run.
-EGRESS_WINDOW_S = 1.0
+EGRESS_WINDOW_S = 2.0
 
 
 class Tail:
@@ -74,22 +75,33 @@ class Finished:
     ttft_s: float | None
     e2el_s: float | None
     tpot_s: float | None
-    itl_s: tuple                # gaps between the decode worker's token stamps
+    itl_s: np.ndarray           # gaps between the decode worker's token stamps
     first_token_lag_s: float | None   # decode stamp of the first token -> client arrival
     cached_tokens: int
 
 
+def _token_gaps(rec):
+    """(first decode stamp, gaps between stamps as an array), emulated seconds, read from the
+    compact `token_dus` (testbed/tokentimes.py: microsecond steps) without expanding it, or
+    from a `token_times` list."""
+    if "token_dus" in rec:
+        us = np.asarray(rec["token_dus"], dtype=np.int64)
+        return (float(us[0]) / 1e6 if us.size else None), us[1:] / 1e6
+    times = np.asarray(rec.get("token_times") or [], dtype=float)
+    return (float(times[0]) if times.size else None), np.diff(times)
+
+
 def finished(rec: dict, scale) -> Finished:
-    """A `done` line of requests.jsonl (token times expanded) as real-world durations."""
+    """A `done` line of requests.jsonl as real-world durations."""
     ok = rec.get("status") == "ok"
     send, first, last = rec.get("send_time"), rec.get("first_token"), rec.get("last_token")
     ttft = scale.real_s(first - send) if ok and first and send else None
     e2el = scale.real_s(last - send) if ok and last and send else None
     n = int(rec.get("n_tokens") or 0)
     tpot = (e2el - ttft) / (n - 1) if ttft is not None and e2el is not None and n > 1 else None
-    times = rec.get("token_times") or []
-    itl = tuple(scale.real_s(b - a) for a, b in zip(times, times[1:])) if ok else ()
-    lag = scale.real_s(first - times[0]) if ok and first and times else None
+    first_stamp, gaps = _token_gaps(rec)
+    itl = scale.real_s(gaps) if ok else np.empty(0)
+    lag = scale.real_s(first - first_stamp) if ok and first and first_stamp else None
     return Finished(id=int(rec["id"]), ok=ok, decode=rec.get("decode_instance") or "",
                     prefill=rec.get("prefill_instance") or "", route=rec.get("route") or "",
                     ttft_s=ttft, e2el_s=e2el, tpot_s=tpot, itl_s=itl, first_token_lag_s=lag,
@@ -161,6 +173,11 @@ class RunState:
         return self.rt.scale
 
     @property
+    def ended(self) -> bool:
+        """The variant's teardown wrote metadata.json: nothing more will be appended."""
+        return self.dir.metadata.exists()
+
+    @property
     def in_flight(self) -> int:
         return len(self.sent - self.done)
 
@@ -198,7 +215,7 @@ class RunState:
             if ev == "sent":
                 self.sent.add(obj["id"])
             elif ev == "done":
-                out.append(self._done(finished(tokentimes.expand(obj), self.scale)))
+                out.append(self._done(finished(obj, self.scale)))
             elif ev == "finished":
                 self.client_finished = True
         return out
