@@ -237,12 +237,14 @@ class RunState:
         return self.offloaded / self.routed if self.routed else None
 
     def input_tokens(self, rid) -> int | None:
-        """The request's input length from workload.parquet (the built-in client's list; an
-        external client's requests are numbered by the front door: None)."""
+        """The request's input length from workload.parquet, with the prefix cache on (the
+        built-in client's list; an external client's requests are numbered by the front door:
+        None). Without the cache, None: nothing is looked up, and pyarrow's import (a quarter
+        of a second) is not paid."""
         if self.input_len is None:
             self.input_len = {}
             external = (self.dir / "frontdoor.jsonl").exists()
-            if self.rt and self.dir.workload.exists() and not external:
+            if self.rt and self.rt.cache.enabled and self.dir.workload.exists() and not external:
                 import pyarrow.parquet as pq     # only when a prefix cache metric asks
                 t = pq.read_table(self.dir.workload, columns=["id", "input_len"])
                 self.input_len = dict(zip(t.column("id").to_pylist(),
