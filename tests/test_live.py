@@ -204,3 +204,58 @@ def test_a_variant_forgotten_serves_no_series(tmp_path):
     assert f'variant="{run.variant}"' in generate_latest(m.registry).decode()
     m.forget(run.variant)
     assert f'variant="{run.variant}"' not in generate_latest(m.registry).decode()
+
+
+def test_a_stopped_exporter_serves_its_last_poll_to_one_more_scrape(tmp_path):
+    """The run's last completions, written after the scraper's last look, still reach it: once
+    stopped, the exporter polls again and waits (bounded) for one scrape of that state."""
+    import re
+    import socket
+    import threading
+    import time
+    import urllib.request
+
+    from testbed.live.exporter import LAST_SCRAPE_S, serve
+
+    d, _ = _run_dir(tmp_path)
+    t0 = time.time()
+    _records(d, t0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    stop = threading.Event()
+    ended = []
+    th = threading.Thread(target=lambda: ended.append((serve(d, port, poll_s=60.0, stop=stop),
+                                                       time.monotonic())))
+    th.start()
+
+    def ttft_count():
+        url = f"http://127.0.0.1:{port}/metrics"
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with urllib.request.urlopen(url, timeout=5) as r:
+                    text = r.read().decode()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        return sum(float(v) for v in re.findall(
+            r"^vllm:time_to_first_token_seconds_count\{[^}]*\} (\S+)$", text, re.M))
+
+    try:
+        assert ttft_count() == 1                # request 1 ok, request 2 failed
+        with open(d / "requests.jsonl", "a") as f:      # the run's last completion
+            f.write(json.dumps({"ev": "done", "id": 3, "send_time": t0, "first_token": t0 + 0.2,
+                                "last_token": t0 + 0.3, "n_tokens": 2, "status": "ok",
+                                "route": "local", "decode_instance": "ld0"}) + "\n")
+        stop.set()
+        time.sleep(0.5)                         # the final poll is taken; no poll comes later
+        asked = time.monotonic()
+        assert ttft_count() == 2
+    finally:
+        stop.set()
+        th.join(timeout=LAST_SCRAPE_S + 10)
+    assert not th.is_alive()
+    assert ended[0][1] - asked < LAST_SCRAPE_S, "it ended at that scrape, not at the bound"
