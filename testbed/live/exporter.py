@@ -41,6 +41,8 @@ REAL = "Real-world (the emulation's scale converted back)."
 # A variant that ended is served this long (wall seconds), then dropped: Prometheus keeps what
 # it scraped, and rendering every earlier variant at each scrape was most of the exporter's CPU.
 RETAIN_S = 30.0
+# At the end, one more scrape is awaited this long (dashboards/prometheus.yml scrapes every 2 s).
+FINAL_SCRAPE_S = 5.0
 
 
 def buckets(lo_s, hi_s, ratio=BUCKET_RATIO):
@@ -279,15 +281,28 @@ def http_server(registry, host, port):
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
+            with server.scraped:
+                server.scrapes += 1
+                server.scraped.notify_all()
 
         def log_message(self, *args):      # a line per scrape is noise in live.log
             pass
 
     server = http.server.ThreadingHTTPServer((host, port), Handler)
     server.daemon_threads = True
+    server.scrapes, server.scraped = 0, threading.Condition()
     thread = threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True)
     thread.start()
     return server, thread
+
+
+def _await_scrape(server, timeout_s=FINAL_SCRAPE_S):
+    """After the last poll, wait (bounded) for one more scrape, so the scraper holds the final
+    counts; not when nobody scraped at all."""
+    with server.scraped:
+        if server.scrapes:
+            n = server.scrapes
+            server.scraped.wait_for(lambda: server.scrapes > n, timeout=timeout_s)
 
 
 def serve(top, port, host="127.0.0.1", poll_s=1.0, stop=None):
@@ -317,6 +332,7 @@ def serve(top, port, host="127.0.0.1", poll_s=1.0, stop=None):
         while not stop.wait(poll_s):
             once()
         once()          # what the run wrote last
+        _await_scrape(server)
     finally:
         server.shutdown()
         server.server_close()
