@@ -215,7 +215,7 @@ def test_a_stopped_exporter_serves_its_last_poll_to_one_more_scrape(tmp_path):
     import time
     import urllib.request
 
-    from testbed.live.exporter import LAST_SCRAPE_S, serve
+    from testbed.live.exporter import FINAL_SCRAPE_S, serve
 
     d, _ = _run_dir(tmp_path)
     t0 = time.time()
@@ -256,6 +256,6 @@ def test_a_stopped_exporter_serves_its_last_poll_to_one_more_scrape(tmp_path):
         assert ttft_count() == 2
     finally:
         stop.set()
-        th.join(timeout=LAST_SCRAPE_S + 10)
+        th.join(timeout=FINAL_SCRAPE_S + 10)
     assert not th.is_alive()
-    assert ended[0][1] - asked < LAST_SCRAPE_S, "it ended at that scrape, not at the bound"
+    assert ended[0][1] - asked < FINAL_SCRAPE_S, "it ended at that scrape, not at the bound"

@@ -20,7 +20,6 @@ one). The histograms' buckets are 24% wide (`BUCKET_RATIO`): vLLM's jump from 1 
 from __future__ import annotations
 
 import argparse
-import collections
 import http.server
 import math
 import signal
@@ -42,9 +41,8 @@ REAL = "Real-world (the emulation's scale converted back)."
 # A variant that ended is served this long (wall seconds), then dropped: Prometheus keeps what
 # it scraped, and rendering every earlier variant at each scrape was most of the exporter's CPU.
 RETAIN_S = 30.0
-# Stopped, the exporter keeps serving its last poll until one scrape has read it, at most this
-# long (two of dashboards/prometheus.yml's 2 s scrapes, and a margin); never when no one scraped.
-LAST_SCRAPE_S = 5.0
+# At the end, one more scrape is awaited this long (dashboards/prometheus.yml scrapes every 2 s).
+FINAL_SCRAPE_S = 5.0
 
 
 def buckets(lo_s, hi_s, ratio=BUCKET_RATIO):
@@ -277,35 +275,34 @@ def http_server(registry, host, port):
             if self.path.split("?")[0] not in ("/metrics", "/"):
                 self.send_error(404)
                 return
-            began = time.monotonic()
             body = generate_latest(registry)
             self.send_response(200)
             self.send_header("Content-Type", CONTENT_TYPE_PLAIN_0_0_4)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
-            server.scraped.append(began)     # it read the state in force then
+            with server.scraped:
+                server.scrapes += 1
+                server.scraped.notify_all()
 
         def log_message(self, *args):      # a line per scrape is noise in live.log
             pass
 
     server = http.server.ThreadingHTTPServer((host, port), Handler)
     server.daemon_threads = True
-    server.scraped = collections.deque(maxlen=1)    # when the last /metrics served began
+    server.scrapes, server.scraped = 0, threading.Condition()
     thread = threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True)
     thread.start()
     return server, thread
 
 
-def _last_scrape(server):
-    """Once stopped: wait (bounded) until a scraper has read the final poll, so the last
-    completions reach Prometheus even when the run ends between two scrapes."""
-    if not server.scraped:
-        return                  # no one scrapes: nothing to wait for
-    final = time.monotonic()
-    deadline = final + LAST_SCRAPE_S
-    while server.scraped[-1] < final and time.monotonic() < deadline:
-        time.sleep(0.05)
+def _await_scrape(server, timeout_s=FINAL_SCRAPE_S):
+    """After the last poll, wait (bounded) for one more scrape, so the scraper holds the final
+    counts; not when nobody scraped at all."""
+    with server.scraped:
+        if server.scrapes:
+            n = server.scrapes
+            server.scraped.wait_for(lambda: server.scrapes > n, timeout=timeout_s)
 
 
 def serve(top, port, host="127.0.0.1", poll_s=1.0, stop=None):
@@ -335,7 +332,7 @@ def serve(top, port, host="127.0.0.1", poll_s=1.0, stop=None):
         while not stop.wait(poll_s):
             once()
         once()          # what the run wrote last
-        _last_scrape(server)
+        _await_scrape(server)
     finally:
         server.shutdown()
         server.server_close()

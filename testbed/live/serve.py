@@ -4,10 +4,11 @@
 the root namespace, bound to 127.0.0.1:PORT, waits (bounded) until the port accepts connections
 or the process exits (a port in use: `ConfigError`, exit code 2, before anything is built), and
 sets `TESTBED_LIVE_STATUS_S` so the workers started after it write their status files
-(workers/status.py). `stop()` ends it by its PID (SIGTERM, then SIGKILL), after its last poll,
-and writes `live.json` beside the run: port, polls and the exporter's CPU seconds (its share of
-the run's CPU is what docs/live.md reports). `watching(top, port)`: the same as a context
-(nothing when `port` is None), what `testbed.run.execute` holds around its variants.
+(workers/status.py). `stop()` ends it by its PID (SIGTERM, then SIGKILL) after its last poll
+and one more scrape (at most 5 s), and writes `live.json` beside the run: URL, PID and the
+exporter's CPU seconds (its share of the run's CPU is what docs/live.md reports).
+`watching(top, port)`: the same as a context (nothing when `port` is None), what
+`testbed.run.execute` holds around its variants.
 """
 
 from __future__ import annotations
