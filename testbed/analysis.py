@@ -75,8 +75,9 @@ def analyse(run_dir) -> dict:
 def _run_facts(run) -> dict:
     """The summary's keys about the run itself: its directory, clocks, pools, link warnings."""
     rd, meta = run.dir, run.metadata
-    out = {"run_dir": str(rd.path), "seed": run.experiment.seed,
-           "replicate": run.experiment.replicate}
+    exp = run.experiment
+    out = {"run_dir": str(rd.path), "seed": exp.seed, "replicate": exp.replicate,
+           "load": exp.load, "offered_rate": exp.workload.arrival.rate}
     out["clock_offsets"] = {h: {k: c.get(k) for k in ("offset_s", "uncertainty_s", "drift_s")}
                             for h, c in (meta.get("clocks") or {}).get("hosts", {}).items()}
     pools = {dc: json.loads(p.read_text()) for dc, p in rd.cache_pools().items()}

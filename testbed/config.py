@@ -22,7 +22,7 @@ import itertools
 import math
 import pathlib
 
-from testbed import loadgen, yamlload
+from testbed import loadgen, plan, yamlload
 from testbed import profile as profiles
 from testbed.errors import ConfigError
 from testbed.experiment import (  # noqa: F401  (re-exported: config.Experiment, ...)
@@ -346,6 +346,7 @@ def validate(raw, path=None, sweep_point=None, traces_read=None):
                 raise ConfigError(f"profile {prof.name!r} has no accelerator {acc!r}; it has "
                                   f"{', '.join(prof.prefill)}", key=where)
         _check_link(exp, rate_rows)
+        exp = _apply_load(exp, base)
         _check_workload(exp, base, traces_read)
         _check_cache(exp, prof, None)
         label = _label(exp, sweep_point or {})
@@ -359,6 +360,24 @@ def validate(raw, path=None, sweep_point=None, traces_read=None):
         raise ConfigError(str(e), path=path) from None
     loadgen.check(exp, path)
     return dataclasses.replace(exp, label=label)
+
+
+def _apply_load(exp, base):
+    """`load`: the arrival rate becomes load x the planner's Lambda_max (E[T] form) of this
+    very run (its policy, sizes, threshold, link and length mix)."""
+    if exp.load is None:
+        return exp
+    a = exp.workload.arrival
+    if a.process not in ("poisson", "gamma", "constant") or exp.workload.phases:
+        raise ConfigError("load sets workload.arrival.rate: it needs a poisson, gamma or "
+                          "constant arrival process without phases", key="load")
+    pred = plan.predict(exp, base_dir=str(base), latency="expected")
+    if not pred.get("lambda_max"):
+        raise ConfigError(f"load: the planner has no Lambda_max for this run "
+                          f"({'; '.join(pred.get('warnings') or []) or 'no prediction'})",
+                          key="load")
+    arrival = dataclasses.replace(a, rate=exp.load * pred["lambda_max"])
+    return dataclasses.replace(exp, workload=dataclasses.replace(exp.workload, arrival=arrival))
 
 
 def read_yaml(path):

@@ -390,6 +390,10 @@ class Experiment:
                            "confidence interval (t below 5 replicates, bootstrap from 5)")
     seeds: tuple = spec(optional(list_of(integer(0, 2**32 - 1))), None,
                         "the replicates' seeds, one per replicate (instead of seed + i)")
+    load: float = spec(optional(at_most(positive(units.number), 5, "5")), None,
+                       "offered load as a fraction of this run's predicted Lambda_max (E[T] "
+                       "form): sets workload.arrival.rate (poisson, gamma or constant); sweep it "
+                       "(`sweep: {load: [0.2, 0.4, ...]}`) for a load-latency curve")
     replicate: int = spec(integer(0, MAX_REPLICATES - 1), 0,
                           "which replicate this run is (0-based): written by the expansion of "
                           "`replicates`, read back from a run's config.yaml; not for files")

@@ -18,15 +18,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
-from testbed import fidelity, plot_cache, plot_control, rundir  # noqa: E402
+from testbed import fidelity, plot_cache, plot_control, plot_load, rundir  # noqa: E402
 from testbed.rundir import find_runs  # noqa: E402,F401  (plot.find_runs: callers' name)
 from testbed.scale import Scale  # noqa: E402
 
-STYLE = {
-    "homogeneous": {"label": "Homogeneous PD", "color": "#4c72b0", "marker": "o"},
-    "naive": {"label": "Naive heterogeneous", "color": "#dd8452", "marker": "s"},
-    "prfaas": {"label": "PrfaaS-PD", "color": "#55a868", "marker": "^"},
-}
+from testbed.figstyle import STYLE  # noqa: E402  (the one registry; plot.STYLE: callers' name)
 
 
 def _save(fig, out_dir: pathlib.Path, stem: str) -> pathlib.Path:
@@ -335,6 +331,7 @@ def run_figures(top) -> list[pathlib.Path]:
     top = pathlib.Path(top)
     out = rundir.RunDir(top).figures
     figures = (ttft_cdf(top, out), egress_timeline(top, out), ttft_timeline(top, out),
+               plot_load.load_curve(top, out, _save),
                threshold_timeline(top, out), failure_heatmap(top, out),
                plot_cache.cache_by_run(top, out, find_runs, _label, _save),
                plot_cache.cache_capacity(top, out, find_runs, _label, _save),

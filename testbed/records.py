@@ -54,6 +54,9 @@ class RunDir:
     CACHE_POOL = "cache_{dc}.json"      # a datacenter's prefix cache pool at its exit
     LOGS = "logs"                       # logs/<instance>.log
     FIGURES = "figures"
+    PAPER_FIGURES = "paper"             # in figures/: `testbed plot --style paper`'s PDFs
+    CAPTIONS = "captions.md"            # in figures/: caption stubs of the paper figures
+    LOAD_CURVE = "load_curve.csv"       # at an experiment's top: the load sweep per policy, load
     READY = "ready"                     # ready/<instance>, ready/start_at, ready/first_request
     CONTROL = "control"                 # control/<instance>.json (the `slow` fault)
     STATUS = "status"                   # status/<instance>.json: live state, only under --metrics

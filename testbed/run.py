@@ -35,7 +35,7 @@ import time
 import yaml
 
 from testbed import (__version__, analysis, clocks, config, deploy, fidelity, lifecycle, loadgen,
-                     loadrun, ownership, plot, replicates, rundir)
+                     loadrun, ownership, plot, plot_load, replicates, rundir)
 from testbed.backend import open_backend, preflight
 from testbed.errors import ConfigError, PrivilegeError, RunInterrupted, WorkerError
 from testbed.faults import write_matrix
@@ -412,11 +412,10 @@ def _warn(msg):
 
 
 def execute(path, overrides=(), out=None, probe=True, cli=False, progress=True, hold=None,
-            metrics_port=None):
+            metrics_port=None):     # the live exporter's port on 127.0.0.1 (testbed/live/)
     """Run every variant of an experiment file; returns (top run dir, list of summaries).
     With `hold` (`testbed up`): the one run, no load generator, until Ctrl-C/SIGTERM.
-    Every run is compiled once (`deploy.compile`, the cross-field check), before any starts.
-    `metrics_port`: the live exporter's port on 127.0.0.1 (testbed/live/serve.py)."""
+    Every run is compiled once (`deploy.compile`, the cross-field check), before any starts."""
     if hold is not None:
         overrides = [*overrides, "workload.client=none", "workload.command=null"]
     runs, deployments = zip(*deploy.load(path, overrides))
@@ -436,6 +435,7 @@ def execute(path, overrides=(), out=None, probe=True, cli=False, progress=True, 
                     deployment=dep).execute))
             if len(runs) > 1:
                 analysis.write_sweep(top, summaries)
+                plot_load.write_table(top)
                 if any(exp.replicates > 1 for exp in runs):
                     replicates.write(top, summaries)
                 if any(exp.faults for exp in runs):

@@ -99,3 +99,58 @@ def test_two_replicates_run_and_compare(tmp_path, capsys):
     assert (out / "replicates.csv").exists()
     assert cli.main(["compare", str(out), str(out)]) == 0
     assert "n=2" in capsys.readouterr().out
+
+
+def test_load_sweep_sets_each_runs_rate_from_its_own_lambda_max(tmp_path):
+    from testbed import plan
+    path = _file(tmp_path, sweep={"load": [0.25, 0.5]},
+                 variants=[{"scheduler.policy": "prfaas"}, {"scheduler.policy": "naive"}])
+    runs = config.load_experiment(path)
+    assert [r.label for r in runs] == ["prfaas,load=0.25", "prfaas,load=0.5",
+                                       "naive,load=0.25", "naive,load=0.5"]
+    for r in runs:
+        lam = plan.predict(r, latency="expected")["lambda_max"]
+        assert r.workload.arrival.rate == pytest.approx(r.load * lam)
+    assert runs[0].workload.arrival.rate != runs[2].workload.arrival.rate
+    bad = _file(tmp_path, load=0.5, workload={"arrival": {"process": "trace"}})
+    with pytest.raises(ConfigError):
+        config.load_experiment(bad)
+
+
+@pytest.mark.root
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces)")
+def test_load_sweep_curve_and_paper_figures(tmp_path):
+    """Two policies x two loads x two replicates: load_curve.csv with intervals, the figure,
+    and the paper PDFs with every font embedded and none of Type 3 (pdffonts)."""
+    out = tmp_path / "run"
+    path = _file(tmp_path, replicates=2, requests=8, sweep={"load": [0.3, 0.6]},
+                 variants=[{"scheduler.policy": "prfaas"}, {"scheduler.policy": "naive"}])
+    r = subprocess.run([sys.executable, "-m", "testbed.cli", "run", str(path), "--out", str(out),
+                        "--no-progress", "--no-probe"],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    table = pd.read_csv(out / "load_curve.csv")
+    measured = table[table.kind == "measured"]
+    assert sorted(zip(measured.series, measured.load)) == [
+        ("naive", 0.3), ("naive", 0.6), ("prfaas", 0.3), ("prfaas", 0.6)]
+    assert (measured.n == 2).all() and (measured.p90_ttft_ms_lo <= measured.p90_ttft_ms).all()
+    # The offered rate doubles with the load (each policy's own Lambda_max).
+    for _, g in measured.groupby("series"):
+        assert g.offered_rate.iloc[1] == pytest.approx(2 * g.offered_rate.iloc[0], rel=1e-6)
+    assert (out / "figures" / "load_curve.png").exists()
+    r = subprocess.run([sys.executable, "-m", "testbed.cli", "plot", str(out), "--style",
+                        "paper"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    pdfs = sorted((out / "figures" / "paper").glob("*.pdf"))
+    assert {p.stem for p in pdfs} == {"load_curve_single", "load_curve_double",
+                                      "ttft_cdf_single", "ttft_cdf_double"}
+    for pdf in pdfs:
+        fonts = subprocess.run(["pdffonts", str(pdf)], capture_output=True, text=True,
+                               check=True).stdout.splitlines()[2:]
+        assert fonts, pdf
+        for line in fonts:
+            assert "Type 3" not in line, line
+            assert line.split()[-5] == "yes", line       # the "emb" column
+    captions = (out / "figures" / "captions.md").read_text()
+    assert "load_curve_single.pdf" in captions and "2 replicate(s)" in captions

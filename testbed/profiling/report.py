@@ -17,7 +17,7 @@ import pathlib
 import types
 
 from testbed import rundir
-from testbed.faults import read_events
+from testbed.records import read_events
 from testbed.profiling.pyspy import attribute, read_profile
 from testbed.profiling.sampler import Proc
 from testbed.rundir import RunDir
@@ -77,7 +77,7 @@ def token_messages(vdir):
     token path; the client stamps each with its arrival, so distinct arrival times count
     them."""
     _, done = rundir.read_records(RunDir(vdir).records)
-    return len(done), sum(len(set(rec["client_times"])) for rec in done.values())
+    return len(done), sum(len(set(rec.client_times or ())) for rec in done.values())
 
 
 def fidelity(summary):

@@ -21,7 +21,6 @@ from testbed.profiling import pyspy
 from testbed.rundir import RunDir
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-READY = "ready"           # a variant's ready/<instance> files (testbed/run.py writes them)
 PYSPY_WAIT_S = 15.0       # py-spy writes its file when its target exits; bounded wait after
 
 
@@ -232,7 +231,7 @@ class Sampler:
             ready = False
             if worker:
                 vd = p.variant_dir
-                ready = vd is not None and (vd / READY / p.name).exists()
+                ready = vd is not None and (RunDir(vd).ready / p.name).exists()
                 if p.ready_cpu is None and ready:
                     p.ready_cpu = st[1] + st[2]
             elif p.is_root:     # the interpreter is up once the run has written a config
