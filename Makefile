@@ -8,7 +8,7 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 PROTO   := testbed/proto/testbed.proto
 APT_PKGS := mininet bridge-utils ethtool iputils-ping iproute2 iptables nftables iperf3 \
-            libnetfilter-queue-dev gcc poppler-utils
+            libnetfilter-queue-dev gcc poppler-utils prometheus tmux
 EXPERIMENT ?= experiments/quickstart.yaml
 PYTEST_ARGS ?=
 

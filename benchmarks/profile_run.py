@@ -66,6 +66,8 @@ def parse_args(argv=None):
     ap.add_argument("--out", help="run directory (new or empty); default results/profile/<time>")
     ap.add_argument("--no-pyspy", action="store_true", help="CPU per process only")
     ap.add_argument("--no-probe", action="store_true", help="testbed run --no-probe")
+    ap.add_argument("--metrics", type=int, metavar="PORT",
+                    help="testbed run --metrics PORT (the live exporter, docs/live.md)")
     ap.add_argument("--rate", type=int, default=25, help="py-spy samples per second")
     ap.add_argument("--every", action="store_true",
                     help="py-spy on every worker (default: one per role and variant)")
@@ -91,6 +93,8 @@ def run_argv(args, out):
         argv += ["--set", s]
     if args.no_probe:
         argv.append("--no-probe")
+    if args.metrics:
+        argv += ["--metrics", str(args.metrics)]
     return argv
 
 

@@ -47,6 +47,8 @@ class RunDir:
     REPORT = "report.md"
     SWEEP = "sweep.csv"                 # at an experiment's top: one row per run
     REPLICATES = "replicates.csv"       # at an experiment's top: median and CI per label, metric
+    LIVE = "live.json"                  # at an experiment's top: the --metrics exporter's run
+    LIVE_LOG = "live.log"               # at an experiment's top: the exporter's output
     FAILURE_MATRIX = "failure_matrix.csv"
     FAILURE_MATRIX_MD = "failure_matrix.md"
     CACHE_POOL = "cache_{dc}.json"      # a datacenter's prefix cache pool at its exit
@@ -57,6 +59,7 @@ class RunDir:
     LOAD_CURVE = "load_curve.csv"       # at an experiment's top: the load sweep per policy, load
     READY = "ready"                     # ready/<instance>, ready/start_at, ready/first_request
     CONTROL = "control"                 # control/<instance>.json (the `slow` fault)
+    STATUS = "status"                   # status/<instance>.json: live state, only under --metrics
     AIPERF = "aiperf"                   # aiperf's artifact directory
     AIPERF_RECORDS = "profile_export.jsonl"
     AIPERF_AGGREGATE = "profile_export_aiperf.json"
@@ -94,12 +97,15 @@ class RunDir:
     report = property(lambda self: self.path / self.REPORT)
     sweep = property(lambda self: self.path / self.SWEEP)
     replicates = property(lambda self: self.path / self.REPLICATES)
+    live = property(lambda self: self.path / self.LIVE)
+    live_log = property(lambda self: self.path / self.LIVE_LOG)
     failure_matrix = property(lambda self: self.path / self.FAILURE_MATRIX)
     failure_matrix_md = property(lambda self: self.path / self.FAILURE_MATRIX_MD)
     logs = property(lambda self: self.path / self.LOGS)
     figures = property(lambda self: self.path / self.FIGURES)
     ready = property(lambda self: self.path / self.READY)
     control = property(lambda self: self.path / self.CONTROL)
+    status = property(lambda self: self.path / self.STATUS)
     aiperf = property(lambda self: self.path / self.AIPERF)
     aiperf_records = property(lambda self: self.aiperf / self.AIPERF_RECORDS)
     aiperf_aggregate = property(lambda self: self.aiperf / self.AIPERF_AGGREGATE)
@@ -117,6 +123,10 @@ class RunDir:
     def control_file(self, name):
         """control/<name>.json: the runner's settings for one worker (the `slow` fault)."""
         return self.control / f"{name}.json"
+
+    def status_file(self, name):
+        """status/<name>.json: a worker's live state (workers/status.py, under --metrics)."""
+        return self.status / f"{name}.json"
 
     def cache_pool(self, dc):
         return self.path / self.CACHE_POOL.format(dc=dc)

@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import json
 import datetime
+from importlib import metadata
 import os
 import pathlib
 import platform
@@ -37,11 +38,11 @@ from testbed.backend import open_backend, preflight
 from testbed.errors import ConfigError, PrivilegeError, RunInterrupted, WorkerError
 from testbed.faults import write_matrix
 from testbed.inject import Injector
+from testbed.live import serve, view
 from testbed.loadstats import read_http
 from testbed.measure import CounterSampler, LinkProbes
 from testbed.net.schedule import LinkSchedule
 from testbed.net.tcp import CC_ENV
-from testbed.progress import Progress
 from testbed.records import EventLog, RunDir
 from testbed.sim.run import SimRun
 
@@ -261,7 +262,7 @@ class Run:
             start_at = self._external_arrival_zero(workload, events)
         self.meta["client_start_at"] = start_at
         events("client_started", requests=len(workload))
-        progress = Progress(records, len(workload), self.exp.label, self.progress)
+        progress = view.tracker(self.progress, self.dir, records, len(workload), self.exp.label)
         schedule, injector = self._start_schedules(start_at, events, progress.write)
         last_arrival = float(workload.arrival_s.max()) if len(workload) else 0.0
         bound = (start_at + self.deployment.scale.emulated_s(last_arrival)
@@ -378,7 +379,8 @@ def _warn(msg):
     print(msg, file=sys.stderr, flush=True)
 
 
-def execute(path, overrides=(), out=None, probe=True, cli=False, progress=True, hold=None):
+def execute(path, overrides=(), out=None, probe=True, cli=False, progress=True, hold=None,
+            metrics_port=None):     # the live exporter's port on 127.0.0.1 (testbed/live/)
     """Run every variant of an experiment file; returns (top run dir, list of summaries).
     With `hold` (`testbed up`): the one run, no load generator, until Ctrl-C/SIGTERM.
     Every run is compiled once (`deploy.compile`, the cross-field check), before any starts."""
@@ -391,21 +393,21 @@ def execute(path, overrides=(), out=None, probe=True, cli=False, progress=True, 
     top = pathlib.Path(out) if out else default_out(runs[0].name)
     made = ownership.missing_ancestors(top)
     top.mkdir(parents=True, exist_ok=True)
-    summaries = []
-    probes = LinkProbes(probe)      # each distinct WAN probed once, in its first run
+    summaries, probes = [], LinkProbes(probe)   # each distinct WAN probed once, in its first run
     try:
-        for exp, dep in zip(runs, deployments):
-            run_dir = run_path(top, exp, len(runs))
-            summaries.append(_replicate(exp, run_dir, _runner(
-                exp, dep, run_dir, cli=cli, progress=progress, hold=hold, probes=probes)))
-        if len(runs) > 1:
-            analysis.write_sweep(top, summaries)
-            plot_load.write_table(top)
-            if any(exp.replicates > 1 for exp in runs):
-                replicates.write(top, summaries)
-            if any(exp.faults for exp in runs):
-                write_matrix(top, runs, summaries)
-        plot.run_figures(top)
+        with serve.watching(top, metrics_port):     # the exporter, until the figures are made
+            for exp, dep in zip(runs, deployments):
+                run_dir = run_path(top, exp, len(runs))
+                summaries.append(_replicate(exp, run_dir, _runner(
+                    exp, dep, run_dir, cli=cli, progress=progress, hold=hold, probes=probes)))
+            if len(runs) > 1:
+                analysis.write_sweep(top, summaries)
+                plot_load.write_table(top)
+                if any(exp.replicates > 1 for exp in runs):
+                    replicates.write(top, summaries)
+                if any(exp.faults for exp in runs):
+                    write_matrix(top, runs, summaries)
+            plot.run_figures(top)
     finally:    # also on Ctrl-C and errors: what sudo made belongs to the user who ran it
         ownership.hand_back(top)
         ownership.hand_back(*made[1:], recursive=False)

@@ -27,7 +27,8 @@ PENDING_CYCLES = []
 # What may be imported inside a function: a heavy or optional dependency, or a project module
 # whose import pulls one in (said in the line's comment).
 HEAVY = {"mininet", "pyroute2", "matplotlib", "seaborn", "torch", "ray", "vllm", "grpc",
-         "netfilterqueue", "aiohttp", "numpy", "scipy", "pandas"}
+         "netfilterqueue", "aiohttp", "numpy", "scipy", "pandas",
+         "pyarrow"}
 HEAVY_PROJECT = {
     "workers.engine_torch": "torch", "workers.model.config": "torch",
     "workers.model.hybrid": "torch", "workers.roles": "numpy and the planner",

@@ -25,7 +25,7 @@ import grpc
 from testbed import lifecycle
 from testbed.records import RunDir
 from testbed.runtime import WorkerRuntime
-from workers import control
+from workers import control, status
 
 WATCH_INTERVAL_S = 0.2
 
@@ -126,8 +126,9 @@ async def run_engine_worker(description, make_service, add_servicer, cache_cls):
     when the run has one (`cache_cls`, started); `service.start(inst)`: what serves beside the
     gRPC server (decode: the KV and token sockets); the gRPC server; the `slow` fault's control
     of the engine; `service.started()`: what comes once it serves (decode: the step loop;
-    prefill: its KV connections); ready. Then it serves until SIGTERM, and `service.close()`
-    and the cache's close end it."""
+    prefill: its KV connections); under --metrics, `status/<name>.json` rewritten from
+    `service.status_sample()` (workers/status.py); ready. Then it serves until SIGTERM, and
+    `service.close()` and the cache's close end it."""
     args, rt, inst, log = startup(description)
     service = make_service(rt, args.name, inst, log)
     if rt.cache.enabled:
@@ -136,6 +137,7 @@ async def run_engine_worker(description, make_service, add_servicer, cache_cls):
     server = await start_grpc(inst, add_servicer, service)
     control.install(rt, args.name, service.engine, log)
     await service.started()
+    status_task = status.start(rt, args.name, service.status_sample)  # noqa: F841 (held)
     mark_ready(rt, args.name)
     log.info(service.up_line(inst))
 

@@ -29,7 +29,7 @@ import time
 
 from testbed.proto import testbed_pb2 as pb
 from testbed.proto import testbed_pb2_grpc as pbg
-from workers import common, control, kvwire, stepclock, tokens
+from workers import common, control, kvwire, status, stepclock, tokens
 from workers.cache_worker import DecodeCache
 from workers.engine import AssemblingDecodeEngine, DecodeEngine, PacedDecodeEngine
 from workers.engine_profile import ProfileDecodeEngine
@@ -241,6 +241,9 @@ class DecodeService(pbg.DecodeServicer):
         """Once it serves: the step loop and the discarded-KV log run."""
         self._tasks = [asyncio.create_task(self.clock.run()),
                        asyncio.create_task(self.kv.discard_loop())]
+
+    def status_sample(self):
+        return status.decode_sample(self)
 
     def up_line(self, inst):
         return f"decode worker up on {inst.addr}, KV on :{inst.kv_port}"

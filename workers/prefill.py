@@ -12,7 +12,7 @@ import time
 
 from testbed.proto import testbed_pb2 as pb
 from testbed.proto import testbed_pb2_grpc as pbg
-from workers import common, control, kvwire
+from workers import common, control, kvwire, status
 from workers.cache_worker import PrefillCache
 from workers.engine import PrefillEngine
 from workers.engine_profile import ProfilePrefillEngine
@@ -125,6 +125,9 @@ class PrefillService(pbg.PrefillServicer):
         for host, port in await self.pool.warm(decode, common.WARM_TIMEOUT_S):
             self.log.warning("no KV connection to %s:%s after %.0fs; its first request "
                              "connects", host, port, common.WARM_TIMEOUT_S)
+
+    def status_sample(self):
+        return status.prefill_sample(self)
 
     def up_line(self, inst):
         return f"prefill worker up on {inst.addr} ({inst.accelerator})"

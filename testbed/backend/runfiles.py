@@ -3,7 +3,8 @@
     orchestrator's run dir                               a host's copy (agents.Launcher)
       inputs at spawn: runtime.json, workload.parquet ->
       live: ready/*, control/*, timeseries.csv        ->
-                                                      <- live: ready/*, requests.jsonl
+                                                      <- live: ready/*, requests.jsonl,
+                                                         status/* (--metrics)
                                                       <- at the end: everything else (logs/,
                                                          records), events.csv rows appended
 
@@ -34,7 +35,7 @@ from testbed.records import RunDir
 CHUNK = 4 << 20          # bytes per read/write call
 PERIOD_S = 0.05
 PUSH_LIVE = (RunDir.READY + "/", RunDir.CONTROL + "/", RunDir.TIMESERIES)
-PULL_LIVE = (RunDir.READY + "/", RunDir.RECORDS)
+PULL_LIVE = (RunDir.READY + "/", RunDir.RECORDS, RunDir.STATUS + "/")   # status/: --metrics
 GROWING = (RunDir.RECORDS, RunDir.TIMESERIES)   # only appended to: copied from where we were
 APPENDED = (RunDir.EVENTS,)     # rows of the host's processes, appended to the orchestrator's
 

@@ -3,9 +3,8 @@
 The run directory's path is the last line of standard output, so scripts can capture it.
 """
 
-import sys
-
 from testbed import analysis, lifecycle, run
+from testbed.live import view
 
 
 def register(sub):
@@ -15,6 +14,8 @@ def register(sub):
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a key, e.g. --set scheduler.threshold=32K (repeatable)")
     p.add_argument("--no-probe", action="store_true", help="skip the WAN probe at start")
+    p.add_argument("--metrics", type=int, metavar="PORT",
+                   help="serve Prometheus metrics on 127.0.0.1:PORT while it runs (docs/live.md)")
     p.add_argument("--cli", action="store_true",
                    help="open the Mininet CLI once the network and workers are up")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -35,7 +36,8 @@ def main(args):
         overrides.append(f"backend.address={args.address}")
     top, summaries = run.execute(args.file, overrides, out=args.out,
                                  probe=not args.no_probe, cli=args.cli,
-                                 progress=not args.no_progress and sys.stderr.isatty())
+                                 progress=view.choose(args.no_progress),
+                                 metrics_port=args.metrics)
     print()
     print(analysis.table(summaries))
     for s in summaries:

@@ -27,6 +27,8 @@ def register(sub):
     p.add_argument("--port", type=int, default=0,
                    help="loopback port of the forward (default: a free one)")
     p.add_argument("--no-probe", action="store_true", help="skip the WAN probe at start")
+    p.add_argument("--metrics", type=int, metavar="PORT",
+                   help="serve Prometheus metrics on 127.0.0.1:PORT while it runs (docs/live.md)")
     p.set_defaults(func=main)
 
 
@@ -46,7 +48,8 @@ def main(args):
     lifecycle.sigterm_unwinds()
     top, summaries = run.execute(args.file, args.overrides, out=args.out,
                                  probe=not args.no_probe, progress=False,
-                                 hold=run.Hold(port=args.port, announce=announce))
+                                 hold=run.Hold(port=args.port, announce=announce),
+                                 metrics_port=args.metrics)
     served = [s for s in summaries if s.get("requests")]
     if served:
         print()

@@ -163,6 +163,8 @@ class Proc:
             return "orchestrator" if self.is_root else "orchestrator fork"
         if m == "testbed.net.proberoles":
             return "link probe"
+        if m == "testbed.live.exporter":
+            return "live exporter"
         exe = self.exe
         if exe.startswith("tb-delayline"):
             return "delayline"

@@ -1,0 +1,111 @@
+"""The live exporter scraped by a real Prometheus server (root; Debian's `prometheus` package).
+
+The test starts Prometheus itself (loopback only, its own temporary directory, the repository's
+dashboards/prometheus.yml with the exporter's port put in) and `testbed run --metrics PORT` of a
+small experiment driven by the built-in client, lets Prometheus scrape it while it runs, then
+queries Prometheus's HTTP API and compares with what the run's own analysis wrote afterwards:
+
+- the TTFT histogram's _sum / _count against summary.json's mean_ttft_ms (within 1%);
+- histogram_quantile(0.5) against median_ttft_ms: in the same bucket, at most 25% wide;
+- the dashboard's egress query (dashboards/grafana.json, as written) against timeseries.csv's
+  real-world egress over the window each sample covers (within 5%).
+
+Prometheus is stopped by the test (SIGTERM to the PID it started, SIGKILL if it lingers).
+"""
+
+import bisect
+import json
+import subprocess
+
+import pandas as pd
+import pytest
+
+from promserver import prometheus, query, scalar  # noqa: F401  (prometheus: a fixture)
+from test_run_root import ROOT, TINY, leftovers, tb_cmd
+
+pytestmark = [pytest.mark.root, pytest.mark.slow]
+
+# 61 requests (an odd number: the median is one request's TTFT) over ~15 s of the machine's clock
+# (several 2 s scrapes while KV crosses the WAN).
+OVERRIDES = ["requests=61", "scale.time=2"]
+LOOKBACK = "10m"
+
+
+def _samples(api, expr):
+    """Raw samples of one series over the lookback: {unix time: value}."""
+    res = query(api, f"{expr}[{LOOKBACK}]")     # raw samples, not a subquery
+    assert len(res) == 1, f"{expr}: {len(res)} series"
+    return {round(float(t), 3): float(v) for t, v in res[0]["values"]}
+
+
+def _dashboard_expr(title):
+    dash = json.loads((ROOT / "dashboards" / "grafana.json").read_text())
+    panel = next(p for p in dash["panels"] if p["title"] == title)
+    return panel["targets"][0]["expr"]
+
+
+def _csv_egress(ts, end, window_s):
+    """timeseries.csv's real-world KV egress (kv_egress_gbps, per 50 ms row), time-weighted over
+    (the last row at or before end - window_s, end]: the window one exporter sample covers."""
+    t = ts.time.tolist()
+    j = bisect.bisect_right(t, end + 1e-6) - 1
+    i = max(0, bisect.bisect_right(t, end - window_s + 1e-6) - 1)
+    if j <= i:
+        return None
+    rows = ts.iloc[i + 1:j + 1]
+    dt = ts.time.diff().iloc[i + 1:j + 1]
+    return float((rows.kv_egress_gbps * dt).sum() / dt.sum())
+
+
+def test_prometheus_scrapes_a_live_run(tmp_path, prometheus):
+    from testbed.live.state import EGRESS_WINDOW_S
+
+    api, port = prometheus
+    out = tmp_path / "run"
+    sets = [a for o in OVERRIDES for a in ("--set", o)]
+    r = subprocess.run(tb_cmd("run", str(TINY), "--out", str(out), "--no-probe", "--no-progress",
+                              "--metrics", str(port), *sets),
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert not leftovers(out)
+    summary = json.loads((out / "summary.json").read_text())
+    live = json.loads((out / "live.json").read_text())
+    assert live["code"] == 0, (out / "live.log").read_text()[-2000:]
+
+    variant = summary["label"]
+    last = lambda m: f"sum(last_over_time({m}{{variant=\"{variant}\"}}[{LOOKBACK}]))"  # noqa: E731
+    count = scalar(api, last("vllm:time_to_first_token_seconds_count"))
+    assert count == summary["completed"] > 0, "Prometheus's last scrape saw every completion"
+    # TTFT mean: _sum / _count against the analysis (real-world ms there, seconds here)
+    mean_s = scalar(api, last("vllm:time_to_first_token_seconds_sum")) / count
+    assert mean_s * 1e3 == pytest.approx(summary["mean_ttft_ms"], rel=0.01)
+    # the median: histogram_quantile lands in the bucket holding the run's median
+    q50 = scalar(api, "histogram_quantile(0.5, sum by (le) (last_over_time("
+                       f"vllm:time_to_first_token_seconds_bucket[{LOOKBACK}])))")
+    bounds = sorted(float(s["metric"]["le"]) for s in query(
+        api, f"last_over_time(vllm:time_to_first_token_seconds_bucket[{LOOKBACK}])")
+        if s["metric"]["le"] != "+Inf")
+    median_s = summary["median_ttft_ms"] / 1e3
+    k = bisect.bisect_left(bounds, median_s)
+    lo, hi = bounds[k - 1], bounds[k]
+    assert lo < median_s <= hi and lo <= q50 <= hi, (lo, median_s, q50, hi)
+    assert hi / lo <= 1.25
+    # egress: the dashboard's query, sample by sample, against timeseries.csv
+    ts = pd.read_csv(out / "timeseries.csv")
+    expr = _dashboard_expr("WAN egress vs link rate (real-world)").replace(
+        '=~"$experiment"', '="tiny"').replace('=~"$variant"', f'="{variant}"')
+    assert "testbed_wan_egress_gbps" in expr
+    values = _samples(api, expr.replace("}", ', direction="kv"}'))
+    ends = _samples(api, f'testbed_wan_egress_window_end_seconds{{variant="{variant}", '
+                         'direction="kv"}')
+    compared = 0
+    for t, v in values.items():
+        want = _csv_egress(ts, ends[t], EGRESS_WINDOW_S) if t in ends else None
+        if want is None or want < 0.01 * max(summary["egress_peak_gbps"], 1e-9):
+            continue
+        assert v == pytest.approx(want, rel=0.05), (t, ends[t], v, want)
+        compared += 1
+    print(f"egress samples compared: {compared} of {len(values)}; TTFT mean {mean_s * 1e3:.1f} ms"
+          f" vs {summary['mean_ttft_ms']:.1f}; median {median_s * 1e3:.1f} ms in ({lo}, {hi}] s,"
+          f" histogram_quantile {q50 * 1e3:.1f} ms; exporter CPU {live['cpu_s']} s")
+    assert compared >= 3, f"only {compared} egress samples while KV crossed the WAN"
