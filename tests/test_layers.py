@@ -220,3 +220,26 @@ def test_every_module_has_a_layer():
             modules.append(name)
     loose = [m for m in modules if not any(m == l or m.startswith(l + ".") for l in layers)]
     assert not loose, f"not in any layer of pyproject.toml's contract: {loose}"
+
+
+MAX_MODULE_LINES = 500
+MAX_FUNCTION_LINES = 60
+
+
+def test_modules_and_functions_stay_small():
+    """No module of testbed/ or workers/ over 500 lines (protobuf stubs excepted), and no
+    function over 60 lines in any source outside tests/."""
+    big = [f"{_rel(p)} ({n})" for p in _sources()
+           if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES]
+    assert not big, f"modules over {MAX_MODULE_LINES} lines: {big}"
+    long = []
+    for d in ("testbed", "workers", "benchmarks", "scripts", "topologies"):
+        for p in sorted((ROOT / d).rglob("*.py")):
+            if "_pb2" in p.name:
+                continue
+            for fn in ast.walk(ast.parse(p.read_text())):
+                if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
+                        fn.end_lineno - fn.lineno + 1 > MAX_FUNCTION_LINES:
+                    long.append(f"{_rel(p)}:{fn.lineno} {fn.name} "
+                                f"({fn.end_lineno - fn.lineno + 1})")
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"

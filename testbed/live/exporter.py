@@ -103,22 +103,25 @@ class Metrics:
     """The metric families of one exporter, in their own registry."""
 
     def __init__(self):
-        r = self.registry = CollectorRegistry()
+        self.registry = CollectorRegistry()
         self.seen = {}              # variant -> {(family, label values)}
         self.histograms = []
+        self._vllm_families(self._hist, self._gauge, self._counter)
+        self._testbed_families(self._hist, self._gauge, self._counter)
 
-        def hist(name, doc, b, labels=LABELS):
-            h = Histogram(name, f"{doc} {REAL}", b, labels, r)
-            self.histograms.append(h)
-            return h
+    def _hist(self, name, doc, b, labels=LABELS):
+        h = Histogram(name, f"{doc} {REAL}", b, labels, self.registry)
+        self.histograms.append(h)
+        return h
 
-        def gauge(name, doc, labels=LABELS):
-            return Gauge(name, f"{doc} {REAL}", labels, registry=r)
+    def _gauge(self, name, doc, labels=LABELS):
+        return Gauge(name, f"{doc} {REAL}", labels, registry=self.registry)
 
-        def counter(name, doc, labels=LABELS):
-            return Counter(name, f"{doc} {REAL}", labels, registry=r)
+    def _counter(self, name, doc, labels=LABELS):
+        return Counter(name, f"{doc} {REAL}", labels, registry=self.registry)
 
-        # vLLM's names (vllm/v1/metrics/loggers.py)
+    def _vllm_families(self, hist, gauge, counter):
+        """vLLM's names (vllm/v1/metrics/loggers.py) where the concept is the same."""
         self.ttft = hist("vllm:time_to_first_token_seconds",
                          "Time to first token: first token at the client - send, seconds.",
                          TTFT_BUCKETS)
@@ -146,7 +149,9 @@ class Metrics:
                                       "the prefix cache).")
         self.prefix_hits = counter("vllm:prefix_cache_hits",
                                    "Prompt tokens found in the prefix cache (not prefilled).")
-        # the testbed's own
+
+    def _testbed_families(self, hist, gauge, counter):
+        """The testbed's own: requests, the WAN, the control plane, faults, fidelity guards."""
         self.failed = counter("testbed_requests_failed", "Requests that ended failed.")
         self.in_flight = gauge("testbed_requests_in_flight", "Requests sent, not yet done.")
         self.egress = gauge("testbed_wan_egress_gbps",
