@@ -17,7 +17,7 @@ from testbed.live.state import EGRESS_WINDOW_S, RunState, Tail, Watch
 from testbed.measure import CounterSampler
 
 from promserver import prometheus  # noqa: F401  (a fixture)
-from test_run_root import TINY
+from test_run_root import ROOT, TINY
 
 
 def test_buckets_are_at_most_25_percent_wide_over_the_range():
@@ -138,6 +138,38 @@ def test_status_files_become_instance_gauges(tmp_path):
     assert m.registry.get_sample_value("vllm:kv_cache_usage_perc", lab) == 0.25
 
 
+def test_dual_role_status_sample_and_its_gauges_follow_the_role_in_force(tmp_path):
+    """A dual-role worker's status (workers/status.py): the role in force, both roles' queues
+    summed and apart, its decode memory; the exporter keeps one series per instance, labelled
+    with the role in force, across a conversion."""
+    from types import SimpleNamespace as NS
+
+    from workers.status import dualrole_sample
+
+    pre = NS(active=True, waiting=2)
+    dec = NS(batch=[1, 2, 3], waiting=[4], engine=NS(reserved=30.0, model=NS(kv_capacity=120)))
+    worker = NS(role="prefill", pre=pre, dec=dec)
+    st = dualrole_sample(worker)
+    assert st == {"role": "prefill", "roles": ["prefill", "decode"], "running": 4, "waiting": 3,
+                  "prefill": {"running": 1, "waiting": 2}, "decode": {"running": 3, "waiting": 1},
+                  "kv_reserved_real_bytes": 30.0, "kv_capacity_real_bytes": 120.0}
+    d, _ = _run_dir(tmp_path)
+    (d / "status").mkdir()
+    run, m = RunState(d), Metrics()
+    lab = {"experiment": "tiny", "variant": None, "instance": "lp0", "datacenter": "local"}
+    get = m.registry.get_sample_value
+    for role, running in (("prefill", 4), ("converting", 0), ("decode", 2)):
+        worker.role, pre.active, dec.batch = role, False, [0] * running
+        (d / "status" / "lp0.json").write_text(json.dumps(dualrole_sample(worker)))
+        m.update(run, run.poll())
+        lab["variant"] = run.variant
+        assert get("vllm:num_requests_running", {**lab, "role": role}) == running
+        assert get("vllm:kv_cache_usage_perc", {**lab, "role": role}) == 0.25
+    for gone in ("prefill", "converting"):
+        assert get("vllm:num_requests_running", {**lab, "role": gone}) is None
+        assert get("vllm:num_requests_waiting", {**lab, "role": gone}) is None
+
+
 def test_exporter_process_serves_and_stops(tmp_path):
     import socket
     import urllib.request
@@ -166,17 +198,43 @@ def test_exporter_process_serves_and_stops(tmp_path):
     assert live["code"] == 0 and live["cpu_s"] > 0
 
 
+def _dashboard_queries():
+    """Every PromQL expression of dashboards/grafana.json, with Grafana's variables put in as
+    Grafana would for "All" (`allValue` .*) and a 2 s scrape (`$__rate_interval`: 4 scrapes):
+    [(panel title, expr)]. The templating queries' `label_values(SELECTOR, label)` (a Grafana
+    function) become their SELECTOR."""
+    import re
+
+    dash = json.loads((ROOT / "dashboards" / "grafana.json").read_text())
+    fill = lambda e: (e.replace("$experiment", ".*").replace("$variant", ".*")  # noqa: E731
+                      .replace("$__rate_interval", "8s"))
+    out = [(p["title"], fill(t["expr"])) for p in dash["panels"] for t in p.get("targets", [])]
+    for v in dash["templating"]["list"]:
+        m = re.fullmatch(r"label_values\((.+), (\w+)\)", v["query"])
+        assert m, v["query"]
+        out.append((f"variable {v['name']}", fill(m.group(1))))
+    return out
+
+
 def test_prometheus_stores_vllm_names_and_instance_labels(tmp_path, prometheus):
     """A real Prometheus (no run: the run directory written here) keeps vLLM's colons and the
-    testbed's `instance` label, as the dashboard's queries expect."""
+    testbed's `instance` label, as the dashboard's queries expect; and every query of the
+    dashboard (dashboards/grafana.json) is one this Prometheus evaluates, over metric names the
+    exporter serves (Grafana itself is not packaged for Debian: docs/live.md)."""
+    import re
     import time
+    import urllib.request
 
-    from promserver import scalar
+    from promserver import query, scalar
     from testbed.live.serve import Exporter
 
     api, port = prometheus
     d, dep = _run_dir(tmp_path)
     _records(d, time.time())
+    (d / "status").mkdir()
+    (d / "status" / "ld0.json").write_text(json.dumps(
+        {"time": 1.0, "role": "decode", "running": 1, "waiting": 0,
+         "kv_reserved_real_bytes": 25.0, "kv_capacity_real_bytes": 100.0}))
     ex = Exporter.start(d, port)
     try:
         expr = 'vllm:time_to_first_token_seconds_count{instance="ld0", role="decode"}'
@@ -191,6 +249,20 @@ def test_prometheus_stores_vllm_names_and_instance_labels(tmp_path, prometheus):
                 time.sleep(0.5)
     finally:
         ex.stop()
+    with urllib.request.urlopen(f"{api}/label/__name__/values", timeout=30) as r:
+        stored = set(json.loads(r.read())["data"])
+    declared = {fam.name for fam in Metrics().registry.collect()}     # the exporter's families
+    unserved = {"testbed_fault_active", "vllm:prefix_cache_hits_total",
+                "vllm:prefix_cache_queries_total"}
+    for title, expr in _dashboard_queries():
+        query(api, expr)                    # it parses and evaluates (status success)
+        names = set(re.findall(r"(?:vllm:|testbed_)[a-z_:]+", expr))
+        bases = {re.sub(r"_(total|bucket|sum|count)$", "", n) for n in names}
+        assert names and bases <= declared, (title, bases - declared)
+        # served only once there is one: an injected fault, a prefix-cache lookup
+        assert names - stored <= unserved, (title, names - stored)
+        if "rate(" not in expr and not names & unserved:
+            assert query(api, expr), (title, expr)     # a gauge: the dashboard shows a line
 
 
 def test_a_variant_forgotten_serves_no_series(tmp_path):

@@ -46,14 +46,33 @@ DRIVER = textwrap.dedent("""
 """)
 
 
-def _pane(session):
-    return subprocess.run(["tmux", "capture-pane", "-p", "-t", session], capture_output=True,
-                          text=True, check=True).stdout
+def _pane(session, history=0):
+    """The pane's screen (and `history` lines scrolled off above it)."""
+    return subprocess.run(["tmux", "capture-pane", "-p", "-S", str(-history), "-t", session],
+                          capture_output=True, text=True, check=True).stdout
+
+
+def _screens(session, cmd, end, timeout_s, history=0):
+    """Run `cmd` in a detached 200-column tmux session; the screens captured until one shows
+    `end` (bounded), then the session is killed."""
+    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "200", "-y", "20", cmd],
+                   check=True)
+    screens = []
+    try:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            screens.append(_pane(session, history))
+            if end in screens[-1]:
+                break
+            time.sleep(0.3)
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+    assert end in screens[-1], screens[-1]
+    return screens
 
 
 def _watch(tmp_path, env=""):
-    """Run the driver in a detached 200-column tmux session; the screens captured until it
-    ends."""
+    """Run the driver in tmux; the screens captured until it ends."""
     d = tmp_path / "run"
     d.mkdir()
     script = tmp_path / "driver.py"
@@ -61,20 +80,7 @@ def _watch(tmp_path, env=""):
     session = f"tbview{tmp_path.name[-8:]}".replace(".", "")
     cmd = (f"cd {ROOT} && {env} PYTHONPATH={ROOT} {sys.executable} {script} {d} "
            f"{ROOT / 'tests' / 'data' / 'tiny.yaml'}")
-    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "200", "-y", "20", cmd],
-                   check=True)
-    screens = []
-    try:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            screens.append(_pane(session))
-            if "DRIVER-END" in screens[-1]:
-                break
-            time.sleep(0.3)
-    finally:
-        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
-    assert "DRIVER-END" in screens[-1], screens[-1]
-    return screens
+    return _screens(session, cmd, "DRIVER-END", 90)
 
 
 def test_view_redraws_the_variant_line_in_a_terminal(tmp_path):
@@ -97,3 +103,43 @@ def test_view_under_ci_is_the_plain_progress_bar(tmp_path):
     final = screens[-1]
     assert "prfaas done" not in final
     assert re.search(r"prfaas: 100%\|.*\| 30/30", final), final
+
+
+# Two variants of the tiny experiment, slow enough (scale.time 2) that the view redraws each
+# variant's line several times while its requests go.
+REAL_RUN = """
+variants:
+  - {scheduler.policy: naive, clusters.local.prefill: 0, clusters.local.decode: 2}
+  - {scheduler.policy: prfaas}
+"""
+
+
+@pytest.mark.root
+@pytest.mark.slow
+def test_view_of_a_real_run_under_tmux(tmp_path):
+    """`testbed run` itself (two variants over the emulated network) in a tmux pane: each
+    variant's line is drawn and updated while it runs and stays, finished, above the next."""
+    from test_run_root import TINY, leftovers
+
+    exp = tmp_path / "tiny2.yaml"
+    exp.write_text(TINY.read_text() + REAL_RUN)
+    out = tmp_path / "run"
+    session = f"tbrun{tmp_path.name[-8:]}".replace(".", "")
+    cmd = (f"cd {ROOT} && CI= PYTHONPATH={ROOT} {sys.executable} -m testbed.cli run {exp} "
+           f"--out {out} --no-probe --set requests=20 --set scale.time=2; echo RUN-END rc=$?; "
+           "sleep 60")
+    screens = _screens(session, cmd, "RUN-END", 300, history=200)
+    assert "RUN-END rc=0" in screens[-1], screens[-1]
+    line = r"(naive|prfaas) done (\d+)/20 failed 0 in flight (\d+) \| TTFT p50 [\d,]+ p90"
+    seen = {}
+    for s in screens:
+        for m in re.finditer(line, s):
+            seen.setdefault(m.group(1), []).append(int(m.group(2)))
+    for variant in ("naive", "prfaas"):
+        done = seen.get(variant, [])
+        assert len(set(done)) >= 3 and done == sorted(done), (variant, done)   # it moved
+    final = screens[-1]
+    assert re.search(r"naive done 20/20 failed 0 in flight 0.*\n(.*\n)*.*prfaas done 20/20 "
+                     r"failed 0 in flight 0", final), final
+    assert leftovers(out / "naive") == [] and leftovers(out / "prfaas") == []
+    print("\n".join(ln for ln in final.splitlines() if " done " in ln))

@@ -7,6 +7,7 @@ that the run's namespaces, interfaces, processes and state file are gone, that t
 is closed, and that `testbed analyse` finds exactly the requests that were sent.
 """
 
+import contextlib
 import json
 import queue
 import re
@@ -67,17 +68,30 @@ def _stream_completion(url, model, n_prompt, rid):
     return events
 
 
-def _start_up(out):
-    """`testbed up` of the tiny experiment into `out`, its output piped."""
-    return subprocess.Popen(tb_cmd("up", str(TINY), "--out", str(out), "--no-probe"),
+@contextlib.contextmanager
+def held_up(out, *extra):
+    """`testbed up` of the tiny experiment into `out` (`extra`: more arguments), its output
+    piped: (process, its stdout lines as a queue); killed at the end if still running."""
+    proc = subprocess.Popen(tb_cmd("up", str(TINY), "--out", str(out), "--no-probe", *extra),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        yield proc, _lines(proc.stdout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def end_up(proc, sig=signal.SIGINT):
+    """Ctrl-C (or `sig`) to a held `testbed up`; it exits 0 after its teardown."""
+    proc.send_signal(sig)
+    rc = proc.wait(timeout=120)
+    assert rc == 0, proc.stderr.read()[-3000:]
 
 
 def test_up_serves_through_the_loopback_forward_and_tears_down(tmp_path):
     out = tmp_path / "run"
-    proc = _start_up(out)
-    try:
-        q = _lines(proc.stdout)
+    with held_up(out) as (proc, q):
         url = _wait_for_line(q, r"forwarded:\s+(http://127\.0\.0\.1:\d+)/v1", UP_TIMEOUT_S)[1]
         model = _wait_for_line(q, r"model:\s+(\S+)", 5)[1]
         _wait_for_line(q, r"^up: ", 5)
@@ -95,14 +109,8 @@ def test_up_serves_through_the_loopback_forward_and_tears_down(tmp_path):
                 "prompt_tokens": n, "completion_tokens": MAX_TOKENS,
                 "total_tokens": n + MAX_TOKENS}
             assert chunks[-2]["choices"][0]["finish_reason"] == "length"
-        proc.send_signal(signal.SIGINT)
-        rc = proc.wait(timeout=120)
+        end_up(proc)
         stdout_tail = "".join(iter(q.get, None))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
-    assert rc == 0, proc.stderr.read()[-3000:]
     assert stdout_tail.strip().splitlines()[-1] == str(out)
     # Nothing of the run is left: namespaces (processes), interfaces, state file, the forward.
     assert leftovers(out) == []
@@ -133,17 +141,9 @@ def test_up_serves_through_the_loopback_forward_and_tears_down(tmp_path):
 
 def test_up_that_served_nothing_tears_down_cleanly(tmp_path):
     out = tmp_path / "run"
-    proc = _start_up(out)
-    try:
-        q = _lines(proc.stdout)
+    with held_up(out) as (proc, q):
         _wait_for_line(q, r"^up: ", UP_TIMEOUT_S)
-        proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
-    assert rc == 0, proc.stderr.read()[-3000:]
+        end_up(proc, signal.SIGTERM)
     assert leftovers(out) == []
     meta = json.loads((out / "metadata.json").read_text())
     assert meta["forward"]["connections"] == 0 and meta["teardown_errors"] == []

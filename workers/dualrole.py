@@ -6,7 +6,9 @@ workers/prefill.py and workers/decode.py, unchanged, on one address, plus `Role.
 the work of the role in force (the scheduler has already stopped sending it any: no prefill
 queued or computing, no request holding a decode slot), wait the conversion cost (emulated; the
 instance serves nothing meanwhile), then take the new role. The reply reports the measured drain
-and conversion times. Only the profile engines: the same model and memory serve both roles.
+and conversion times. Under --metrics it writes `status/<name>.json` as the other workers do
+(workers/status.py): the role in force, both roles' queues, its decode memory. Only the profile
+engines: the same model and memory serve both roles.
 """
 
 import asyncio
@@ -16,7 +18,7 @@ import grpc
 
 from testbed.proto import testbed_pb2 as pb
 from testbed.proto import testbed_pb2_grpc as pbg
-from workers import common, control, decode, prefill
+from workers import common, control, decode, prefill, status
 
 DRAIN_POLL_S = 0.01
 
@@ -79,6 +81,7 @@ async def main():
             setattr(dec.engine, key, value)
 
     control.install(rt, args.name, Both(), log)
+    status_task = status.start(rt, args.name, lambda: status.dualrole_sample(role))  # noqa: F841
     kv_peers = [(i.ip, i.kv_port) for i in rt.instances.values()
                 if i.name != args.name and i.may_decode]
     for host, port in await pre.pool.warm(kv_peers, common.WARM_TIMEOUT_S):

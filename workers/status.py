@@ -3,10 +3,11 @@
 What a run's files carry after the fact (requests.jsonl, events.csv) says nothing of a worker's
 queue while the run goes: how many requests it runs and how many wait, and how full its decode
 memory is. With `TESTBED_LIVE_STATUS_S` set (the runner sets it when `--metrics` is on; off, a
-worker writes nothing), each prefill and decode worker rewrites `status/<name>.json` in the run
-directory every that many seconds (wall clock), atomically (a temporary file renamed), with the
-fields of its `Health` reply and, for a decode worker, its KV reservation and capacity in
-real-world bytes. One small write per period per worker; the exporter reads the newest.
+worker writes nothing), each prefill, decode and dual-role worker rewrites `status/<name>.json`
+in the run directory every that many seconds (wall clock), atomically (a temporary file
+renamed), with the fields of its `Health` reply and, for a decode worker, its KV reservation
+and capacity in real-world bytes (a dual-role worker: both, and the role in force). One small
+write per period per worker; the exporter reads the newest.
 """
 
 import asyncio
@@ -40,6 +41,17 @@ def decode_sample(service):
 def prefill_sample(service):
     """A prefill worker's state: the request it prefills (0 or 1) and those waiting."""
     return {"role": "prefill", "running": int(service.active), "waiting": int(service.waiting)}
+
+
+def dualrole_sample(service):
+    """A dual-role worker's state (workers/dualrole.py): the role in force (`prefill`,
+    `decode` or `converting`), both roles' running and waiting requests summed (what its
+    Health reply counts) and apart, and its decode memory as a decode worker's."""
+    pre, dec = prefill_sample(service.pre), decode_sample(service.dec)
+    return {**dec, "role": service.role, "roles": ["prefill", "decode"],
+            "running": pre["running"] + dec["running"], "waiting": pre["waiting"] + dec["waiting"],
+            "prefill": {k: pre[k] for k in ("running", "waiting")},
+            "decode": {k: dec[k] for k in ("running", "waiting")}}
 
 
 def start(rt, name, sample):

@@ -105,6 +105,7 @@ class Metrics:
     def __init__(self):
         self.registry = CollectorRegistry()
         self.seen = {}              # variant -> {(family, label values)}
+        self.status_labels = {}     # (variant, instance) -> label values of its status series
         self.histograms = []
         self._vllm_families(self._hist, self._gauge, self._counter)
         self._testbed_families(self._hist, self._gauge, self._counter)
@@ -198,6 +199,7 @@ class Metrics:
         """Serve a variant's series no longer (it ended; Prometheus keeps what it scraped)."""
         for family, values in self.seen.pop(variant, ()):
             family.remove(*values)
+        self.status_labels = {k: v for k, v in self.status_labels.items() if k[0] != variant}
         for h in self.histograms:
             h.forget(variant)
 
@@ -261,11 +263,27 @@ class Metrics:
         self.at(self.drops, lab, direction=d).set(link.drops)
 
     def _status(self, lab, st):
+        self._relabel(lab)
         self.at(self.running, lab).set(st.get("running", 0))
         self.at(self.waiting, lab).set(st.get("waiting", 0))
         cap = st.get("kv_capacity_real_bytes")
         if cap and math.isfinite(cap):
             self.at(self.kv_usage, lab).set(st.get("kv_reserved_real_bytes", 0.0) / cap)
+
+
+    def _relabel(self, lab):
+        """A dual-role instance's role changed: drop its status series under the old role, so
+        that each instance has one running/waiting/KV series, labelled with the role in force."""
+        key, values = (lab["variant"], lab["instance"]), tuple(lab.values())
+        old = self.status_labels.get(key)
+        self.status_labels[key] = values
+        if old is None or old == values:
+            return
+        seen = self.seen.get(lab["variant"], set())
+        for family in (self.running, self.waiting, self.kv_usage):
+            if (family, old) in seen:
+                seen.discard((family, old))
+                family.remove(*old)
 
 
 def http_server(registry, host, port):

@@ -4,9 +4,10 @@ The orchestrator and its workers already write everything a watcher needs while 
 (testbed/records.py): the client's records (`requests.jsonl`, a `sent` and a `done` line per
 request), `events.csv` (health transitions, faults, role conversions, worker deaths),
 `timeseries.csv` (the WAN router's kernel counters at 20 Hz), `scheduler.csv` (the adaptive
-threshold's decisions) and `runtime.json` (instances, roles, scale). With `--metrics` the prefill
-and decode workers add `status/<name>.json` (workers/status.py: running and waiting requests,
-decode memory), the one thing no other file carries. `RunState.poll()` reads what was appended
+threshold's decisions) and `runtime.json` (instances, roles, scale). With `--metrics` the prefill,
+decode and dual-role workers add `status/<name>.json` (workers/status.py: running and waiting
+requests, decode memory, a dual-role worker's role in force), the one thing no other file
+carries. `RunState.poll()` reads what was appended
 since the last poll (whole lines only: a line being written waits for the next poll) and
 returns the requests that finished meanwhile as `Finished` records; everything else is the
 state in force (`link`, `threshold`, `roles`, `health`, `faults`, `status`).
