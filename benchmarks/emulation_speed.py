@@ -8,6 +8,8 @@ emulated WAN) and prints one table from each variant's summary.json:
 | scale.time | instances | wall time | first-token lag (median, p99) | decode-step ratio |
 measured / predicted capacity |
 
+and per scale a line of the CPU figures that transfer between machines (CPU seconds of the
+run's process tree, per emulated request and per instance-second: testbed/profiling/cost.py).
 Wall time is the whole `testbed run` (all three variants, set-up and analysis included), per
 variant the span in its metadata.json; the lag is real-world ms from the decode worker's first
 token stamp to its arrival at the client; capacity is the steady throughput over the planner's
@@ -27,16 +29,15 @@ variant and no link probe, and a one-rate sweep (the numbers are too short to me
 
 import argparse
 import pathlib
-import subprocess
 import sys
 import tempfile
-import time
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from testbed import rundir  # noqa: E402
 from testbed.net import ratesweep  # noqa: E402
+from testbed.profiling import cost  # noqa: E402
 
 EXPERIMENT = REPO / "experiments" / "paper_case_study.yaml"
 # scale.time -> extra --set options it needs (the WAN's emulated rate stays under the cap)
@@ -54,16 +55,10 @@ HEADER = ("| scale.time | variant | instances | wall time | first-token lag (med
 
 
 def run_case_study(scale_time, sets, out, probe=True):
-    """`testbed run` of the case study at `scale_time`; its wall time in seconds."""
-    argv = [sys.executable, "-m", "testbed.cli", "run", str(EXPERIMENT), "--out", str(out),
-            "--set", f"scale.time={scale_time}", "--set", CAPACITY_RATE, "--no-progress"]
-    for s in sets:
-        argv += ["--set", s]
-    if not probe:
-        argv.append("--no-probe")
-    t0 = time.monotonic()
-    subprocess.run(argv, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
-    return time.monotonic() - t0
+    """`testbed run` of the case study at `scale_time`: its wall time in seconds and the run
+    tree's CPU figures (testbed/profiling/cost.py)."""
+    return cost.timed_run(EXPERIMENT, out, [f"scale.time={scale_time}", CAPACITY_RATE, *sets],
+                          REPO, probe)
 
 
 def variant_row(vdir):
@@ -122,13 +117,15 @@ def main():
     extra = args.set + (SMOKE_SETS if args.smoke else [])
     with tempfile.TemporaryDirectory(prefix="emulation_speed-") as tmp:
         base = pathlib.Path(args.out or tmp)
-        rows = []
+        rows, costs = [], []
         for st in scales:
             run_dir = base / f"time{st:g}"
-            wall_s = run_case_study(st, SCALES.get(st, []) + extra, run_dir, not args.smoke)
+            wall_s, c = run_case_study(st, SCALES.get(st, []) + extra, run_dir, not args.smoke)
             rows += table_rows(st, wall_s, run_dir)
+            costs.append(f"scale.time {st:g}: wall {wall_s:.1f} s; {cost.fmt_cost(c)}")
         print(HEADER)
         print("\n".join(rows))
+        print("\n".join(costs))
         if args.sweep or args.smoke:
             print("\n".join(sweep_rows(**SMOKE_SWEEP) if args.smoke else sweep_rows()))
 

@@ -26,8 +26,8 @@ import json
 
 import pandas as pd
 
-from testbed import (clocks, deploy, faults, fidelity, loadstats, metrics, replicates, rundir,
-                     stats)
+from testbed import (clocks, deploy, excess, faults, fidelity, loadstats, metrics, replicates,
+                     rundir, stats)
 from testbed.net.linkmodel import DIRECTIONS
 from testbed.records import RunDir, client_finished, read_events, read_records
 from testbed.workload import summarize as workload_stats
@@ -47,11 +47,13 @@ def analyse(run_dir) -> dict:
     events = read_events(rd.events, run.metadata.get("clocks"))
     df = metrics.build_requests(workload, sent, done, scale)
     df["slo_ok"] = metrics.meets_slo(df, exp.slo.objectives_ms())
+    ts = fidelity.flag_artifacts(rundir.timeseries(rd), scale)
+    df = excess.decompose(df, run, ts, links(run))     # the TTFT's legs and their excess
     metrics.tokens_table(df, scale).to_parquet(rd.tokens, index=False)
     df.drop(columns=["token_times", "client_times"], errors="ignore").to_parquet(
         rd.requests, index=False)
-    ts = fidelity.flag_artifacts(rundir.timeseries(rd), scale)
     summary = metrics.summarize(df, run, ts, run.metadata.get("wan_counters"), events)
+    _add_excess(summary, df, scale)
     reasons = incomplete_reasons(rd, events)
     ids = set(int(i) for i in workload.id)
     summary["incomplete"] = bool(reasons)
@@ -70,6 +72,18 @@ def analyse(run_dir) -> dict:
         summary.update(loadstats.summarize(rd.path, exp, df, scale))
     rd.summary.write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def _add_excess(summary, df, scale):
+    """summary.json's `emulation.ttft_excess_ms` and its warning (testbed/excess.py), for a
+    run whose records carry the decomposition's stamps (none: the simulator's, older runs)."""
+    out, warn = excess.summarize(df, scale.time)
+    if out is None:
+        return
+    emu = summary.get("emulation") or {}
+    emu["ttft_excess_ms"] = out
+    emu["warnings"] = emu.get("warnings", []) + warn
+    summary["emulation"] = emu
 
 
 def _run_facts(run) -> dict:

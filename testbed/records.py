@@ -161,7 +161,8 @@ class SentRecord:
 # Fields of a `done` line by who stamped them (clock correction, testbed/clocks.py).
 CLIENT_FIELDS = ("send_time", "first_token", "last_token", "end_time")
 PREFILL_FIELDS = ("prefill_queued", "prefill_start", "prefill_end", "send_start", "send_end")
-DECODE_FIELDS = ("kv_recv_start", "kv_recv_end", "decode_join")
+DECODE_FIELDS = ("kv_recv_start", "kv_recv_end", "decode_join", "decode_held")
+SCHEDULER_FIELDS = ("sched_received", "sched_routed")
 
 
 @dataclasses.dataclass
@@ -206,6 +207,14 @@ class RequestRecord:
     cache_fetch_bytes: int | None = None
     cache_put_bytes: int | None = None
     cache_fetch_s: float | None = None
+    # The TTFT decomposition's stamps and models (testbed/excess.py): the scheduler got the
+    # request and dispatched it; the prefill's and the first decode step's modelled seconds;
+    # when the decode batch first refused it for capacity.
+    sched_received: float | None = None
+    sched_routed: float | None = None
+    prefill_model_s: float | None = None
+    first_step_s: float | None = None
+    decode_held: float | None = None
     end_time: float | None = None           # when the stream ended at the client
     token_times: list | None = None         # every token's decode stamp
     client_times: list | None = None        # every token's arrival at the client
@@ -251,8 +260,9 @@ class RequestRecord:
         _shift(out, DECODE_FIELDS, d)
         if isinstance(out.token_times, list):
             out.token_times = [t - d for t in out.token_times]
+        s = offsets.get(scheduler, 0.0)
+        _shift(out, SCHEDULER_FIELDS, s)
         if out.redispatches:
-            s = offsets.get(scheduler, 0.0)
             out.redispatches = [{**r, "time": r["time"] - s} if r.get("time") else r
                                 for r in out.redispatches]
         return out

@@ -40,6 +40,7 @@ NEEDS = {
     "ray_linktest.py": {"root", "ray"},
     "ray_vs_mininet.py": {"root", "ray"},
     "tcp_timers.py": {"root"},
+    "ttft_excess.py": {"root"},
     "worker_rss.py": {"root"},
 }
 

@@ -31,7 +31,7 @@ def _prefill_fields(p):
             "send_end": p.send_end or None, "overlap_s": p.overlap_s,
             "prefill_error": p.error, "cached_len": p.cached_len,
             "cache_fetch_bytes": p.cache_fetch_bytes, "cache_put_bytes": p.cache_put_bytes,
-            "cache_fetch_s": p.cache_fetch_s}
+            "cache_fetch_s": p.cache_fetch_s, "prefill_model_s": p.model_s or None}
 
 
 def _done_fields(chunk):
@@ -48,7 +48,9 @@ def _done_fields(chunk):
                 planned_cached_len=r.cached_len, cache_source=r.cache_source,
                 prefix_transfer_bytes=r.prefix_transfer_bytes, lookup_local=r.lookup_local,
                 lookup_prfaas=r.lookup_prfaas, decode_cached_len=chunk.decode_cached_len,
-                decode_cache_bytes=chunk.cache_fetch_bytes)
+                decode_cache_bytes=chunk.cache_fetch_bytes,
+                sched_received=r.received or None, sched_routed=r.routed or None,
+                first_step_s=chunk.first_step_s or None, decode_held=chunk.decode_held or None)
 
 
 class Tracker:

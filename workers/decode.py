@@ -144,6 +144,7 @@ class DecodeService(pbg.DecodeServicer):
         c.kv_recv_start, c.kv_recv_end, c.kv_recv_bytes = slot.kv_first, slot.kv_last, slot.kv_bytes
         c.decode_instance, c.decode_join = self.name, slot.join
         c.kv_attempt = max(0, slot.attempt)
+        c.first_step_s, c.decode_held = slot.first_step_s, slot.held
         c.cache_fetch_bytes, c.decode_cached_len = slot.cache_bytes, slot.cache_tokens
         return c
 
@@ -168,6 +169,12 @@ class DecodeService(pbg.DecodeServicer):
                 self.engine.reserve(slot.reserved)
             slot.join = time.time()
             self.batch.append(slot)
+        if self.waiting:        # the rest wait for capacity: stamp those seen here first
+            now = time.time()
+            for slot in reversed(self.waiting):
+                if slot.held:
+                    break
+                slot.held = now
 
     def flush_due(self):
         """Unix time of the batch's next flush: the worker-wide one for requests on a token
@@ -182,11 +189,14 @@ class DecodeService(pbg.DecodeServicer):
         """One step's tokens, stamped `now` (Unix time): append, send what is due, and let
         finished requests go."""
         self.busy_s += step_s
+        factor = self.engine.clock_factor if self.paced else 1.0
         keep = []
         for slot in self.batch:
             if slot.finished:        # its stream was cancelled
                 continue
             slot.times.append(now)
+            if len(slot.times) == 1:
+                slot.first_step_s = step_s * factor
             if tokens:
                 slot.token_ids.append(int(tokens.get(slot.rid, 0)))
             if len(slot.times) >= slot.output_len:

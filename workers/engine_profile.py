@@ -64,9 +64,10 @@ class ProfilePrefillEngine(PrefillEngine):
         now = time.monotonic()
         ready_at = now if arrived is None else min(now, max(arrived, self.free_at))
         start = time.time() - (now - ready_at)
-        sent = 0
+        sent, model_s = 0, 0.0
         for i in range(n):
             # Each piece's compute at the clock factor in force when it starts.
+            model_s += t_compute / n * self.clock_factor
             ready_at += t_compute / n * self.clock_factor
             delay = ready_at - time.monotonic()
             if delay > 0:
@@ -75,7 +76,7 @@ class ProfilePrefillEngine(PrefillEngine):
             emit(i, _payload(piece), i == n - 1)
             sent += piece
         self.free_at = ready_at
-        return {"kv_bytes": sent, "start": start}
+        return {"kv_bytes": sent, "start": start, "model_s": model_s}
 
 
 class ProfileDecodeEngine(PacedDecodeEngine):

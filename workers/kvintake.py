@@ -38,6 +38,8 @@ class Slot:
         self.token_ids = []
         self.emitted = 0
         self.join = 0.0
+        self.held = 0.0             # when admission was first refused for capacity (0: never)
+        self.first_step_s = 0.0     # the modelled length of the step that made its first token
         self.input_len = 0
         self.kv_need = 0.0          # real-world bytes it holds in decode memory once batched
         self.reserved = 0.0

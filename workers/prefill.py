@@ -50,6 +50,7 @@ class PrefillService(pbg.PrefillServicer):
                     done = await self.engine.prefill(req, lambda seq, data, last:
                                                      queue.put_nowait((seq, data, last)), arrived)
                     reply.start = done.get("start", reply.start)
+                    reply.model_s = done.get("model_s", 0.0)
                 finally:
                     reply.end = time.time()
                     self.busy_s += reply.end - reply.start

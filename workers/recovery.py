@@ -129,8 +129,10 @@ class Health:
 class Flight:
     """One request through the system, with recovery; `run()` yields its token chunks."""
 
-    def __init__(self, svc, req):
+    def __init__(self, svc, req, received=0.0):
         self.svc, self.req = svc, req
+        self.received = received    # the scheduler got it; `routed`: it dispatched it
+        self.routed = 0.0
         self.failover = svc.rt.scheduler.failover
         self.inbox = asyncio.Queue()
         self.p = self.d = None
@@ -278,6 +280,7 @@ class Flight:
             svc.stats.failed += 1
             yield self._final(pb.TokenChunk(done=True, status="failed", error=f"scheduler: {e}"))
             return
+        self.routed = time.time()
         if self.kind == "remote":
             svc.stats.routed_remote += 1
         else:
@@ -385,6 +388,7 @@ class Flight:
                                           prefill=p.name,
                                           decode=self.d.name,
                                           threshold=self.svc.router.threshold,
+                                          received=self.received, routed=self.routed,
                                           **self.cache_route))
         if reply is not None:
             chunk.prefill.CopyFrom(reply)

@@ -12,6 +12,7 @@ be recovered ends the request `failed` with the reason; no request vanishes.
 """
 
 import asyncio
+import time
 
 import grpc
 
@@ -79,9 +80,10 @@ class SchedulerService(pbg.SchedulerServicer):
             self.placer.observe(reply)
 
     async def Submit(self, req, context):
+        received = time.time()
         for hook in self.on_request:        # the controllers see every request before it is routed
             hook(req)
-        async for chunk in Flight(self, req).run():
+        async for chunk in Flight(self, req, received).run():
             yield chunk
 
     async def Stats(self, request, context):

@@ -1,0 +1,66 @@
+"""Speed figures that transfer between machines (issue 22, item 4): the CPU a `testbed run`
+cost per emulated request and per instance-second, beside its wall time.
+
+Wall time says how long one machine, as loaded as it was, took; CPU seconds per request and per
+instance-second say what the work costs, so that a figure measured on one machine predicts
+another (divide by the cores it can give). The CPU is the `testbed run` process tree's, as the
+kernel accounted it to the benchmark that started and reaped it (`getrusage(RUSAGE_CHILDREN)`:
+user + system of every descendant reaped; set-up, link probe and analysis included). An
+instance-second is one prefill or decode instance held for one second of a variant's run
+(metadata.json start to end).
+"""
+
+from __future__ import annotations
+
+import resource
+import subprocess
+import sys
+import time
+
+from testbed import rundir
+
+
+def children_cpu_s() -> float:
+    """User + system CPU seconds of every child this process started and reaped so far."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run_cost(cpu_s, top) -> dict:
+    """{cpu_s, requests, instance_s, cpu_ms_per_request, cpu_ms_per_instance_s} of the
+    variants found at or below `top` (`rundir.find_runs`), for `cpu_s` CPU seconds."""
+    requests, instance_s = 0, 0.0
+    for vdir in rundir.find_runs(top):
+        summary, meta, rt = rundir.summary(vdir), rundir.metadata(vdir), rundir.runtime(vdir)
+        requests += int(summary.get("requests") or 0)
+        n = sum(1 for i in (rt or {}).get("instances", {}).values()
+                if i["role"] in ("prefill", "decode"))
+        if meta.get("end_time") and meta.get("start_time"):
+            instance_s += n * (meta["end_time"] - meta["start_time"])
+    return {"cpu_s": cpu_s, "requests": requests, "instance_s": instance_s,
+            "cpu_ms_per_request": 1e3 * cpu_s / requests if requests else None,
+            "cpu_ms_per_instance_s": 1e3 * cpu_s / instance_s if instance_s else None}
+
+
+def fmt_cost(cost: dict) -> str:
+    """One line: CPU seconds, per emulated request and per instance-second."""
+    per_req, per_inst = cost["cpu_ms_per_request"], cost["cpu_ms_per_instance_s"]
+    return (f"CPU {cost['cpu_s']:.1f} s: "
+            f"{'-' if per_req is None else format(per_req, '.0f')} ms per emulated request "
+            f"({cost['requests']}), "
+            f"{'-' if per_inst is None else format(per_inst, '.1f')} ms per instance-second "
+            f"({cost['instance_s']:.0f})")
+
+
+def timed_run(experiment, out, sets, cwd, probe=True):
+    """`testbed run experiment --out out --set S...` (this interpreter, no progress bar, its
+    output discarded; an error raises), to its end: (wall seconds, `run_cost` of its process
+    tree over the variants under `out`). `probe`: False adds --no-probe."""
+    argv = [sys.executable, "-m", "testbed.cli", "run", str(experiment), "--out", str(out),
+            "--no-progress", *(a for s in sets for a in ("--set", s))]
+    if not probe:
+        argv.append("--no-probe")
+    cpu0, t0 = children_cpu_s(), time.monotonic()
+    subprocess.run(argv, cwd=cwd, check=True, stdout=subprocess.DEVNULL)
+    wall = time.monotonic() - t0
+    return wall, run_cost(children_cpu_s() - cpu0, out)
