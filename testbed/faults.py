@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 
 from testbed import rundir
-from testbed.faultspec import resolve, targetable
+from testbed.faultspec import WAN_KINDS, resolve, targetable
 from testbed.records import RunDir, read_events
 from testbed.runtime import InstanceRuntime
 from testbed.scale import Scale
@@ -106,7 +106,7 @@ class _Injections:
             return entry
         entry["at_s"] = scale.real_s(t_inj - t0)
         t_end = self.ended.get((o.index, o.n), math.inf)
-        if o.spec.kind == "link":
+        if o.spec.kind in WAN_KINDS:
             targets = self.prfaas
         else:
             targets = set(o.targets)
@@ -133,7 +133,7 @@ class _Injections:
         moved_ids = {rid for _, rid, _ in moved}
         on_target = df.prefill_instance.isin(targets) | df.decode_instance.isin(targets) | \
             df.id.isin(moved_ids)
-        if o.spec.kind == "link":
+        if o.spec.kind in WAN_KINDS:
             on_target |= df.route == "remote"
         alive = (df.send_time <= t_end) & (self.end_time.fillna(np.inf) >= t_inj)
         return df[on_target & alive], moved

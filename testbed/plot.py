@@ -21,6 +21,7 @@ import seaborn as sns  # noqa: E402
 from testbed import fidelity, plot_cache, plot_control, plot_load, rundir  # noqa: E402
 from testbed.rundir import find_runs  # noqa: E402,F401  (plot.find_runs: callers' name)
 from testbed.scale import Scale  # noqa: E402
+from testbed.faultspec import WAN_KINDS  # noqa: E402
 
 from testbed.figstyle import STYLE  # noqa: E402  (the one registry; plot.STYLE: callers' name)
 
@@ -282,7 +283,7 @@ def _instance_states(ax2, d, spans, health, scale):
     rows = names + ["WAN"]
     for y, name in enumerate(rows):
         faulted = [(a, b - a) for k, tg, a, b in spans
-                   if (name == "WAN" and k == "link") or name in tg.split(",")]
+                   if (name == "WAN" and k in WAN_KINDS) or name in tg.split(",")]
         ax2.broken_barh(faulted, (y - 0.4, 0.8), color="0.75")
         ts = rundir.csv_table(d, rundir.RunDir.TIMESERIES) if name == "WAN" else None
         if ts is not None:

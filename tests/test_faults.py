@@ -38,6 +38,15 @@ def load(tmp_path, small_experiment, faults_yaml, extra=""):
      "up: true, duration: 1s}]", "faults[1]", "sets up"),
     ("[{at: 3s, kind: slow, target: rp0, factor: 0.5, duration: 1s}]", "faults[0]", "> 1"),
     ("[{every: 5s, kind: pause, target: rp0, duration: 1s}]", "faults[0]", "'count'"),
+    ("[{at: 3s, kind: flap, down_for: 1s, duration: 5s}]", "faults[0]", "needs 'down_for'"),
+    ("[{at: 3s, kind: flap, down_for: 2s, up_for: 1s, duration: 1s}]", "faults[0]",
+     "'duration' >= 'down_for'"),
+    ("[{at: 3s, kind: reset, target: rp0}]", "faults[0]", "takes no 'target'"),
+    ("[{at: 3s, kind: reject, up: false}]", "faults[0]", "takes no 'up'"),
+    ("[{at: 3s, kind: blackhole, duration: 5s}, {at: 4s, kind: reject, direction: kv, "
+     "duration: 1s}]", "faults[1]", "sets event"),
+    ("[{at: 3s, kind: flap, down_for: 1s, up_for: 1s, duration: 6s}, {at: 4s, kind: link, "
+     "up: false, duration: 1s}]", "faults[1]", "sets up"),
 ])
 def test_bad_fault_specs_exit_2_naming_the_key(tmp_path, small_experiment, spec, key, words):
     with pytest.raises(ConfigError) as e:
@@ -94,3 +103,19 @@ def test_accounting_tells_failed_from_lost():
         "send_time": [1.0, 2.0, 3.0, None]})
     assert faults.accounting(df) == {"requests": 4, "sent": 3, "completed": 1, "failed": 1,
                                      "lost": 2}
+
+
+def test_flap_and_events_on_the_link_schedule(tmp_path, small_experiment):
+    exp = load(tmp_path, small_experiment, "[{at: 3s, kind: flap, down_for: 1s, up_for: 2s, "
+               "duration: 5s}, {at: 10s, kind: reject, direction: kv, duration: 2s}, "
+               "{at: 14s, kind: reset}]")
+    s = exp.scale
+    items = [c.item() for c in deploy.compile(exp).link_changes]
+    ups = [(round(t * s.time, 6), ch["up"]) for t, _, ch, *_ in items if "up" in ch]
+    # down 3-4 s, up, down 6-7 s, up, then the end of the fault restores both directions
+    assert ups == [(3, False), (4, True), (6, False), (7, True), (8, True), (8, True)]
+    events = [(round(t * s.time, 6), d, ch["event"]) for t, d, ch, *_ in items
+              if "event" in ch]
+    assert events == [(10, "kv", "reject"), (12, "kv", None), (14, None, "reset"),
+                      (14 + faultspec.RESET_WINDOW_S, None, None)]
+    assert all(ch["port"] == 50052 for _, _, ch, *_ in items if ch.get("event"))
