@@ -216,7 +216,7 @@ CONFORMANCE_COLUMNS = ["case", "policy", "failover", "completed", "failed", "los
                        "kv_reprefills", "success_after_end_s", "failed_after_end"]
 FORMATS = {"p90_ttft_ms": "{:.0f}", "baseline_p90_ttft_ms": "{:.0f}", "p90_inflation": "{:.2f}",
            "detect_s": "{:.1f}", "recover_s": "{:.1f}", "unfinished_after_end_s": "{:.1f}",
-           "success_after_end_s": "{:.1f}"}
+           "success_after_end_s": "{:.1f}", "failed_after_end": "{:.0f}"}
 
 
 def _first(fs, key):

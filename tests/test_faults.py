@@ -2,11 +2,12 @@
 targets resolve, what a link fault restores, and the accounting of a run's records."""
 
 import math
+import types
 
 import pandas as pd
 import pytest
 
-from testbed import deploy, faults, faultspec
+from testbed import deploy, faults, faultspec, plot
 from testbed.config import load_experiment
 from testbed.errors import ConfigError
 
@@ -119,3 +120,29 @@ def test_flap_and_events_on_the_link_schedule(tmp_path, small_experiment):
     assert events == [(10, "kv", "reject"), (12, "kv", None), (14, None, "reset"),
                       (14 + faultspec.RESET_WINDOW_S, None, None)]
     assert all(ch["port"] == 50052 for _, _, ch, *_ in items if ch.get("event"))
+
+
+def test_conformance_table_and_heatmap_from_the_runs_summaries(tmp_path):
+    def exp(case, fl, fo):
+        return types.SimpleNamespace(label=f"{case},enabled={fo}", faults=fl,
+                                     scheduler=types.SimpleNamespace(
+                                         policy="prfaas", failover=types.SimpleNamespace(
+                                             enabled=fo)))
+    runs, sums = [], []
+    for case, fl in (("none", []), ("reset", [faultspec.FaultSpec(kind="reset", at=3.0)])):
+        for fo in (False, True):
+            runs.append(exp(case, fl, fo))
+            s = {"accounting": {"completed": 20, "failed": 4 * len(fl), "lost": 0},
+                 "p90_ttft_ms": 1000.0 + 500 * len(fl), "kv_retries": 3, "kv_reprefills": 1}
+            if fl:
+                s["faults"] = [{"kind": "reset", "hung": 0, "unfinished_after_end_s": 2.5,
+                                "success_after_end_s": 0.3, "failed_after_end": 0}]
+            sums.append(s)
+    faults.write_matrix(tmp_path, runs, sums)
+    m = pd.read_csv(tmp_path / "conformance.csv")
+    assert list(m.columns) == faults.CONFORMANCE_COLUMNS
+    assert m.p90_inflation.tolist() == [1.0, 1.0, 1.5, 1.5]
+    assert m.success_after_end_s.tolist()[2:] == [0.3, 0.3]
+    assert "| reset | prfaas | True | 20 | 4 | 0 | 0 | 2.5 |" in (
+        tmp_path / "conformance.md").read_text()
+    assert plot.conformance_heatmap(tmp_path, tmp_path / "figures").exists()
