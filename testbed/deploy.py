@@ -35,7 +35,7 @@ from testbed.experiment import cache_capacity
 from testbed.net import spec as netspec
 from testbed.net.linkmodel import DIRECTIONS, Link, check_params, needs_per_frame_packets
 from testbed.net.ratetrace import read_rate_trace
-from testbed.runtime import (AdaptiveRuntime, CacheRuntime, DecodeRuntime,
+from testbed.runtime import (KV_PORT, AdaptiveRuntime, CacheRuntime, DecodeRuntime,
                              InstanceRuntime, RolesRuntime, SchedulerRuntime, WorkerRuntime)
 from testbed.scale import Scale
 
@@ -343,19 +343,33 @@ def _check_links(exp, scale, links, changes):
 # ---------------------------------------------------------------- faults
 
 def _link_fault_changes(exp, scale, links, occurrences, base):
-    """Each link fault's change at injection and, after `duration`, the values in force before
+    """Each WAN fault's changes: at injection and, after `duration`, the values in force before
     it (the built link, then every entry of `base` -- changes and the rate trace -- up to
-    that moment)."""
+    that moment); a flap's cuts and returns between; an event's on and off."""
     out = []
     for o in occurrences:
         f = o.spec
-        if f.kind != "link":
+        if f.kind not in faultspec.WAN_KINDS:
             continue
-        ch = _changes(f, scale)
         d = _direction(f.direction)
-        note = {"fault": o.index, "occurrence": o.n, "fault_kind": "link", "target": o.target}
+        note = {"fault": o.index, "occurrence": o.n, "fault_kind": f.kind, "target": o.target}
         at = scale.emulated_s(o.at_s)
+        if f.kind in faultspec.EVENTS:
+            on = {"event": f.kind, "port": KV_PORT}
+            out.append(LinkChange(at, d, on, "fault", {**note, "phase": "inject"}))
+            if not math.isinf(o.end_s):
+                out.append(LinkChange(scale.emulated_s(o.end_s), d, {"event": None}, "fault",
+                                      {**note, "phase": "end"}))
+            continue
+        ch = {"up": False} if f.kind == "flap" else _changes(f, scale)
         out.append(LinkChange(at, d, ch, "fault", {**note, "phase": "inject"}))
+        if f.kind == "flap":        # the cuts after the first, each with its return
+            for k, (s0, s1) in enumerate(f.flaps()):
+                if k:
+                    out.append(LinkChange(scale.emulated_s(o.at_s + s0), d, ch, "fault"))
+                if s1 < f.duration:
+                    out.append(LinkChange(scale.emulated_s(o.at_s + s1), d, {"up": True},
+                                          "fault"))
         if not math.isinf(o.end_s):
             for dd in (DIRECTIONS if d is None else (d,)):
                 before = in_force(links, base, dd, at)
@@ -370,7 +384,7 @@ def _fault_actions(scale, occurrences):
     out = []
     for o in occurrences:
         k = o.spec.kind
-        if k == "link":
+        if k in faultspec.WAN_KINDS:
             continue
         phases = [(o.at_s, 0, "inject")]
         if k in ("pause", "slow", "restart"):

@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 
 from testbed import rundir
-from testbed.faultspec import resolve, targetable
+from testbed.faultspec import WAN_KINDS, resolve, targetable
 from testbed.records import RunDir, read_events
 from testbed.runtime import InstanceRuntime
 from testbed.scale import Scale
@@ -106,7 +106,7 @@ class _Injections:
             return entry
         entry["at_s"] = scale.real_s(t_inj - t0)
         t_end = self.ended.get((o.index, o.n), math.inf)
-        if o.spec.kind == "link":
+        if o.spec.kind in WAN_KINDS:
             targets = self.prfaas
         else:
             targets = set(o.targets)
@@ -122,7 +122,25 @@ class _Injections:
             entry["redispatch_max_s"] = scale.real_s(max(t - t_inj for t, _, _ in moved))
         entry["wasted_prefill_tokens"] = int(round(self._wasted(set(aff.id))))
         entry.update(self._recovery(t_inj, t0))
+        if not math.isinf(t_end):
+            entry.update(self._after_end(t_end, t0))
         return entry
+
+    def _after_end(self, t_end, t0):
+        """After the fault ended: the longest any request sent before the end stayed unfinished
+        past it (real-world s; `hung`: those never finished), and how soon success returned (the
+        first request sent after the end that completed, real-world s after the end)."""
+        df, scale = self.df, self.scale
+        left = self.end_time.fillna(np.inf)[df.send_time < t_end] - t_end
+        finite = left[np.isfinite(left)]
+        after = df[df.send_time >= t_end].sort_values("send_time")
+        ok = after[after.status == "ok"]
+        return {"end_s": round(scale.real_s(t_end - t0), 3), "hung": int((~np.isfinite(left)).sum()),
+                "unfinished_after_end_s": round(scale.real_s(max(0.0, float(finite.max()))), 3)
+                if len(finite) else 0.0,
+                "success_after_end_s": round(scale.real_s(float(ok.send_time.iloc[0]) - t_end), 3)
+                if len(ok) else None,
+                "failed_after_end": int((after.status != "ok").sum())}
 
     def _affected(self, o, targets, t_inj, t_end):
         """The requests on the targets while the fault lasted, and the re-dispatches off them."""
@@ -133,7 +151,7 @@ class _Injections:
         moved_ids = {rid for _, rid, _ in moved}
         on_target = df.prefill_instance.isin(targets) | df.decode_instance.isin(targets) | \
             df.id.isin(moved_ids)
-        if o.spec.kind == "link":
+        if o.spec.kind in WAN_KINDS:
             on_target |= df.route == "remote"
         alive = (df.send_time <= t_end) & (self.end_time.fillna(np.inf) >= t_inj)
         return df[on_target & alive], moved
@@ -175,6 +193,10 @@ def analyse(run_dir, exp, df, scale: Scale):
     discarded = [f for _, k, f in events if k == "kv_discarded"]
     out["kv_discarded"] = _kv_discarded(discarded)
     out["redispatched_requests"] = len({rid for _, rid, _ in _redispatches(df)})
+    # KV transfers a prefill worker sent again on a new connection (workers/prefill.py), and
+    # prefill attempts beyond a request's first (each re-dispatch prefills it again)
+    out["kv_retries"] = sum(k == "kv_retry" for _, k, _ in events)
+    out["kv_reprefills"] = len(_redispatches(df))
     if not exp.faults:
         return out
     t0 = meta.get("client_start_at", df.send_time.min())
@@ -188,42 +210,68 @@ def analyse(run_dir, exp, df, scale: Scale):
 MATRIX_COLUMNS = ["label", "case", "fault", "policy", "failover", "completed", "failed", "lost",
                   "p90_ttft_ms", "baseline_p90_ttft_ms", "p90_inflation", "detect_s",
                   "recover_s", "redispatched", "wasted_prefill_tokens"]
+# the conformance view (issue 24): nothing lost or hung, how long the fault's effect lasted
+CONFORMANCE_COLUMNS = ["case", "policy", "failover", "completed", "failed", "lost", "hung",
+                       "unfinished_after_end_s", "p90_ttft_ms", "p90_inflation", "kv_retries",
+                       "kv_reprefills", "success_after_end_s", "failed_after_end"]
+FORMATS = {"p90_ttft_ms": "{:.0f}", "baseline_p90_ttft_ms": "{:.0f}", "p90_inflation": "{:.2f}",
+           "detect_s": "{:.1f}", "recover_s": "{:.1f}", "unfinished_after_end_s": "{:.1f}",
+           "success_after_end_s": "{:.1f}", "failed_after_end": "{:.0f}"}
+
+
+def _first(fs, key):
+    return next((f[key] for f in fs if f.get(key) is not None), None)
+
+
+def _matrix_row(exp, s):
+    fs = s.get("faults") or []
+    ends = [f for f in fs if "unfinished_after_end_s" in f]
+    return {
+        "label": exp.label, "case": exp.label.split(",")[0],    # the variant's own label
+        "fault": "+".join(dict.fromkeys(f.kind for f in exp.faults)) or "none",
+        "policy": exp.scheduler.policy, "failover": exp.scheduler.failover.enabled,
+        "completed": s["accounting"]["completed"], "failed": s["accounting"]["failed"],
+        "lost": s["accounting"]["lost"], "p90_ttft_ms": s.get("p90_ttft_ms"),
+        "detect_s": _first(fs, "detect_s"), "recover_s": _first(fs, "recover_s"),
+        "redispatched": sum(f.get("redispatched", 0) for f in fs),
+        "wasted_prefill_tokens": sum(f.get("wasted_prefill_tokens", 0) for f in fs),
+        "hung": sum(f.get("hung", 0) for f in ends),
+        "unfinished_after_end_s": max((f["unfinished_after_end_s"] for f in ends),
+                                      default=None),
+        "kv_retries": s.get("kv_retries", 0), "kv_reprefills": s.get("kv_reprefills", 0),
+        # the last fault's end: when success came back (None: no request after it completed)
+        "success_after_end_s": ends[-1]["success_after_end_s"] if ends else None,
+        "failed_after_end": ends[-1]["failed_after_end"] if ends else None}
+
+
+def _markdown(m, columns):
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for r in m[columns].itertuples(index=False):
+        cells = []
+        for c, v in zip(columns, r):
+            if v is None or (isinstance(v, float) and math.isnan(v)):
+                cells.append("-")
+            else:
+                cells.append(FORMATS.get(c, "{}").format(v))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def write_matrix(top, runs, summaries):
     """failure_matrix.csv and .md in the top directory of an experiment whose variants inject
     faults: one row per run; p90 TTFT inflation against the run without faults (fault `none`)
-    of the same policy and failover setting."""
-    rows = []
-    for exp, s in zip(runs, summaries):
-        fs = s.get("faults") or []
-        rows.append({
-            "label": exp.label, "case": exp.label.split(",")[0],    # the variant's own label
-            "fault": "+".join(dict.fromkeys(f.kind for f in exp.faults)) or "none",
-            "policy": exp.scheduler.policy, "failover": exp.scheduler.failover.enabled,
-            "completed": s["accounting"]["completed"], "failed": s["accounting"]["failed"],
-            "lost": s["accounting"]["lost"], "p90_ttft_ms": s.get("p90_ttft_ms"),
-            "detect_s": next((f["detect_s"] for f in fs if f.get("detect_s") is not None), None),
-            "recover_s": next((f["recover_s"] for f in fs if f.get("recover_s") is not None),
-                              None),
-            "redispatched": sum(f.get("redispatched", 0) for f in fs),
-            "wasted_prefill_tokens": sum(f.get("wasted_prefill_tokens", 0) for f in fs)})
-    m = pd.DataFrame(rows)
+    of the same policy and failover setting. With WAN faults (link, flap, blackhole, reject,
+    reset) also conformance.csv and .md: lost, hung, the longest a request stayed unfinished
+    after the fault ended, KV retries and re-prefills, when success returned after it."""
+    m = pd.DataFrame([_matrix_row(exp, s) for exp, s in zip(runs, summaries)])
     base = m[m.fault == "none"].set_index(["policy", "failover"]).p90_ttft_ms
     m["baseline_p90_ttft_ms"] = [base.get((p, f)) for p, f in zip(m.policy, m.failover)]
     m["p90_inflation"] = m.p90_ttft_ms / m.baseline_p90_ttft_ms
-    m = m[MATRIX_COLUMNS]
-    m.to_csv(RunDir(top).failure_matrix, index=False)
-    fmt = {"p90_ttft_ms": "{:.0f}", "baseline_p90_ttft_ms": "{:.0f}", "p90_inflation": "{:.2f}",
-           "detect_s": "{:.1f}", "recover_s": "{:.1f}"}
-    lines = ["| " + " | ".join(MATRIX_COLUMNS) + " |", "|" + "---|" * len(MATRIX_COLUMNS)]
-    for r in m.itertuples(index=False):
-        cells = []
-        for c, v in zip(MATRIX_COLUMNS, r):
-            if v is None or (isinstance(v, float) and math.isnan(v)):
-                cells.append("-")
-            else:
-                cells.append(fmt.get(c, "{}").format(v))
-        lines.append("| " + " | ".join(cells) + " |")
-    RunDir(top).failure_matrix_md.write_text("\n".join(lines) + "\n")
-    return m
+    rd = RunDir(top)
+    m[MATRIX_COLUMNS].to_csv(rd.failure_matrix, index=False)
+    rd.failure_matrix_md.write_text(_markdown(m, MATRIX_COLUMNS))
+    if any(f.kind in WAN_KINDS for exp in runs for f in exp.faults):
+        m[CONFORMANCE_COLUMNS].to_csv(rd.conformance, index=False)
+        rd.conformance_md.write_text(_markdown(m, CONFORMANCE_COLUMNS))
+    return m[MATRIX_COLUMNS]
+

@@ -18,6 +18,14 @@ emulated clock with the rest of the schedule):
   `network.wan.changes`; at the end the values in force before the fault (the configured link
   and any `changes` before it) come back. A link fault and a `changes` entry that set the same
   key of the same direction while the fault lasts contradict each other: exit 2.
+- `flap`: the link goes down for `down_for`, up for `up_for`, down again, ... while `duration`
+  lasts (the `link` fault's cut, `up: false`, repeated; up at the end).
+- `blackhole` / `reject`: for `duration` (none: for good) the router drops every packet of the
+  direction silently / refuses it, TCP with a RST and the rest with ICMP host unreachable, so
+  senders see a fast error instead of a timeout (`testbed.net.linkevents`, both backends).
+- `reset`: TCP RSTs injected into the established KV connections that carry a packet during a
+  short window (`duration`, default 0.5 s), as toxiproxy's reset_peer; `every`/`count` repeat
+  it (a rate of resets).
 - `slow`: the target's engine runs its clock `factor` times slower for `duration` (the profile
   engine's own clock: prefills and decode steps take factor x their profiled time; a real
   slowdown of that one instance, nothing else on the machine is touched). The runner writes
@@ -39,8 +47,11 @@ from testbed.schema import choice, integer, optional, positive, spec, string
 from testbed.workload import generate
 
 
-KINDS = ("pause", "kill", "restart", "link", "slow")
+KINDS = ("pause", "kill", "restart", "link", "slow", "flap", "blackhole", "reject", "reset")
 LINK_KEYS = ("rate", "delay", "loss", "up")
+EVENTS = ("blackhole", "reject", "reset")      # testbed.net.linkevents, in the router
+WAN_KINDS = ("link", "flap", *EVENTS)           # what crosses the WAN; no target
+RESET_WINDOW_S = 0.5        # reset without a duration: RST for this long (real-world)
 GROUPS = ("prfaas", "local", "prefill", "decode")
 
 
@@ -54,7 +65,8 @@ def _up(value):
 class FaultSpec:
     """One injected failure (list item of `faults:`)."""
 
-    kind: str = spec(choice(*KINDS), doc="pause | kill | restart | link | slow")
+    kind: str = spec(choice(*KINDS), doc="pause | kill | restart | link | slow | flap | "
+                                          "blackhole | reject | reset")
     at: float = spec(optional(units.duration_s), None,
                      "when (real-world, after the first arrival), e.g. 30s")
     every: float = spec(optional(positive(units.duration_s)), None,
@@ -74,6 +86,10 @@ class FaultSpec:
     delay: float = spec(optional(units.duration_s), None, "link: one-way delay while it lasts")
     loss: float = spec(optional(units.probability), None, "link: loss probability while it lasts")
     up: bool = spec(optional(_up), None, "link: false cuts the link while it lasts")
+    down_for: float = spec(optional(positive(units.duration_s)), None,
+                           "flap: the link is down this long, then up for `up_for`, ...")
+    up_for: float = spec(optional(positive(units.duration_s)), None,
+                         "flap: ... up this long, repeated while `duration` lasts")
 
     def check(self):
         k = self.kind
@@ -85,14 +101,16 @@ class FaultSpec:
             raise ValueError("'every' needs 'count'")
         allowed = {"pause": {"target", "duration"}, "kill": {"target"},
                    "restart": {"target", "after"}, "slow": {"target", "duration", "factor"},
-                   "link": {"duration", "direction", *LINK_KEYS}}[k]
-        for key in ("target", "duration", "after", "factor", *LINK_KEYS):
+                   "link": {"duration", "direction", *LINK_KEYS},
+                   "flap": {"duration", "direction", "down_for", "up_for"},
+                   **{e: {"duration", "direction"} for e in EVENTS}}[k]
+        for key in ("target", "duration", "after", "factor", *LINK_KEYS, "down_for", "up_for"):
             if getattr(self, key) is not None and key not in allowed:
                 raise ValueError(f"kind {k} takes no '{key}' (it takes "
                                  f"{', '.join(sorted(allowed))})")
-        if self.direction != "both" and k != "link":
+        if self.direction != "both" and k not in WAN_KINDS:
             raise ValueError(f"kind {k} takes no 'direction'")
-        if k != "link" and self.target is None:
+        if k not in WAN_KINDS and self.target is None:
             raise ValueError(f"kind {k} needs 'target'")
         if k in ("pause", "slow") and self.duration is None:
             raise ValueError(f"kind {k} needs 'duration'")
@@ -102,6 +120,19 @@ class FaultSpec:
             raise ValueError("kind slow needs 'factor' > 1")
         if k == "link" and all(getattr(self, x) is None for x in LINK_KEYS):
             raise ValueError(f"kind link needs at least one of {', '.join(LINK_KEYS)}")
+        if k == "flap" and (self.down_for is None or self.up_for is None
+                            or self.duration is None):
+            raise ValueError("kind flap needs 'down_for', 'up_for' and 'duration'")
+        if k == "flap" and self.duration < self.down_for:
+            raise ValueError("kind flap needs 'duration' >= 'down_for' (one down period)")
+
+    def flaps(self):
+        """flap: (start, end) offsets from `at`, real-world, of every down period."""
+        out, t = [], 0.0
+        while t < self.duration - 1e-9:
+            out.append((t, min(t + self.down_for, self.duration)))
+            t += self.down_for + self.up_for
+        return out
 
     def times(self):
         """Real-world injection times of every occurrence."""
@@ -176,13 +207,15 @@ def resolve(exp, instances):
     for i, f in enumerate(exp.faults):
         for n, at in enumerate(f.times()):
             try:
-                targets = () if f.kind == "link" else _resolve_target(f.target, names, rng)
+                targets = () if f.kind in WAN_KINDS else _resolve_target(f.target, names, rng)
             except ValueError as e:
                 raise _Bad(f"faults[{i}].target", str(e)) from None
             if f.kind == "kill":
                 end = math.inf
             elif f.kind == "restart":
                 end = at + f.after
+            elif f.kind == "reset" and f.duration is None:
+                end = at + RESET_WINDOW_S
             else:
                 end = at + f.duration if f.duration is not None else math.inf
             out.append(Occurrence(i, n, f, targets, at, end))
@@ -214,27 +247,35 @@ def _check_overlaps(occ, exp):
                                f"killed for good by faults[{a.index}] at {a.at_s:g}s")
                 raise _Bad(f"faults[{b.index}]", f"{_span(b)} on {t} overlaps faults[{a.index}] "
                            f"({_span(a)}) on the same instance")
-    links = [o for o in occ if o.spec.kind == "link"]
+    links = [o for o in occ if o.spec.kind in WAN_KINDS]
     dirs = lambda d: ("kv", "request") if d == "both" else (d,)   # noqa: E731
     for x in range(len(links)):
         a = links[x]
         for b in links[x + 1:]:
-            keys = {k for k in LINK_KEYS if getattr(a.spec, k) is not None
-                    and getattr(b.spec, k) is not None}
+            keys = set(_sets(a.spec)) & set(_sets(b.spec))
             if keys and set(dirs(a.spec.direction)) & set(dirs(b.spec.direction)) and \
                     max(a.at_s, b.at_s) < min(a.end_s, b.end_s):
                 first, second = sorted((a, b), key=lambda o: (o.at_s, o.index))
                 raise _Bad(f"faults[{second.index}]",
-                           f"link fault at {second.at_s:g}s sets {', '.join(sorted(keys))} of "
-                           f"the same direction as faults[{first.index}] ({_span(first)})")
+                           f"{second.spec.kind} fault at {second.at_s:g}s sets "
+                           f"{', '.join(sorted(keys))} of the same direction as "
+                           f"faults[{first.index}] ({_span(first)})")
         for j, c in enumerate(exp.network.wan.changes):
-            keys = {k for k in LINK_KEYS if getattr(a.spec, k) is not None
-                    and getattr(c, k, None) is not None}
+            keys = {k for k in _sets(a.spec) if getattr(c, k, None) is not None}
             if keys and set(dirs(a.spec.direction)) & set(dirs(c.direction)) and \
                     a.at_s <= c.at < a.end_s:
                 raise _Bad(f"faults[{a.index}]",
-                           f"link fault ({_span(a)}) and network.wan.changes[{j}] at {c.at:g}s "
-                           f"both set {', '.join(sorted(keys))} of the same direction")
+                           f"{a.spec.kind} fault ({_span(a)}) and network.wan.changes[{j}] at "
+                           f"{c.at:g}s both set {', '.join(sorted(keys))} of the same direction")
+
+
+def _sets(f):
+    """The link keys a WAN fault sets while it lasts (`event`: the router's event chain)."""
+    if f.kind == "flap":
+        return ("up",)
+    if f.kind in EVENTS:
+        return ("event",)
+    return tuple(k for k in LINK_KEYS if getattr(f, k) is not None)
 
 
 def check(exp, instances, path=None):

@@ -21,6 +21,7 @@ import seaborn as sns  # noqa: E402
 from testbed import fidelity, plot_cache, plot_control, plot_load, rundir  # noqa: E402
 from testbed.rundir import find_runs  # noqa: E402,F401  (plot.find_runs: callers' name)
 from testbed.scale import Scale  # noqa: E402
+from testbed.faultspec import WAN_KINDS  # noqa: E402
 
 from testbed.figstyle import STYLE  # noqa: E402  (the one registry; plot.STYLE: callers' name)
 
@@ -282,7 +283,7 @@ def _instance_states(ax2, d, spans, health, scale):
     rows = names + ["WAN"]
     for y, name in enumerate(rows):
         faulted = [(a, b - a) for k, tg, a, b in spans
-                   if (name == "WAN" and k == "link") or name in tg.split(",")]
+                   if (name == "WAN" and k in WAN_KINDS) or name in tg.split(",")]
         ax2.broken_barh(faulted, (y - 0.4, 0.8), color="0.75")
         ts = rundir.csv_table(d, rundir.RunDir.TIMESERIES) if name == "WAN" else None
         if ts is not None:
@@ -298,6 +299,14 @@ def _instance_states(ax2, d, spans, health, scale):
     ax2.set_xlabel("arrival / time since first arrival (s, real-world)")
     ax2.set_title("grey: fault in force; red: marked down (health) / link down (kernel)",
                   fontsize=8)
+
+
+def _heat_axis(ax, title):
+    ax.tick_params(axis="y", labelrotation=0)
+    ax.tick_params(axis="x", labelrotation=30)
+    ax.set_title(title)
+    ax.set_xlabel("")
+    ax.set_ylabel("")
 
 
 def failure_heatmap(top, out_dir: pathlib.Path) -> pathlib.Path | None:
@@ -318,12 +327,34 @@ def failure_heatmap(top, out_dir: pathlib.Path) -> pathlib.Path | None:
                                             ("failed", "failed requests", ".0f"))):
         grid = m.pivot_table(index=rows, columns="column", values=col, aggfunc="first")
         sns.heatmap(grid, annot=True, fmt=fmt, cmap="Reds", ax=ax, cbar=False)
-        ax.tick_params(axis="y", labelrotation=0)
-        ax.tick_params(axis="x", labelrotation=30)
-        ax.set_title(title)
-        ax.set_xlabel("")
-        ax.set_ylabel("")
+        _heat_axis(ax, title)
     return _save(fig, out_dir, "failure_matrix")
+
+
+def conformance_heatmap(top, out_dir: pathlib.Path) -> pathlib.Path | None:
+    """conformance.csv (an experiment with WAN faults and variants): per case and column
+    (policy, failover) done / failed / lost, and the longest a request stayed unfinished after
+    the fault ended, with when success returned."""
+    path = rundir.RunDir(top).conformance
+    if not path.exists():
+        return None
+    m = pd.read_csv(path)
+    m["column"] = m.policy + ", failover " + m.failover.map({True: "on", False: "off"})
+    m["done/failed/lost"] = [f"{c}/{f}/{lo}" for c, f, lo in zip(m.completed, m.failed, m.lost)]
+    sns.set_theme(style="white", context="paper")
+    fig, axes = plt.subplots(1, 3, figsize=(14, 1.8 + 0.45 * m.case.nunique()))
+    for ax, (col, title) in zip(axes, (("failed", "done / failed / lost"),
+                                       ("unfinished_after_end_s",
+                                        "longest unfinished after the fault (s)"),
+                                       ("success_after_end_s", "success returns after (s)"))):
+        grid = m.pivot_table(index="case", columns="column", values=col, aggfunc="first",
+                             sort=False)
+        annot = m.pivot_table(index="case", columns="column", values="done/failed/lost",
+                              aggfunc="first", sort=False) if col == "failed" else True
+        sns.heatmap(grid, annot=annot, fmt="" if col == "failed" else ".1f", cmap="Reds",
+                    ax=ax, cbar=False)
+        _heat_axis(ax, title)
+    return _save(fig, out_dir, "conformance")
 
 
 def run_figures(top) -> list[pathlib.Path]:
@@ -333,6 +364,7 @@ def run_figures(top) -> list[pathlib.Path]:
     figures = (ttft_cdf(top, out), egress_timeline(top, out), ttft_timeline(top, out),
                plot_load.load_curve(top, out, _save),
                threshold_timeline(top, out), failure_heatmap(top, out),
+               conformance_heatmap(top, out),
                plot_cache.cache_by_run(top, out, find_runs, _label, _save),
                plot_cache.cache_capacity(top, out, find_runs, _label, _save),
                plot_control.control_timeline(top, out, find_runs, _label, _save))

@@ -51,6 +51,8 @@ class RunDir:
     LIVE_LOG = "live.log"               # at an experiment's top: the exporter's output
     FAILURE_MATRIX = "failure_matrix.csv"
     FAILURE_MATRIX_MD = "failure_matrix.md"
+    CONFORMANCE = "conformance.csv"             # with WAN faults (testbed.faults.write_matrix)
+    CONFORMANCE_MD = "conformance.md"
     CACHE_POOL = "cache_{dc}.json"      # a datacenter's prefix cache pool at its exit
     LOGS = "logs"                       # logs/<instance>.log
     FIGURES = "figures"
@@ -101,6 +103,8 @@ class RunDir:
     live_log = property(lambda self: self.path / self.LIVE_LOG)
     failure_matrix = property(lambda self: self.path / self.FAILURE_MATRIX)
     failure_matrix_md = property(lambda self: self.path / self.FAILURE_MATRIX_MD)
+    conformance = property(lambda self: self.path / self.CONFORMANCE)
+    conformance_md = property(lambda self: self.path / self.CONFORMANCE_MD)
     logs = property(lambda self: self.path / self.LOGS)
     figures = property(lambda self: self.path / self.FIGURES)
     ready = property(lambda self: self.path / self.READY)

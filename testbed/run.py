@@ -32,8 +32,8 @@ import subprocess
 import sys
 import time
 
-from testbed import (analysis, clocks, config, deploy, fidelity, lifecycle, loadgen, loadrun,
-                     ownership, plot, plot_load, replicates, rundir, runinputs, sim)
+from testbed import (analysis, clocks, config, deploy, faultspec, fidelity, lifecycle, loadgen,
+                     loadrun, ownership, plot, plot_load, replicates, rundir, runinputs, sim)
 from testbed.backend import open_backend, preflight
 from testbed.errors import ConfigError, PrivilegeError, RunInterrupted, WorkerError
 from testbed.faults import write_matrix
@@ -305,6 +305,13 @@ class Run:
         self.meta["link_schedule_errors"] = [
             {"at_s": t, "direction": d or "both", "changes": c, "error": e}
             for t, d, c, e in schedule.errors]
+        # the faults as resolved (kinds, targets, times) and what the link events did
+        self.meta["faults"] = [o.as_dict() for o in faultspec.resolve(self.exp,
+                                                                     self.deployment.instances)]
+        counters = getattr(self.backend.shaper, "event_counters", None)
+        if counters is not None and any(o["kind"] in faultspec.EVENTS
+                                        for o in self.meta["faults"]):
+            self.meta["link_event_packets"] = counters()
 
     def _check_workers(self, dead, events, warn):
         """Record (once each) the workers that exited; the client is watched by its caller."""

@@ -2,11 +2,12 @@
 targets resolve, what a link fault restores, and the accounting of a run's records."""
 
 import math
+import types
 
 import pandas as pd
 import pytest
 
-from testbed import deploy, faults, faultspec
+from testbed import deploy, faults, faultspec, plot
 from testbed.config import load_experiment
 from testbed.errors import ConfigError
 
@@ -38,6 +39,15 @@ def load(tmp_path, small_experiment, faults_yaml, extra=""):
      "up: true, duration: 1s}]", "faults[1]", "sets up"),
     ("[{at: 3s, kind: slow, target: rp0, factor: 0.5, duration: 1s}]", "faults[0]", "> 1"),
     ("[{every: 5s, kind: pause, target: rp0, duration: 1s}]", "faults[0]", "'count'"),
+    ("[{at: 3s, kind: flap, down_for: 1s, duration: 5s}]", "faults[0]", "needs 'down_for'"),
+    ("[{at: 3s, kind: flap, down_for: 2s, up_for: 1s, duration: 1s}]", "faults[0]",
+     "'duration' >= 'down_for'"),
+    ("[{at: 3s, kind: reset, target: rp0}]", "faults[0]", "takes no 'target'"),
+    ("[{at: 3s, kind: reject, up: false}]", "faults[0]", "takes no 'up'"),
+    ("[{at: 3s, kind: blackhole, duration: 5s}, {at: 4s, kind: reject, direction: kv, "
+     "duration: 1s}]", "faults[1]", "sets event"),
+    ("[{at: 3s, kind: flap, down_for: 1s, up_for: 1s, duration: 6s}, {at: 4s, kind: link, "
+     "up: false, duration: 1s}]", "faults[1]", "sets up"),
 ])
 def test_bad_fault_specs_exit_2_naming_the_key(tmp_path, small_experiment, spec, key, words):
     with pytest.raises(ConfigError) as e:
@@ -94,3 +104,45 @@ def test_accounting_tells_failed_from_lost():
         "send_time": [1.0, 2.0, 3.0, None]})
     assert faults.accounting(df) == {"requests": 4, "sent": 3, "completed": 1, "failed": 1,
                                      "lost": 2}
+
+
+def test_flap_and_events_on_the_link_schedule(tmp_path, small_experiment):
+    exp = load(tmp_path, small_experiment, "[{at: 3s, kind: flap, down_for: 1s, up_for: 2s, "
+               "duration: 5s}, {at: 10s, kind: reject, direction: kv, duration: 2s}, "
+               "{at: 14s, kind: reset}]")
+    s = exp.scale
+    items = [c.item() for c in deploy.compile(exp).link_changes]
+    ups = [(round(t * s.time, 6), ch["up"]) for t, _, ch, *_ in items if "up" in ch]
+    # down 3-4 s, up, down 6-7 s, up, then the end of the fault restores both directions
+    assert ups == [(3, False), (4, True), (6, False), (7, True), (8, True), (8, True)]
+    events = [(round(t * s.time, 6), d, ch["event"]) for t, d, ch, *_ in items
+              if "event" in ch]
+    assert events == [(10, "kv", "reject"), (12, "kv", None), (14, None, "reset"),
+                      (14 + faultspec.RESET_WINDOW_S, None, None)]
+    assert all(ch["port"] == 50052 for _, _, ch, *_ in items if ch.get("event"))
+
+
+def test_conformance_table_and_heatmap_from_the_runs_summaries(tmp_path):
+    def exp(case, fl, fo):
+        return types.SimpleNamespace(label=f"{case},enabled={fo}", faults=fl,
+                                     scheduler=types.SimpleNamespace(
+                                         policy="prfaas", failover=types.SimpleNamespace(
+                                             enabled=fo)))
+    runs, sums = [], []
+    for case, fl in (("none", []), ("reset", [faultspec.FaultSpec(kind="reset", at=3.0)])):
+        for fo in (False, True):
+            runs.append(exp(case, fl, fo))
+            s = {"accounting": {"completed": 20, "failed": 4 * len(fl), "lost": 0},
+                 "p90_ttft_ms": 1000.0 + 500 * len(fl), "kv_retries": 3, "kv_reprefills": 1}
+            if fl:
+                s["faults"] = [{"kind": "reset", "hung": 0, "unfinished_after_end_s": 2.5,
+                                "success_after_end_s": 0.3, "failed_after_end": 0}]
+            sums.append(s)
+    faults.write_matrix(tmp_path, runs, sums)
+    m = pd.read_csv(tmp_path / "conformance.csv")
+    assert list(m.columns) == faults.CONFORMANCE_COLUMNS
+    assert m.p90_inflation.tolist() == [1.0, 1.0, 1.5, 1.5]
+    assert m.success_after_end_s.tolist()[2:] == [0.3, 0.3]
+    assert "| reset | prfaas | True | 20 | 4 | 0 | 0 | 2.5 |" in (
+        tmp_path / "conformance.md").read_text()
+    assert plot.conformance_heatmap(tmp_path, tmp_path / "figures").exists()

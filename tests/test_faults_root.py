@@ -137,3 +137,26 @@ def test_slow_prefill_runs_its_clock_slower(tmp_path):
     after = ratio[df.prefill_start > t_end]
     assert len(during) and during.median() > 2.5, during.tolist()
     assert len(after) and after.median() < 1.5, after.tolist()
+
+
+def test_kv_connections_reset_are_retried_and_every_request_completes(tmp_path):
+    # resets for 3 s: every KV connection that carries data meanwhile is reset, its retries too
+    out, df, s, ev = run(tmp_path, "[{at: 3s, kind: reset, duration: 3s}]", FAILOVER)
+    assert (df.status == "ok").all(), df.error.tolist()
+    assert s["kv_retries"] + s["kv_reprefills"] > 0, s
+    meta = json.loads((out / "metadata.json").read_text())
+    assert meta["faults"][0]["kind"] == "reset"
+    assert sum(meta["link_event_packets"].values()) > 0, meta["link_event_packets"]
+
+
+def test_blackhole_and_reject_leave_nothing_hung(tmp_path):
+    # (tiny's 30 requests arrive within ~8 s: both faults inside that)
+    out, df, s, ev = run(tmp_path, "[{at: 1.5s, kind: blackhole, duration: 2.5s}, "
+                         "{at: 5s, kind: reject, duration: 1.5s}]", FAILOVER)
+    assert (df.status == "ok").all(), df.error.tolist()
+    meta = json.loads((out / "metadata.json").read_text())
+    assert [f["kind"] for f in meta["faults"]] == ["blackhole", "reject"]
+    assert sum(meta["link_event_packets"].values()) > 0
+    # success came back after the last fault: the requests sent after it all completed
+    end = _injected(ev, 1) + 1.5 / 5      # emulated seconds (scale.time 5)
+    assert (df[df.send_time > end + 1].status == "ok").all()

@@ -8,7 +8,10 @@ batches the request. A slot is made by whichever comes first, the request's firs
 Exactly-once admission: a re-dispatched request's KV may come from several prefill attempts
 (at-least-once prefill). The slot follows the newest attempt until its KV is complete; frames of
 any other attempt, or for a request already served, are discarded and counted (`kv_discarded`
-rows in events.csv; complete ones are duplicates). KV of a request whose `Decode` call never
+rows in events.csv; complete ones are duplicates). Within a transfer the frames' sequence numbers
+must follow each other: a frame that comes twice is discarded and counted (`duplicate_frames`),
+a gap fails the transfer with the missing frame's number, and frame 0 again (the sender's
+retry on a new connection) starts the transfer over. KV of a request whose `Decode` call never
 comes is freed after the KV deadline (`reap_orphans`).
 """
 
@@ -46,6 +49,7 @@ class Slot:
         self.wake = asyncio.Event()
         self.finished = False
         self.attempt = -1            # the prefill attempt whose KV this slot takes
+        self.next_seq = 0            # the frame the transfer expects next (kvwire seq)
         self.client = ""             # Request.client: whose token stream takes the tokens
         self.marked = False          # the scheduler was told the first token went direct
         self.cache_bytes = 0
@@ -63,6 +67,7 @@ class KvIntake:
         self.served = collections.OrderedDict()     # request id -> admitted attempt
         self.discarded = {}                         # (rid, attempt) -> bytes, last time, complete
         self.duplicates = 0
+        self.duplicate_frames = 0                   # frames of a transfer that came twice
         self.events = None
 
     def claim(self, rid):
@@ -78,19 +83,26 @@ class KvIntake:
     def on_frame(self, wire, seq, flags, payload, t_first, t_last):
         rid, attempt = control.split_id(wire)
         slot = self.slots.get(rid)
-        if rid in self.served or (slot is not None and (attempt < slot.attempt or (
-                slot.kv_done.is_set() and attempt != slot.attempt))):
+        if rid in self.served or (slot is not None and (
+                attempt < slot.attempt or slot.kv_done.is_set())):   # complete: all else late
             self._discard(rid, attempt, flags, len(payload))
             return
         if slot is None:
             slot = self.slots[rid] = Slot(rid)
-        if attempt > slot.attempt:
-            if slot.kv_bytes:         # a newer attempt supersedes a partial transfer
-                self._discard(rid, slot.attempt, 0, slot.kv_bytes)
-                slot.kv_bytes, slot.kv_first = 0, 0.0
-                if self.assembling:
-                    self.engine.release(rid)
-            slot.attempt = attempt
+        abort = flags & kvwire.FLAG_ABORT
+        if attempt > slot.attempt or (seq == 0 and slot.next_seq and not abort):
+            # a newer attempt, or the same one sent again from its start on a new connection
+            # (the sender's retry, workers/prefill.py), supersedes a partial transfer
+            self._restart(slot, attempt)
+        elif seq != slot.next_seq and not abort:
+            if seq < slot.next_seq:     # a frame that came twice
+                self.duplicate_frames += 1
+                self._discard(rid, attempt, 0, len(payload))
+                return
+            slot.kv_error = f"KV frame {slot.next_seq} of request {rid} missing (got {seq})"
+            slot.kv_done.set()
+            return
+        slot.next_seq = seq + 1
         if not slot.kv_first:
             slot.kv_first = t_first
         slot.kv_bytes += len(payload)
@@ -102,6 +114,14 @@ class KvIntake:
             slot.kv_done.set()
         elif flags & kvwire.FLAG_LAST:
             slot.kv_done.set()
+
+    def _restart(self, slot, attempt):
+        if slot.kv_bytes:
+            self._discard(slot.rid, slot.attempt, 0, slot.kv_bytes)
+            slot.kv_bytes, slot.kv_first = 0, 0.0
+            if self.assembling:
+                self.engine.release(slot.rid)
+        slot.attempt, slot.next_seq = attempt, 0
 
     def on_kv_error(self, err):
         self.log.warning("KV connection error: %s", err)

@@ -30,15 +30,24 @@ delivers frames from the read callback, without a task switch per frame. The sen
 frames it is given (`send_frames`: a layer's frames at once) with `sendmsg` straight from the
 caller's buffers and waits for the socket, not for a copy in a transport buffer, when the
 kernel takes less.
+
+Failures: a sender's data unacknowledged for `USER_TIMEOUT_MS` (a blackholed or cut link)
+aborts its connection (TCP_USER_TIMEOUT), `drain` tells a transfer that got through (every byte
+acknowledged) from one that did not, and receivers probe silent connections (keepalive, 1 s), so
+a reset that reached only the sender does not leave the receiver's end open for good.
+`workers.prefill` retries a failed transfer on a new connection from frame 0; the receiver's
+sequence numbers (`workers.kvintake`) start it over and discard frames that come twice.
 """
 
 import asyncio
 import contextlib
 import ctypes
 import ctypes.util
+import fcntl
 import os
 import socket
 import struct
+import termios
 import time
 
 from testbed.net.tcp import set_congestion_control
@@ -53,6 +62,19 @@ HEADER = struct.Struct("!4sQIIQI")
 FLAG_LAST = 1
 FLAG_ABORT = 2
 MAX_FRAME = 256 << 20
+
+
+KEEPALIVE_S = 1            # receiver: a silent connection is probed after 1 s (then every 1 s)
+USER_TIMEOUT_MS = 1000     # sender: data unacknowledged this long aborts the connection
+
+
+def keepalive(sock, idle_s=KEEPALIVE_S, count=3):
+    """Keepalive probes on a receiving socket: a sender that is gone (reset, killed, its
+    connection aborted) is noticed within idle_s x (1 + count), not never."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle_s)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, idle_s)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, count)
 
 
 class FrameError(Exception):
@@ -122,6 +144,7 @@ class _Receiver(asyncio.BufferedProtocol):
             self.fd = sock.fileno()
             if sock.family in (socket.AF_INET, socket.AF_INET6):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                keepalive(sock)
 
     def get_buffer(self, sizehint):
         return self.buf[self.pos:]
@@ -325,6 +348,21 @@ class SocketConnection(Connection):
             self.broken = True
             raise
 
+    async def drain(self, poll_s=0.002):
+        """Wait until the peer has acknowledged every byte written (the kernel's send queue,
+        SIOCOUTQ, is empty); an OSError when the connection failed meanwhile (reset, or aborted
+        by TCP_USER_TIMEOUT), so the caller knows the transfer did not get through."""
+        buf = bytearray(4)
+        while True:
+            err = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if err:
+                self.broken = True
+                raise OSError(err, os.strerror(err))
+            fcntl.ioctl(self.sock.fileno(), termios.TIOCOUTQ, buf)
+            if not int.from_bytes(buf, "little"):
+                return
+            await asyncio.sleep(poll_s)
+
     async def _writable(self):
         loop = asyncio.get_running_loop()
         ready = loop.create_future()
@@ -371,12 +409,12 @@ class SenderPool:
         self.connect_timeout_s = connect_timeout_s
 
     @contextlib.asynccontextmanager
-    async def connection(self, host, port):
+    async def connection(self, host, port, connect_timeout_s=None):
         key = (host, port)
         pool = self.idle.setdefault(key, [])
         conn = pool.pop() if pool else None
         if conn is None:
-            conn = SocketConnection(await self._connect(host, port))
+            conn = SocketConnection(await self._connect(host, port, connect_timeout_s))
         try:
             yield conn
         except BaseException:
@@ -412,7 +450,7 @@ class SenderPool:
         missing = await asyncio.gather(*(one(h, p) for h, p in peers))
         return [m for m in missing if m is not None]
 
-    async def _connect(self, host, port):
+    async def _connect(self, host, port, timeout_s=None):
         infos = await asyncio.get_running_loop().getaddrinfo(host, port,
                                                              type=socket.SOCK_STREAM)
         family, type_, proto, _, addr = infos[0]
@@ -420,9 +458,10 @@ class SenderPool:
         try:
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, USER_TIMEOUT_MS)
             set_congestion_control(sock)
             await asyncio.wait_for(asyncio.get_running_loop().sock_connect(sock, addr),
-                                   self.connect_timeout_s)
+                                   timeout_s or self.connect_timeout_s)
         except BaseException:
             sock.close()
             raise

@@ -18,6 +18,11 @@ from workers.engine import PrefillEngine
 from workers.engine_profile import ProfilePrefillEngine
 
 
+# A failed KV connection is retried (emulated seconds): first after 20 ms, doubling up to 0.2 s;
+# a new connection gets 0.5 s to connect (a SYN into a blackhole is not waited on for 1 s+).
+KV_RETRY_S, KV_RETRY_MAX_S, KV_RETRY_CONNECT_S = 0.02, 0.2, 0.5
+
+
 class PrefillService(pbg.PrefillServicer):
     def __init__(self, rt, name, engine: PrefillEngine, log):
         self.rt, self.name, self.engine, self.log = rt, name, engine, log
@@ -29,6 +34,8 @@ class PrefillService(pbg.PrefillServicer):
         self.active = 0
         self.busy_s = 0.0
         self.cache = None           # workers.cache_worker.PrefillCache when the cache is on
+        self.kv_retries = 0         # KV transfers sent again on a new connection
+        self.events = None          # the run's events.csv (kv_retry rows)
 
     async def Prefill(self, preq, context):
         req = preq.request
@@ -85,8 +92,32 @@ class PrefillService(pbg.PrefillServicer):
             req.id, self.cache.sizes.shipped(req.input_len, req.decode_cached_len)), None))
 
     async def _send(self, rid, host, port, queue, reply):
-        async with self.pool.connection(host, port) as conn:
-            while True:
+        """Stream the frames to the decode worker; a connection that fails (reset, refused,
+        aborted by its user timeout, or closed by the receiver on a bad frame) is replaced and
+        the transfer sent again from frame 0, until it gets through or the KV deadline has
+        passed (then the error fails this prefill attempt: the scheduler may re-prefill)."""
+        sent = []           # every frame handed over so far, for a retry on a new connection
+        deadline = time.monotonic() + self.rt.kv_deadline_s
+        wait_s = KV_RETRY_S
+        while True:
+            try:
+                return await self._send_once(rid, host, port, queue, reply, sent)
+            except (OSError, asyncio.TimeoutError) as e:
+                if time.monotonic() + wait_s > deadline:
+                    raise
+                self.kv_retries += 1
+                if self.events is not None:
+                    self.events("kv_retry", instance=self.name, id=control.split_id(rid)[0],
+                                frames=len(sent), error=type(e).__name__)
+                await asyncio.sleep(wait_s)
+                wait_s = min(2 * wait_s, KV_RETRY_MAX_S)
+
+    async def _send_once(self, rid, host, port, queue, reply, sent):
+        async with self.pool.connection(host, port, KV_RETRY_CONNECT_S if sent else None) \
+                as conn:
+            if sent:            # the transfer so far, again from frame 0
+                await conn.send_frames(sent, checksum=self.frame_crc)
+            while not (sent and sent[-1][2] & kvwire.FLAG_LAST):
                 batch = await self._ready_frames(queue)
                 if batch is None:
                     await conn.send(rid, 0, kvwire.FLAG_ABORT, b"")
@@ -95,12 +126,13 @@ class PrefillService(pbg.PrefillServicer):
                     reply.send_start = time.time()
                 # Everything queued so far (a layer's frames) in one write, so the small
                 # frames share segments.
-                await conn.send_frames([(rid, seq, kvwire.FLAG_LAST if last else 0, data)
-                                        for seq, data, last in batch], checksum=self.frame_crc)
+                frames = [(rid, seq, kvwire.FLAG_LAST if last else 0, data)
+                          for seq, data, last in batch]
+                sent.extend(frames)
+                await conn.send_frames(frames, checksum=self.frame_crc)
                 reply.kv_bytes += sum(memoryview(data).nbytes for _, data, _ in batch)
-                if batch[-1][2]:
-                    reply.send_end = time.time()
-                    return
+            reply.send_end = reply.send_end or time.time()
+            await conn.drain()      # acknowledged, or the error that makes it a retry
 
     @staticmethod
     async def _ready_frames(queue):
@@ -160,7 +192,9 @@ def make_engine(rt, inst) -> PrefillEngine:
 
 
 def make_service(rt, name, inst, log):
-    return PrefillService(rt, name, make_engine(rt, inst), log)
+    service = PrefillService(rt, name, make_engine(rt, inst), log)
+    service.events = control.event_log(rt, name)
+    return service
 
 
 async def main():

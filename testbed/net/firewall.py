@@ -13,6 +13,16 @@ from testbed.net.linkmodel import DIRECTIONS
 from testbed.net.ns import ns_argv, ns_run
 
 
+def ns_iptables(netns_path, argv, stdin=None, check=True):
+    """Run an iptables command (`argv`, `stdin` for iptables-restore) in the namespace; a
+    NetworkError naming it when it fails and `check`."""
+    r = ns_run(netns_path, argv, input=stdin, capture_output=True, text=True)
+    if check and r.returncode != 0:
+        raise NetworkError(f"{' '.join(argv[:2])} in {netns_path}: "
+                           f"{r.stderr.strip() or r.returncode}")
+    return r
+
+
 class Firewall:
     """iptables state of the userspace backend in the router namespace: per direction a chain
     `TBWAN-<dir>` (link down, random loss) jumped to from FORWARD -o <iface>, and an NFQUEUE rule
@@ -24,11 +34,7 @@ class Firewall:
         self.installed = {}   # direction -> iface
 
     def _run(self, argv, stdin=None, check=True):
-        r = ns_run(self.netns_path, argv, input=stdin, capture_output=True, text=True)
-        if check and r.returncode != 0:
-            raise NetworkError(f"{' '.join(argv[:2])} in {self.netns_path}: "
-                               f"{r.stderr.strip() or r.returncode}")
-        return r
+        return ns_iptables(self.netns_path, argv, stdin, check)
 
     def _undo_argv(self, *argv):
         return ns_argv(self.netns_path, argv)

@@ -3,7 +3,8 @@
 `LinkSchedule(wan, items)` applies each `(t_s, direction, changes)` (emulation units: the
 deployment's link changes, `testbed.deploy.LinkChange.item()` -- `network.wan.changes`, every
 `network.wan.rate_trace` row and the link faults, whose fourth element is logged as a
-`fault_inject`/`fault_end` event) through the shaper's `set` at `t0 + t_s`,
+`fault_inject`/`fault_end` event) through the shaper's `set` at `t0 + t_s` (a change with an
+`event` key -- blackhole, reject, reset, or None to end it -- through its `event`),
 in a thread; `Wan.set` logs each change, with how long it took to apply, to the run's
 events.csv. A change that fails is reported (a `link_schedule_error` row in events.csv and a
 warning line) and kept in `errors`; the later changes are still applied, and the run goes on
@@ -48,7 +49,10 @@ class LinkSchedule:
                 if note and self.events:     # a link fault (testbed/faultspec.py): on record
                     n = dict(note[0])
                     self.events(f"fault_{n.pop('phase')}", **n)
-                self.wan.set(direction, **changes)
+                if "event" in changes:    # blackhole, reject, reset (testbed.net.linkevents)
+                    self.wan.event(direction, changes["event"], changes.get("port", 0))
+                else:
+                    self.wan.set(direction, **changes)
                 self.applied += 1
             except Exception as e:   # keep measuring and keep applying; say what failed
                 err = f"{type(e).__name__}: {e}"

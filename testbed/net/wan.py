@@ -38,6 +38,7 @@ from testbed.errors import ConfigError, NetworkError
 from testbed.net import netlink
 from testbed.net.delayline import DelayLine
 from testbed.net.firewall import Firewall
+from testbed.net.linkevents import LinkEvents
 from testbed.net.linkmodel import (DIRECTIONS, SETTABLE, Link, burst_loss, htb_burst_bytes,
                                    htb_quantum_bytes, needs_delayline, queue_limit,
                                    queue_packets)
@@ -134,6 +135,7 @@ class Wan:
         self._arrival = set(DIRECTIONS)
         self._delaylines = {}
         self._firewall = None
+        self._link_events = None      # LinkEvents, made by the first `event`
         self._lock = threading.RLock()
         self._closed_callback = False
 
@@ -180,6 +182,9 @@ class Wan:
             for dl in self._delaylines.values():
                 dl.stop()
             self._delaylines.clear()
+            if self._link_events is not None:
+                self._link_events.remove()
+                self._link_events = None
             if self._firewall is not None:
                 self._firewall.remove()
                 self._firewall = None
@@ -304,6 +309,28 @@ class Wan:
         self._event("wan_set", direction=direction or "both", apply_ms=round(took * 1e3, 3),
                     **{k: v for k, v in changes.items()})
         return took
+
+    def event(self, direction=None, mode=None, port=0):
+        """A link event (`testbed.net.linkevents`: blackhole, reject, reset; None: off) on one
+        direction (None = both), in the router namespace, whichever the backend; logged as a
+        `wan_event` event. Returns the time it took in seconds."""
+        t0 = time.monotonic()
+        with self._lock:
+            if self._ns is None:
+                raise NetworkError("Wan.event() before start() or after stop()")
+            if self._link_events is None:
+                self._link_events = LinkEvents(self.netns_path, self.ifaces, self.registry)
+            for d in (DIRECTIONS if direction is None else (direction,)):
+                self._link_events.set(d, mode, port)
+        took = time.monotonic() - t0
+        self._event("wan_event", direction=direction or "both", mode=mode or "off",
+                    apply_ms=round(took * 1e3, 3))
+        return took
+
+    def event_counters(self):
+        """direction -> packets the link events dropped, rejected or reset; {} without any."""
+        with self._lock:
+            return self._link_events.counters() if self._link_events is not None else {}
 
     def _apply(self, d, link):
         """A change of `d`: its rate and queue (netem: all of it) where it leaves through an
