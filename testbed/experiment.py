@@ -102,10 +102,19 @@ def _torch_config(value):
     return dict(value)
 
 
+def _profile_ref(value):
+    """A shipped profile's name, or the path of a profile file (checked once resolved)."""
+    if isinstance(value, str) and profiles.is_path(value):
+        return value
+    return path_component(value)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelSpec:
-    profile: str = spec(path_component, "kimi-linear-1t",
-                        "accelerator profile, testbed/profiles/NAME.yaml (a name, not a path)")
+    profile: str = spec(_profile_ref, "kimi-linear-1t",
+                        "accelerator profile: a name (testbed/profiles/NAME.yaml) or a profile "
+                        "file's path ending .yaml (e.g. `testbed calibrate`'s --out; relative "
+                        "to the experiment file's folder)")
     engine: str = spec(choice("profile", "torch"), "profile",
                        "profile: workers wait the profiled time and send profiled KV bytes | "
                        "torch: a real tiny KDA+MLA hybrid computes and ships its real state")
@@ -128,7 +137,7 @@ class ModelSpec:
                                      "fits; default from the profile")
 
     def check(self):
-        if self.profile not in profiles.available():
+        if not profiles.is_path(self.profile) and self.profile not in profiles.available():
             raise ValueError(f"profile: no profile {self.profile!r}; available: "
                              f"{', '.join(profiles.available())}")
         if self.engine == "torch" and self.device == "cuda":

@@ -22,6 +22,7 @@ import shlex
 import shutil
 import sys
 
+from testbed import profile as profiles
 from testbed.errors import ConfigError
 from testbed.runtime import FrontdoorRuntime
 
@@ -61,7 +62,7 @@ def check(exp, path=None):
 def runtime(exp):
     """The front door's entry in runtime.json."""
     f = exp.workload.frontdoor
-    return FrontdoorRuntime(port=f.port, max_context=f.max_context, model=exp.model.profile)
+    return FrontdoorRuntime(port=f.port, max_context=f.max_context, model=profiles.model_name(exp.model.profile))
 
 
 def url(rt):
