@@ -385,3 +385,22 @@ def test_event_loop_lateness_is_sampled_into_the_summary(tmp_path):
     summary = [r for r in _rows(tmp_path / "frontdoor.jsonl") if r["ev"] == "summary"][0]
     lag = summary["loop_lag_ms"]
     assert lag["samples"] >= 3 and lag["max"] >= 15 and lag["p50"] <= lag["p99"] <= lag["max"]
+
+
+def test_vllm_bench_argv_sends_the_workloads_count_rate_and_mean_lengths(tmp_path, monkeypatch):
+    from testbed import vllmenv
+    monkeypatch.setattr(vllmenv, "find_python", lambda: "/venv/bin/python")
+    exp = config.load_experiment(TINY, ["workload.client=vllm-bench"])[0]
+    rt = WorkerRuntime(instances={"client": InstanceRuntime(name="client", role="client",
+                                                            dc="local", ip="10.2.0.3")},
+                       frontdoor=loadgen.runtime(exp), request_timeout_s=30)
+    from testbed.workload import generate
+    wl = generate(exp.workload, exp.seed, requests=exp.requests, duration_s=exp.duration)
+    trace = loadrun.write_trace(tmp_path, wl, Scale.of(exp))
+    argv = loadrun.client_argv(exp, rt, tmp_path, trace)
+    assert argv[0] == "/venv/bin/python" and argv[1].endswith("workers/vllm_bench.py")
+    opt = dict(zip(argv, argv[1:]))
+    assert opt["--base-url"] == "http://10.2.0.3:8000" and opt["--num-prompts"] == "12"
+    assert int(opt["--random-input-len"]) == round(wl.input_len.mean())
+    span = (wl.arrival_s.iloc[-1] - wl.arrival_s.iloc[0]) / exp.scale.time
+    assert float(opt["--request-rate"]) == pytest.approx(11 / span, rel=1e-3)
