@@ -12,7 +12,8 @@ are skipped and said so), as a client measures it:
 - T_step(B, C): B streams started together, each a fresh prompt of c tokens and `steps`
   greedy tokens (`ignore_eos`); the step time is the median gap between the streamed tokens
   while all B are in the batch (after the last one's first token, before the first one's
-  last), and C = B x (c + the mean token index of those gaps);
+  last), and C = B x (c + the mean token index of those gaps); the median of `repeats` such
+  runs is the point fitted (each run is in the CSV as `step_run`);
 - S_kv: the model config's layers x KV heads x head dim x 2 x dtype bytes per token;
 - decode memory: the server's KV cache blocks (`vllm:cache_config_info` on /metrics) x block
   size x bytes per token.
@@ -137,12 +138,18 @@ async def measure(p, plan, m, progress, deadline):
             if time.monotonic() > deadline:
                 skipped.append(f"step B={b} c={c}")
                 continue
-            got = await p.step(b, c, plan["steps"])
-            if got is None:
+            got = [g for g in [await p.step(b, c, plan["steps"])
+                               for _ in range(plan["step_repeats"])] if g is not None]
+            if not got:
                 skipped.append(f"step B={b} c={c} (no overlap)")
                 continue
-            m.samples.append(Sample("step", batch=b, context=got[1], seconds=got[0]))
-            progress(f"decode step B={b} context {got[1]:>6}: {got[0] * 1e3:7.2f} ms")
+            m.samples += [Sample("step_run", batch=b, context=ctx, seconds=t, repeat=i)
+                          for i, (t, ctx) in enumerate(got)]
+            t = statistics.median(t for t, _ in got)
+            ctx = round(statistics.mean(ctx for _, ctx in got))
+            m.samples.append(Sample("step", batch=b, context=ctx, seconds=t))
+            progress(f"decode step B={b} context {ctx:>6}: {t * 1e3:7.2f} ms (median of "
+                     f"{len(got)})")
     return skipped
 
 

@@ -105,17 +105,19 @@ def test_calibrate_measures_a_real_vllm_server_into_a_profile_it_runs(tmp_path):
     vllmenv.write_model(model, layers=2)
     out = tmp_path / "cpu.yaml"
     assert cli.main(["calibrate", "--model", str(model), "--out", str(out),
-                     "--lengths", "64,256,512", "--repeats", "1", "--batches", "1,2",
-                     "--contexts", "64,256", "--steps", "8", "--budget", "90",
+                     "--lengths", "64,256,512", "--batches", "1,2",
+                     "--contexts", "64,256", "--steps", "8", "--budget", "90", "--repeats", "1",
                      "--kv-cache-space-gib", "1", "--max-model-len", "1024"]) == 0
     prof = profiles.load(str(out))
     rows = list(csv.DictReader(out.with_suffix(".csv").open()))
     pre = {int(r["length"]): float(r["seconds"]) for r in rows
            if r["kind"] == "prefill" and r["cached"] == "0"}
     assert set(pre) == {64, 256, 512} and all(t > 0 for t in pre.values())
-    assert prof.prefill_points["cpu"] == tuple(sorted(pre.items()))
+    got = dict(prof.prefill_points["cpu"])
+    assert got.keys() == pre.keys()
+    assert all(got[l] == pytest.approx(t, rel=1e-6) for l, t in pre.items())
     assert any(r["kind"] == "prefill" and int(r["cached"]) > 0 for r in rows)
-    assert sum(r["kind"] == "step" for r in rows) >= 3
+    assert sum(r["kind"] == "step" for r in rows) >= 3     # medians of the step_run rows
     assert prof.s_kv(1000) == pytest.approx(2 * 2 * 64 * 2 * 4 * 1000)   # 2 layers, fp32
     cap = prof.decode.kv_capacity      # the server's blocks x 16 x bytes per token
     assert 0.8 * 2**30 < cap <= 2**30 and prof.decode.step_time(1, 64) > 0

@@ -33,12 +33,13 @@ def register(subparsers):
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--lengths", default=",".join(map(str, LENGTHS)),
                    help="prefill prompt lengths, tokens (comma separated)")
-    p.add_argument("--repeats", type=int, default=3, help="prefills per length")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="prefills per length and decode runs per point (medians are fitted)")
     p.add_argument("--batches", default=",".join(map(str, BATCHES)),
                    help="decode batch sizes (at most --max-num-seqs)")
     p.add_argument("--contexts", default=",".join(map(str, CONTEXTS)),
                    help="decode prompt lengths per request, tokens")
-    p.add_argument("--steps", type=int, default=24, help="tokens per decode stream")
+    p.add_argument("--steps", type=int, default=16, help="tokens per decode stream")
     p.add_argument("--max-num-seqs", type=int, default=8, help="vLLM's batch (BS_max)")
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--kv-cache-space-gib", type=int, default=1,
@@ -72,6 +73,7 @@ def _plan(args):
     if max(batches) > args.max_num_seqs or min(batches + lengths + contexts) < 1:
         return None, "--batches: each from 1 to --max-num-seqs; lengths and contexts >= 1"
     return {"prefill_lengths": lengths, "repeats": max(1, args.repeats), "cached": True,
+            "step_repeats": max(1, args.repeats),
             "batches": batches, "contexts": contexts, "steps": max(4, args.steps),
             "dtype": args.dtype, "max_model_len": args.max_model_len,
             "max_num_seqs": args.max_num_seqs, "kv_cache_space_gib": args.kv_cache_space_gib,
