@@ -404,3 +404,41 @@ def test_vllm_bench_argv_sends_the_workloads_count_rate_and_mean_lengths(tmp_pat
     assert int(opt["--random-input-len"]) == round(wl.input_len.mean())
     span = (wl.arrival_s.iloc[-1] - wl.arrival_s.iloc[0]) / exp.scale.time
     assert float(opt["--request-rate"]) == pytest.approx(11 / span, rel=1e-3)
+
+
+def test_vllm_bench_results_are_read_onto_our_clock_and_compared(tmp_path):
+    """bench serve's --save-detailed result (perf_counter start times, emulated seconds) and
+    the clock offset workers/vllm_bench.py wrote become the per-request comparison."""
+    stub = FakeStub()
+
+    async def fn(client):
+        for n in (3, 7):
+            r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "a " * n,
+                                                           "max_tokens": 4, "stream": True})
+            await r.text()
+    _run(tmp_path, stub, fn)
+    from testbed.metrics import build_requests
+    from testbed.records import RunDir, read_records
+    scale = Scale(10.0)
+    wl = loadstats.served_workload(tmp_path, scale)
+    sent, done = read_records(tmp_path / "requests.jsonl")
+    ours = build_requests(wl, sent, done, scale)
+    rd = RunDir(tmp_path)
+    rd.vllm_bench.mkdir()
+    offset = 1000.0
+    ttft = (ours.first_token - ours.send_time + 0.002).tolist()
+    e2el = (ours.end_time - ours.send_time + 0.002).tolist() if "end_time" in ours else [
+        t + 0.01 for t in ttft]
+    rd.vllm_bench_result.write_text(json.dumps({
+        "completed": 2, "failed": 0, "request_throughput": 5.0,
+        "median_ttft_ms": 3.0, "p90_ttft_ms": 4.0, "start_times": (ours.send_time - 0.001
+                                                                    - offset).tolist(),
+        "ttfts": ttft, "latencies": e2el, "output_lens": [4, 4], "errors": ["", ""]}))
+    rd.vllm_bench_clock.write_text(json.dumps({"unix_minus_perf_counter_s": offset}))
+    vb = loadstats.vllm_bench_summary(tmp_path, ours, scale)
+    assert vb["completed"] == 2 and vb["reported"]["median_ttft_ms"] == pytest.approx(30.0)
+    assert vb["request_throughput_per_s"] == pytest.approx(0.5)
+    c = vb["compare"]
+    assert c["paired"] == 2 and c["ttft_diff_ms_median"] == pytest.approx(20.0)
+    assert c["send_before_submit_ms_median"] == pytest.approx(1.0, abs=1e-3)
+    assert c["tpot_diff_ms_median"] is not None
