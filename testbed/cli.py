@@ -13,7 +13,7 @@ from testbed import __version__
 from testbed.errors import TestbedError, one_line
 
 # Verbs in the order `--help` lists them.
-VERBS = ["run", "up", "clean", "workload", "plan", "models", "linktest", "doctor", "selfcheck",
+VERBS = ["run", "up", "clean", "workload", "plan", "models", "calibrate", "linktest", "doctor", "selfcheck",
          "analyse", "compare", "plot", "report", "keys"]
 
 

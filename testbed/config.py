@@ -22,7 +22,7 @@ import itertools
 import math
 import pathlib
 
-from testbed import loadgen, plan, yamlload
+from testbed import loadgen, plan, units, yamlload
 from testbed import profile as profiles
 from testbed.errors import ConfigError
 from testbed.experiment import (  # noqa: F401  (re-exported: config.Experiment, ...)
@@ -144,6 +144,7 @@ def _check_workload(exp, base, traces_read):
     raise_cap = (f"run.max_requests ({cap:,}; raise it in the file if a run this long is "
                  f"meant)")
     trace = _workload_trace(exp, base, traces_read)
+    _check_decode_memory(exp, trace)
     if w.arrival.process == "trace":
         span = trace.span_s / w.trace.speedup
         n = len(trace) if exp.requests is None else exp.requests
@@ -170,6 +171,34 @@ def _check_workload(exp, base, traces_read):
             raise ConfigError(f"up to {ids:,.0f} prefix block ids ({n:,.0f} requests of up to "
                               f"{longest:,} tokens), more than {MAX_PREFIX_BLOCK_IDS:,} (a hard "
                               f"limit); send fewer or shorter requests", key="workload.prefix")
+
+
+def _shortest(length, trace, column):
+    """The fewest tokens a length spec can draw (the trace's column for trace/empirical)."""
+    if length.dist == "fixed":
+        return length.tokens
+    if length.dist in ("trace", "empirical") and trace is not None:
+        return int(getattr(trace, column).min())
+    return length.min
+
+
+def _check_decode_memory(exp, trace):
+    """Decode memory too small for every request the workload can send: refused, as vLLM
+    refuses a request whose KV cannot fit (a run of nothing but failures says nothing)."""
+    cap = exp.decode_model().kv_capacity
+    if cap is None or exp.model.engine != "profile":
+        return
+    w = exp.workload
+    mixes = [(w.input, w.output)] + [w.phase_specs(ph)[1:] for ph in w.phases]
+    fewest = min(_shortest(i, trace, "input_len") + _shortest(o, trace, "output_len")
+                 for i, o in mixes)
+    need = profiles.load(exp.model.profile).s_kv(fewest)
+    if need > cap:
+        key = ("model.decode_kv_capacity" if exp.model.decode_kv_capacity is not None
+               else "model.profile")
+        raise ConfigError(f"decode memory {units.fmt_bytes(cap)} holds no request of the "
+                          f"workload: the shortest ({fewest:,} tokens of input + output) needs "
+                          f"S_kv = {units.fmt_bytes(need)}", key=key)
 
 
 def _check_cache(exp, prof, path):
@@ -338,6 +367,8 @@ def validate(raw, path=None, sweep_point=None, traces_read=None):
         base = pathlib.Path(path).parent if path is not None else pathlib.Path.cwd()
         if path is not None:   # trace paths are relative to the experiment file
             exp = dataclasses.replace(exp, workload=exp.workload.resolve_paths(base))
+        exp = dataclasses.replace(exp, model=dataclasses.replace(
+            exp.model, profile=profiles.resolve(exp.model.profile, base)))
         exp, rate_rows = _resolve_rate_trace(exp, base)
         prof = profiles.load(exp.model.profile)
         for where, acc in (("clusters.prfaas.accelerator", exp.clusters.prfaas.accelerator),

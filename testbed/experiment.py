@@ -18,7 +18,7 @@ import math
 import pathlib
 
 from testbed import profile as profiles
-from testbed import units
+from testbed import units, vllmspec
 from testbed.faultspec import FaultSpec
 from testbed.net.spec import NetworkSpec
 from testbed.schema import (at_most, boolean, choice, integer, list_of, optional, path_component,
@@ -102,18 +102,30 @@ def _torch_config(value):
     return dict(value)
 
 
+def _profile_ref(value):
+    """A shipped profile's name, or the path of a profile file (checked once resolved)."""
+    if isinstance(value, str) and profiles.is_path(value):
+        return value
+    return path_component(value)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelSpec:
-    profile: str = spec(path_component, "kimi-linear-1t",
-                        "accelerator profile, testbed/profiles/NAME.yaml (a name, not a path)")
-    engine: str = spec(choice("profile", "torch"), "profile",
+    profile: str = spec(_profile_ref, "kimi-linear-1t",
+                        "accelerator profile: a name (testbed/profiles/NAME.yaml) or a profile "
+                        "file's path ending .yaml (e.g. `testbed calibrate`'s --out; relative "
+                        "to the experiment file's folder)")
+    engine: str = spec(choice("profile", "torch", "vllm"), "profile",
                        "profile: workers wait the profiled time and send profiled KV bytes | "
-                       "torch: a real tiny KDA+MLA hybrid computes and ships its real state")
+                       "torch: a real tiny KDA+MLA hybrid computes and ships its real state | "
+                       "vllm: real vLLM servers, KV through a KV connector (docs/vllm.md)")
     device: str = spec(choice("auto", "cpu", "cuda"), "auto",
                        "torch engine: where the model runs (auto = cuda when available)")
     torch: dict = spec(_torch_config, factory=dict,
                        doc="torch engine: model shape (HybridConfig keys: n_layers, d_model, ratio "
                            "'3:1', vocab, kda_heads, mla_latent, dtype float32|bfloat16, ...)")
+    vllm: vllmspec.VllmSpec = spec(section(vllmspec.VllmSpec), factory=vllmspec.VllmSpec,
+                                   doc="vllm engine: how each server starts")
     decode_step: float = spec(optional(positive(_duration(60, "60s"))), None,
                               "T_decode per decode step (real-world); default from the profile")
     bs_max: int = spec(optional(integer(1, 4096)), None,
@@ -128,7 +140,7 @@ class ModelSpec:
                                      "fits; default from the profile")
 
     def check(self):
-        if self.profile not in profiles.available():
+        if not profiles.is_path(self.profile) and self.profile not in profiles.available():
             raise ValueError(f"profile: no profile {self.profile!r}; available: "
                              f"{', '.join(profiles.available())}")
         if self.engine == "torch" and self.device == "cuda":
@@ -435,6 +447,10 @@ class Experiment:
             if self.model.engine != "profile" or self.cache.enabled:
                 raise ValueError("scheduler.roles needs model.engine profile and cache.enabled "
                                  "false (dual-role workers run the profile engines only)")
+
+        why = vllmspec.check(self)
+        if why:
+            raise ValueError(why)
 
     def decode_model(self):
         """The decode step model (testbed.profile.DecodeModel) with this experiment's overrides,

@@ -1,5 +1,5 @@
-"""External load generators, the spec side: `workload.client: command | aiperf`, checked before
-anything is built, and the front door's entry of the workers' runtime.
+"""External load generators, the spec side: `workload.client: command | aiperf | vllm-bench`,
+checked before anything is built, and the front door's entry of the workers' runtime.
 
 With an external client the runner starts the OpenAI-compatible front door
 (workers/frontdoor.py) in the client host beside the other workers, then, instead of the
@@ -9,7 +9,10 @@ built-in client, the tool, in the same host's network namespace (`testbed.loadru
   front door's base URL, `http://IP:PORT`), `{model}`, `{trace}` (the run's workload as a
   mooncake trace, timestamps in emulated ms) and `{run_dir}` replaced;
 - `aiperf`: `aiperf profile` replaying the trace with `--fixed-schedule` against the front
-  door, streaming, with the tokenizer of testbed/tokenizer/ (the front door's own rule).
+  door, streaming, with the tokenizer of testbed/tokenizer/ (the front door's own rule);
+- `vllm-bench`: `vllm bench serve` (workers/vllm_bench.py in the vLLM venv) sending the
+  workload's request count at its mean rate (Poisson), each request the workload's mean input
+  and output lengths (its `random` dataset; bench serve cannot replay a schedule).
 
 Three modules, one per phase: this one (spec and check, below `testbed.config`),
 `testbed.loadrun` (the launch, at run time) and `testbed.loadstats` (analysis of what the front
@@ -22,6 +25,8 @@ import shlex
 import shutil
 import sys
 
+from testbed import profile as profiles
+from testbed import vllmenv
 from testbed.errors import ConfigError
 from testbed.runtime import FrontdoorRuntime
 
@@ -51,6 +56,9 @@ def check(exp, path=None):
         raise ConfigError(f"client aiperf: aiperf is not installed; pip install '.[aiperf]' "
                           f"(or name its executable in ${AIPERF_ENV})", path=path,
                           key="workload.client")
+    if w.client == "vllm-bench" and vllmenv.find_python() is None:
+        raise ConfigError(f"client vllm-bench: {vllmenv.INSTALL_HINT}", path=path,
+                          key="workload.client")
     if w.client == "command":
         exe = shlex.split(w.command)[0]
         if shutil.which(exe) is None:
@@ -61,7 +69,7 @@ def check(exp, path=None):
 def runtime(exp):
     """The front door's entry in runtime.json."""
     f = exp.workload.frontdoor
-    return FrontdoorRuntime(port=f.port, max_context=f.max_context, model=exp.model.profile)
+    return FrontdoorRuntime(port=f.port, max_context=f.max_context, model=profiles.model_name(exp.model.profile))
 
 
 def url(rt):

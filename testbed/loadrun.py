@@ -1,7 +1,7 @@
 """External load generators at run time: the tool's trace, its command line and its start.
 
-`testbed.run` calls `start_client` when `workload.client` is `command` or `aiperf`
-(`testbed.loadgen` describes both): the run's workload is written as a mooncake trace on the
+`testbed.run` calls `start_client` when `workload.client` is `command`, `aiperf` or
+`vllm-bench` (`testbed.loadgen` describes them): the run's workload is written as a mooncake trace on the
 emulated timeline, the tool's argv is recorded, and the tool starts on the client instance
 through the run's backend; its output goes to the client's log, and the run waits for it to
 exit, bounded like the built-in client's drain.
@@ -11,6 +11,7 @@ import json
 import os
 import shlex
 
+from testbed import vllmenv
 from testbed.loadgen import TOKENIZER, find_aiperf, url
 from testbed.records import RunDir
 
@@ -40,6 +41,8 @@ def client_argv(exp, rt, run_dir, trace):
         for k, v in subst.items():
             argv = [a.replace(k, v) for a in argv]
         return argv
+    if w.client == "vllm-bench":
+        return vllm_bench_argv(exp, rt, run_dir, workload_of_trace(trace))
     timeout = rt.request_timeout_s
     return [find_aiperf(), "profile", "--model", rt.frontdoor.model, "--url", url(rt),
             "--endpoint-type", w.aiperf.endpoint, "--streaming",
@@ -51,6 +54,36 @@ def client_argv(exp, rt, run_dir, trace):
             *shlex.split(w.aiperf.args or "")]
 
 
+def workload_of_trace(trace):
+    """(requests, mean input, mean output, span in emulated s) of the trace written."""
+    rows = [json.loads(line) for line in open(trace)]
+    n = len(rows)
+    ts = [r["timestamp"] / 1e3 for r in rows]
+    return (n, sum(r["input_length"] for r in rows) / max(n, 1),
+            sum(r["output_length"] for r in rows) / max(n, 1), max(ts) - min(ts) if ts else 0.0)
+
+
+def vllm_bench_argv(exp, rt, run_dir, shape):
+    """`vllm bench serve` (workers/vllm_bench.py, the vLLM venv's Python): the workload's
+    count at its mean rate (Poisson, emulated), its mean lengths, streaming, every request's
+    TTFT and ITLs saved (--save-detailed) in the run's vllm_bench/."""
+    n, mean_in, mean_out, span = shape
+    rate = (n - 1) / span if n > 1 and span > 0 else float("inf")
+    rd = RunDir(run_dir)
+    return [vllmenv.find_python(), str(vllmenv.REPO / "workers" / "vllm_bench.py"),
+            "--clock", str(rd.vllm_bench_clock), "--",
+            "--backend", "vllm", "--base-url", url(rt), "--endpoint", "/v1/completions",
+            "--model", rt.frontdoor.model, "--tokenizer", str(TOKENIZER),
+            "--dataset-name", "random", "--num-prompts", str(n),
+            "--random-input-len", str(max(1, round(mean_in))),
+            "--random-output-len", str(max(1, round(mean_out))), "--random-range-ratio", "0",
+            "--request-rate", f"{rate:g}", "--seed", str(exp.seed), "--ignore-eos",
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+            "--save-result", "--save-detailed", "--result-dir", str(rd.vllm_bench),
+            "--result-filename", rd.VLLM_BENCH_RESULT, "--disable-tqdm",
+            *shlex.split(exp.workload.vllm_bench.args or "")]
+
+
 def start_client(run, workload):
     """Start the external tool on the client instance (through the run's backend); returns its
     process (the runner waits on it as on the built-in client)."""
@@ -59,6 +92,9 @@ def start_client(run, workload):
     rd = RunDir(run.dir)
     rd.client_argv.write_text(json.dumps(argv))
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if run.exp.workload.client == "vllm-bench":     # the vLLM venv's own packages, not ours
+        env.pop("PYTHONPATH", None)
+        rd.vllm_bench.mkdir(exist_ok=True)
     proc = run.backend.spawn("client", argv, rd.log("client"), env=env)
     run.procs["client"] = proc
     return proc

@@ -3,8 +3,8 @@
 The front door's records (requests.jsonl in the built-in client's format, frontdoor.jsonl per
 HTTP request) are what the analysis reads: `served_workload` is the request list as it arrived
 (the front door numbers requests in arrival order), and `summarize` adds the front door's HTTP
-outcomes and, for aiperf, aiperf's own metrics beside ours (summary.json `frontdoor`,
-`aiperf`). Place in the architecture: the analysis floor (`testbed.analysis` calls it).
+outcomes and, for aiperf and vllm bench serve, the tool's own metrics beside ours (summary.json
+`frontdoor`, `aiperf`, `vllm_bench`). Place in the architecture: the analysis floor (`testbed.analysis` calls it).
 """
 
 import json
@@ -56,6 +56,10 @@ def summarize(run_dir, exp, df, scale: Scale):
     if exp.workload.client == "aiperf":
         out["aiperf"] = aiperf_summary(run_dir, exp, df, scale)
         out["frontdoor"]["client_minus_testbed_ttft_ms"] = out["aiperf"].get(
+            "compare", {}).get("ttft_diff_ms_median")
+    if exp.workload.client == "vllm-bench":
+        out["vllm_bench"] = vllm_bench_summary(run_dir, df, scale)
+        out["frontdoor"]["client_minus_testbed_ttft_ms"] = out["vllm_bench"].get(
             "compare", {}).get("ttft_diff_ms_median")
     return out
 
@@ -179,3 +183,51 @@ def aiperf_summary(run_dir, exp, df, scale: Scale):
         span = scale.real_s((ok.start + ok.e2el_s).max() - tool.start.min()) if len(ok) else 0.0
         out["request_goodput"] = int(good.sum()) / span if span > 0 else 0.0
     return out
+
+
+def read_vllm_bench(run_dir):
+    """`vllm bench serve`'s per-request results (--save-detailed) as `compare` wants: start on
+    the Unix clock (its perf_counter plus the offset workers/vllm_bench.py wrote), TTFT and
+    E2EL in emulated s, output tokens; and its aggregate result."""
+    rd = RunDir(run_dir)
+    res = json.loads(rd.vllm_bench_result.read_text())
+    offset = json.loads(rd.vllm_bench_clock.read_text())["unix_minus_perf_counter_s"]
+    errors = res.get("errors") or [""] * len(res["ttfts"])
+    tool = pd.DataFrame({"start": np.asarray(res["start_times"], float) + offset,
+                         "ttft_s": np.asarray(res["ttfts"], float),
+                         "e2el_s": np.asarray(res["latencies"], float),
+                         "n_out": np.asarray(res["output_lens"], float),
+                         "ok": [not e for e in errors]})
+    tool.loc[~tool.ok | (tool.ttft_s <= 0), "ttft_s"] = np.nan
+    tool["ok"] = tool.ok & tool.ttft_s.notna()
+    return tool, res
+
+
+def vllm_bench_summary(run_dir, df, scale: Scale):
+    """`vllm bench serve`'s metrics beside ours (real-world ms): its reported TTFT and TPOT
+    percentiles, and the per-request comparison paired in start order (bench serve sends no
+    request id of its own; the front door numbers requests in arrival order), TPOT too."""
+    if not RunDir(run_dir).vllm_bench_result.exists():
+        return {"error": "no vllm_bench/result.json (see logs/client.log)"}
+    tool, res = read_vllm_bench(run_dir)
+    shift = clocks.instance_offsets(rundir.metadata(run_dir).get("clocks")).get("client", 0.0)
+    tool["start"] = tool.start - shift
+    keys = [f"{s}_{m}_ms" for m in ("ttft", "tpot") for s in ("mean", "median", "p50", "p90",
+                                                                "p99")]
+    out = {"completed": res.get("completed"), "failed": res.get("failed"),
+           "request_throughput_per_s": scale.emulated_s(res.get("request_throughput") or 0.0),
+           "reported": {k: scale.real_s(res[k]) for k in keys if res.get(k) is not None}}
+    out["compare"] = compare(tool, df, scale)
+    out["compare"]["tpot_diff_ms_median"] = _tpot_diff(tool, df, scale)
+    return out
+
+
+def _tpot_diff(tool, ours, scale):
+    """Median of the tool's TPOT minus ours (real-world ms), paired in start order."""
+    t = tool.sort_values("start").reset_index(drop=True)
+    o = ours.sort_values("send_time").reset_index(drop=True)
+    n = min(len(t), len(o))
+    tpot = scale.real_ms((t.e2el_s - t.ttft_s) / (t.n_out - 1))[:n].to_numpy()
+    both = t.ok[:n].to_numpy() & (o.status[:n] == "ok").to_numpy() & (t.n_out[:n] > 1).to_numpy()
+    d = (tpot - o.tpot_ms[:n].to_numpy())[both]
+    return float(np.median(d)) if len(d) else None

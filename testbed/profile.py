@@ -28,6 +28,27 @@ def available():
     return sorted(p.stem for p in PROFILE_DIR.glob("*.yaml"))
 
 
+def is_path(ref):
+    """`model.profile` names a file (`testbed calibrate --out`), not a shipped profile."""
+    return str(ref).endswith((".yaml", ".yml"))
+
+
+def resolve(ref, base_dir):
+    """A profile file's path made absolute: `base_dir`/ref if it exists, else as given from the
+    working directory; a shipped profile's name unchanged."""
+    if not is_path(ref):
+        return ref
+    path = pathlib.Path(ref).expanduser()
+    if not path.is_absolute() and (pathlib.Path(base_dir) / path).exists():
+        path = pathlib.Path(base_dir) / path
+    return str(path.resolve())
+
+
+def model_name(ref):
+    """The model's name as clients see it: the profile's name, or its file's stem."""
+    return pathlib.Path(ref).stem if is_path(ref) else ref
+
+
 @dataclasses.dataclass(frozen=True)
 class Fit:
     """Polynomial in l with coefficients lowest order first; evaluates on scalars or arrays."""
@@ -194,11 +215,11 @@ def _points(mapping, parse, where):
 def load(name_or_path):
     """Load and fit a profile by name (from testbed/profiles) or by path."""
     path = pathlib.Path(name_or_path)
-    if not path.suffix:
+    if not is_path(name_or_path):
         path = PROFILE_DIR / f"{name_or_path}.yaml"
-    if not path.exists():
-        raise ConfigError(f"no profile {name_or_path!r}; available: {', '.join(available())}",
-                          key="model.profile")
+    if not path.is_file():
+        raise ConfigError(f"no profile {name_or_path!r}; available: {', '.join(available())} "
+                          f"or a profile file's path", key="model.profile")
     return _load(path.resolve(), path.stat().st_mtime_ns)
 
 

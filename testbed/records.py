@@ -65,6 +65,9 @@ class RunDir:
     AIPERF = "aiperf"                   # aiperf's artifact directory
     AIPERF_RECORDS = "profile_export.jsonl"
     AIPERF_AGGREGATE = "profile_export_aiperf.json"
+    VLLM_BENCH = "vllm_bench"           # `vllm bench serve`'s result directory
+    VLLM_BENCH_RESULT = "result.json"   # its --save-detailed result
+    VLLM_BENCH_CLOCK = "clock.json"     # Unix time minus its perf_counter (workers/vllm_bench.py)
     START_AT = "start_at"               # in ready/: arrival 0 for the built-in client
     FIRST_REQUEST = "first_request"     # in ready/: an external client's first arrival
 
@@ -113,6 +116,9 @@ class RunDir:
     aiperf = property(lambda self: self.path / self.AIPERF)
     aiperf_records = property(lambda self: self.aiperf / self.AIPERF_RECORDS)
     aiperf_aggregate = property(lambda self: self.aiperf / self.AIPERF_AGGREGATE)
+    vllm_bench = property(lambda self: self.path / self.VLLM_BENCH)
+    vllm_bench_result = property(lambda self: self.vllm_bench / self.VLLM_BENCH_RESULT)
+    vllm_bench_clock = property(lambda self: self.vllm_bench / self.VLLM_BENCH_CLOCK)
     start_at = property(lambda self: self.ready / self.START_AT)
     first_request = property(lambda self: self.ready / self.FIRST_REQUEST)
 

@@ -156,3 +156,11 @@ def fmt_duration(s):
     if s >= 1e-3:
         return f"{s * 1e3:.3g} ms"
     return f"{s * 1e6:.3g} us"
+
+
+def fmt_bytes(n):
+    """Human form of a byte count (SI prefixes, as `size_bytes` reads them)."""
+    for unit, f in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= f:
+            return f"{n / f:.4g} {unit}"
+    return f"{n:.4g} B"

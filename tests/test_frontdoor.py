@@ -385,3 +385,60 @@ def test_event_loop_lateness_is_sampled_into_the_summary(tmp_path):
     summary = [r for r in _rows(tmp_path / "frontdoor.jsonl") if r["ev"] == "summary"][0]
     lag = summary["loop_lag_ms"]
     assert lag["samples"] >= 3 and lag["max"] >= 15 and lag["p50"] <= lag["p99"] <= lag["max"]
+
+
+def test_vllm_bench_argv_sends_the_workloads_count_rate_and_mean_lengths(tmp_path, monkeypatch):
+    from testbed import vllmenv
+    monkeypatch.setattr(vllmenv, "find_python", lambda: "/venv/bin/python")
+    exp = config.load_experiment(TINY, ["workload.client=vllm-bench"])[0]
+    rt = WorkerRuntime(instances={"client": InstanceRuntime(name="client", role="client",
+                                                            dc="local", ip="10.2.0.3")},
+                       frontdoor=loadgen.runtime(exp), request_timeout_s=30)
+    from testbed.workload import generate
+    wl = generate(exp.workload, exp.seed, requests=exp.requests, duration_s=exp.duration)
+    trace = loadrun.write_trace(tmp_path, wl, Scale.of(exp))
+    argv = loadrun.client_argv(exp, rt, tmp_path, trace)
+    assert argv[0] == "/venv/bin/python" and argv[1].endswith("workers/vllm_bench.py")
+    opt = dict(zip(argv, argv[1:]))
+    assert opt["--base-url"] == "http://10.2.0.3:8000" and opt["--num-prompts"] == "12"
+    assert int(opt["--random-input-len"]) == round(wl.input_len.mean())
+    span = (wl.arrival_s.iloc[-1] - wl.arrival_s.iloc[0]) / exp.scale.time
+    assert float(opt["--request-rate"]) == pytest.approx(11 / span, rel=1e-3)
+
+
+def test_vllm_bench_results_are_read_onto_our_clock_and_compared(tmp_path):
+    """bench serve's --save-detailed result (perf_counter start times, emulated seconds) and
+    the clock offset workers/vllm_bench.py wrote become the per-request comparison."""
+    stub = FakeStub()
+
+    async def fn(client):
+        for n in (3, 7):
+            r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "a " * n,
+                                                           "max_tokens": 4, "stream": True})
+            await r.text()
+    _run(tmp_path, stub, fn)
+    from testbed.metrics import build_requests
+    from testbed.records import RunDir, read_records
+    scale = Scale(10.0)
+    wl = loadstats.served_workload(tmp_path, scale)
+    sent, done = read_records(tmp_path / "requests.jsonl")
+    ours = build_requests(wl, sent, done, scale)
+    rd = RunDir(tmp_path)
+    rd.vllm_bench.mkdir()
+    offset = 1000.0
+    ttft = (ours.first_token - ours.send_time + 0.002).tolist()
+    e2el = (ours.end_time - ours.send_time + 0.002).tolist() if "end_time" in ours else [
+        t + 0.01 for t in ttft]
+    rd.vllm_bench_result.write_text(json.dumps({
+        "completed": 2, "failed": 0, "request_throughput": 5.0,
+        "median_ttft_ms": 3.0, "p90_ttft_ms": 4.0, "start_times": (ours.send_time - 0.001
+                                                                    - offset).tolist(),
+        "ttfts": ttft, "latencies": e2el, "output_lens": [4, 4], "errors": ["", ""]}))
+    rd.vllm_bench_clock.write_text(json.dumps({"unix_minus_perf_counter_s": offset}))
+    vb = loadstats.vllm_bench_summary(tmp_path, ours, scale)
+    assert vb["completed"] == 2 and vb["reported"]["median_ttft_ms"] == pytest.approx(30.0)
+    assert vb["request_throughput_per_s"] == pytest.approx(0.5)
+    c = vb["compare"]
+    assert c["paired"] == 2 and c["ttft_diff_ms_median"] == pytest.approx(20.0)
+    assert c["send_before_submit_ms_median"] == pytest.approx(1.0, abs=1e-3)
+    assert c["tpot_diff_ms_median"] is not None

@@ -27,6 +27,7 @@ PENDING_CYCLES = []
 # What may be imported inside a function: a heavy or optional dependency, or a project module
 # whose import pulls one in (said in the line's comment).
 HEAVY = {"mininet", "pyroute2", "matplotlib", "seaborn", "torch", "ray", "vllm", "grpc",
+         "transformers", "tokenizers",
          "netfilterqueue", "aiohttp", "numpy", "scipy", "pandas",
          "pyarrow"}
 HEAVY_PROJECT = {

@@ -85,6 +85,8 @@ class DecodeService(pbg.DecodeServicer):
                 self.cache.fetch(req, dreq.cache_pool), (0, 0)))
         try:
             error = await self._kv_ready(req, dreq, slot, prefix)
+            if not error and self.paced:    # larger than the decode memory: never batched
+                error = self.engine.refusal(slot.kv_need)
             if error:
                 yield self._final(slot, "failed", f"{self.name}: {error}")
                 return

@@ -11,7 +11,8 @@ capabilities each one has, and the workers ask `isinstance(engine, PacedDecodeEn
   `workers.prefill.TorchPrefill`, which adapts `TorchPrefillEngine.prefill`'s sender form).
 - `DecodeEngine`: every decode engine (`ProfileDecodeEngine`, `TorchDecodeEngine`).
 - `PacedDecodeEngine`: a decode engine that models time and memory rather than spending them
-  (`ProfileDecodeEngine`): the worker paces steps by `step_seconds` and admits by `fits`.
+  (`ProfileDecodeEngine`): the worker paces steps by `step_seconds`, admits by `fits` and fails by `refusal`
+  a request whose KV is larger than the whole decode memory.
 - `AssemblingDecodeEngine`: a decode engine that assembles the shipped state itself
   (`TorchDecodeEngine`): KV frames go to `receive`, or are read in place via `frame_buffer`,
   and steps run off the event loop (`aemit_step`).
@@ -76,6 +77,11 @@ class PacedDecodeEngine(DecodeEngine, Protocol):
         ...
 
     def fits(self, need: float) -> bool:
+        """The request's KV fits beside the batch's now."""
+        ...
+
+    def refusal(self, need: float) -> str:
+        """Why a request needing `need` can never join a batch ('' when it can)."""
         ...
 
     def reserve(self, need: float) -> None:

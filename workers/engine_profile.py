@@ -7,7 +7,8 @@ MLA KV of the prefix the decode side takes from its own pool), handed to the sen
 (i+1)/n of the compute time). A decode step takes `T_step(B, C) / scale.time` for a batch of B
 requests holding C context tokens (the profile's `DecodeModel`; `model.decode_model: constant`
 gives the paper's T_decode whatever the batch), and a request joins the batch only once its KV
-fits the instance's decode memory.
+fits the instance's decode memory; a request whose KV is larger than all of it fails with
+that reason (`refusal`), as vLLM refuses it.
 """
 
 import asyncio
@@ -15,6 +16,7 @@ import os
 import time
 
 from testbed import profile as profiles
+from testbed import units
 from workers.engine import PacedDecodeEngine, PrefillEngine
 
 # Payload bytes are sent from one random buffer (memoryview slices): no per-request allocation.
@@ -99,7 +101,18 @@ class ProfileDecodeEngine(PacedDecodeEngine):
 
     def fits(self, need):
         cap = self.model.kv_capacity
-        return cap is None or self.reserved + need <= cap or self.reserved == 0.0
+        return cap is None or self.reserved + need <= cap
+
+    def refusal(self, need):
+        """Why a request needing `need` bytes can never join a batch here, or '': its KV is
+        larger than the whole decode memory (vLLM refuses such a request rather than run it
+        alone; a batch of one would hold more KV than the instance has)."""
+        cap = self.model.kv_capacity
+        if cap is None or need <= cap:
+            return ""
+        # One reason per instance, whatever the request, so that summary.json counts them.
+        return (f"KV of input + output larger than the decode memory "
+                f"({units.fmt_bytes(cap)}, model.decode_kv_capacity); never batched")
 
     def reserve(self, need):
         self.reserved += need

@@ -6,8 +6,9 @@ Reads `testbed/models/*.yaml` through `testbed.catalog`; where the paper gives P
 """
 
 import json
+import sys
 
-from testbed import catalog
+from testbed import catalog, vllmenv
 
 
 def register(subparsers):
@@ -17,16 +18,34 @@ def register(subparsers):
                     "in testbed/models/*.yaml, and the prefill latency the paper's Phi_kv "
                     "implies.")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--write", metavar="DIR",
+                   help="write a small random-initialised Llama (GQA, float32, a local "
+                        "tokenizer) that vLLM loads into DIR (model.engine vllm, "
+                        "model.vllm.path; docs/vllm.md) and print its shape as JSON")
+    p.add_argument("--layers", type=int, default=4, help="--write: hidden layers")
+    p.add_argument("--seed", type=int, default=0, help="--write: weight seed")
     p.set_defaults(func=run)
     return p
 
 
 def run(args):
+    if args.write:
+        return write(args.write, args.layers, args.seed)
     rows = catalog.table()
     if args.json:
         print(json.dumps({"lengths": list(catalog.LENGTHS), "models": rows}, indent=2))
     else:
         print(render(rows))
+    return 0
+
+
+def write(out, layers, seed):
+    """The testbed's small random Llama for vLLM (testbed.vllmenv.write_model)."""
+    try:
+        print(vllmenv.write_model(out, layers, seed))
+    except vllmenv.ModelWriteError as e:
+        print(f"testbed models --write {out}: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -15,7 +15,8 @@ workers/recovery.Flight do without failures:
    local one at once); it queues FIFO and computes (`engine.PrefillInstance`), handing its KV
    pieces to one flow on the WAN's KV direction (PrfaaS) or the datacenter's fabric (local);
 4. the decode instance takes the request once its last KV byte has arrived (or fails it past
-   the KV deadline, as the worker does), batches and steps it (`engine.DecodeInstance`); the
+   the KV deadline, or when its KV is larger than the decode memory, as the worker does),
+   batches and steps it (`engine.DecodeInstance`); the
    prefill's reply reaches the scheduler after its last byte was sent plus the KV direction's
    delay, and the predicted seconds leave the book then;
 5. at its last token the request's `done` line is written, built by the emulation's own client
@@ -292,6 +293,10 @@ class SimCluster:
             return
         dec = self.decode[r.d.name]
         need = dec.engine.kv_need(r.input_len, r.output_len)
+        refusal = dec.engine.refusal(need)
+        if refusal:     # as workers/decode.py: failed once its KV is in, never batched
+            self.loop.at(last_arrival, self._refused, r, f"{r.d.name}: {refusal}")
+            return
         slot = Slot(r, r.input_len, r.output_len, need, self._finished)
         self.loop.at(last_arrival, dec.arrive, slot)
 
@@ -302,6 +307,10 @@ class SimCluster:
         self._end(r)
         self._fail(r, f"{r.d.name}: KV not complete after {self.rt.kv_deadline_s:.3g}s "
                       f"(emulated); received {r.kv_bytes} bytes")
+
+    def _refused(self, r, error):
+        self._end(r)
+        self._fail(r, error)
 
     def _end(self, r):
         self.active -= 1

@@ -174,6 +174,13 @@ class AiperfSpec:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class VllmBenchSpec:
+    args: str = spec(optional(_command), None,
+                     "more `vllm bench serve` arguments (split like a shell), e.g. "
+                     "'--max-concurrency 4'")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class PhaseSpec:
     """One phase of a workload whose mix shifts: what it sets replaces the base section."""
 
@@ -190,10 +197,11 @@ class PhaseSpec:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class WorkloadSpec:
-    client: str = spec(choice("builtin", "command", "aiperf", "none"), "builtin",
+    client: str = spec(choice("builtin", "command", "aiperf", "vllm-bench", "none"), "builtin",
                        "builtin: the testbed's gRPC client sends the workload | command: "
                        "`workload.command` drives the OpenAI front door | aiperf: aiperf "
-                       "replays the workload against it | none: no load generator, the front "
+                       "replays the workload against it | vllm-bench: `vllm bench serve` (the vLLM venv) "
+                       "sends the workload's count, rate and mean lengths to it | none: no load generator, the front "
                        "door serves whatever arrives (what `testbed up` runs; "
                        "docs/frontdoor.md)")
     command: str = spec(optional(_command), None,
@@ -205,6 +213,8 @@ class WorkloadSpec:
                                     doc="the OpenAI-compatible front door (client command, aiperf)")
     aiperf: AiperfSpec = spec(section(AiperfSpec), factory=AiperfSpec,
                               doc="client aiperf: how aiperf is run")
+    vllm_bench: VllmBenchSpec = spec(section(VllmBenchSpec), factory=VllmBenchSpec,
+                                     doc="client vllm-bench: how `vllm bench serve` is run")
     trace: TraceSpec = spec(optional(section(TraceSpec)), None,
                             doc="a request trace to replay or sample from")
     arrival: ArrivalSpec = spec(section(ArrivalSpec), factory=ArrivalSpec, doc="when requests arrive")

@@ -1,0 +1,123 @@
+"""`testbed calibrate` (issue 20 item 5): measurements -> a profile file the profile engine
+runs. The fitting side is checked on synthetic measurements of a known engine (no vLLM); the
+command against a real vLLM server runs where the vLLM venv is (`make vllm`), else it is
+skipped with the reason."""
+
+import csv
+import random
+
+import pytest
+
+from conftest import SMALL_EXPERIMENT
+from testbed import calibfit, calibrun, cli, config, rundir, vllmenv
+from testbed import profile as profiles
+from testbed.calibfit import Measurements, Sample
+
+
+def t_prefill(l):
+    return 0.012 + 2.0e-5 * l + 1.5e-9 * l * l
+
+
+def t_step(b, c):
+    return 0.004 + 0.0011 * b + 1.8e-7 * c
+
+
+def synthetic(noise=0.0, seed=0):
+    rng = random.Random(seed)
+    m = Measurements(kv_bytes_per_token=4096, kv_blocks=4096, block_tokens=16,
+                     weights_bytes=24e6, layers=4, bs_max=8, info={"model": "synthetic"})
+    jitter = (lambda: 1 + rng.uniform(-noise, noise))
+    for rep in range(3):
+        for l in (256, 512, 1024, 2048, 4096):
+            m.samples.append(Sample("prefill", length=l, seconds=t_prefill(l) * jitter(),
+                                    repeat=rep))
+            p = l // 2
+            m.samples.append(Sample("prefill", length=l, cached=p, repeat=rep,
+                                    seconds=(t_prefill(l) - t_prefill(p) + t_prefill(0))
+                                    * jitter()))
+    for b in (1, 2, 4, 8):
+        for c in (128, 1024, 2048):
+            ctx = b * (c + 12)
+            m.samples.append(Sample("step", batch=b, context=ctx, seconds=t_step(b, ctx)
+                                    * jitter()))
+    return m
+
+
+def test_the_fit_recovers_a_known_engine_in_the_profile_engines_form(tmp_path):
+    out, raw, errors = calibfit.write(synthetic(), tmp_path / "eng.yaml")
+    prof = profiles.load(str(out))
+    for l in (300, 1500, 4000):
+        assert prof.t_prefill("cpu", l) == pytest.approx(t_prefill(l), rel=1e-6)
+        assert prof.t_prefill_cached("cpu", l, l // 2) == pytest.approx(
+            t_prefill(l) - t_prefill(l // 2) + t_prefill(0), rel=1e-6)
+    for b, c in ((1, 100), (3, 5000), (8, 20000)):
+        assert prof.decode.step_time(b, c) == pytest.approx(t_step(b, c), rel=1e-6)
+    assert prof.s_kv(1000) == pytest.approx(4096 * 1000)
+    assert prof.decode.kv_capacity == 4096 * 16 * 4096 and prof.bs_max == 8
+    assert all(v < 1e-3 for v in errors.values()), errors
+    rows = list(csv.DictReader(raw.open()))
+    assert len(rows) == 42 and set(rows[0]) == set(calibfit.RAW_FIELDS)
+
+
+def test_the_step_fit_keeps_every_share_non_negative():
+    pts = [(b, c, 0.01 + 0.002 * b - 1e-8 * c) for b in (1, 2, 4, 8) for c in (100, 5000)]
+    alpha, beta, gamma = calibfit.fit_step(pts)
+    assert min(alpha, beta, gamma) >= 0
+    assert beta == pytest.approx(0.002, rel=0.05)
+
+
+def test_a_calibrated_profile_runs_the_profile_engine(tmp_path):
+    """model.profile: the file; the simulator runs it (the emulation reads it the same way)."""
+    calibfit.write(synthetic(noise=0.05), tmp_path / "eng.yaml")
+    p = tmp_path / "exp.yaml"
+    p.write_text(SMALL_EXPERIMENT.replace("name: t", "name: t\nmodel: {profile: eng.yaml}")
+                 .replace("prfaas: {instances: 1}", "prfaas: {instances: 1, accelerator: cpu}")
+                 .replace("local: {instances: 2,", "local: {accelerator: cpu, instances: 2,"))
+    (exp,) = config.load_experiment(p)
+    assert exp.decode_model().bs_max == 8
+    out = tmp_path / "out"
+    assert cli.main(["run", str(p), "--backend", "sim", "--out", str(out), "--no-progress"]) == 0
+    (run,) = rundir.find_runs(out)
+    assert '"completed": 10' in (run / "summary.json").read_text()
+
+
+def test_cache_blocks_read_from_vllms_metrics():
+    text = ('# HELP vllm:cache_config_info x\nvllm:cache_config_info{block_size="16",'
+            'cache_dtype="auto",engine="0",num_gpu_blocks="4096"} 1.0\n')
+    assert calibrun.cache_blocks(text) == (4096, 16)
+    assert calibrun.cache_blocks("") == (0, 16)
+
+
+def test_calibrate_refuses_bad_input_with_one_line(tmp_path, capsys):
+    assert cli.main(["calibrate", "--model", str(tmp_path), "--out", str(tmp_path / "p.yaml")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "config.json" in err
+    assert cli.main(["calibrate", "--model", str(tmp_path), "--out", str(tmp_path / "p.txt")]) == 2
+    assert ".yaml" in capsys.readouterr().err
+    assert not (tmp_path / "p.yaml").exists()
+
+
+@pytest.mark.skipif(vllmenv.find_python() is None, reason="no vLLM venv (`make vllm`)")
+def test_calibrate_measures_a_real_vllm_server_into_a_profile_it_runs(tmp_path):
+    """One small server, a short plan: the profile's points are the measured medians, its KV
+    bytes per token the model's, its decode memory the server's KV cache, and it loads."""
+    model = tmp_path / "model"
+    vllmenv.write_model(model, layers=2)
+    out = tmp_path / "cpu.yaml"
+    assert cli.main(["calibrate", "--model", str(model), "--out", str(out),
+                     "--lengths", "64,256,512", "--batches", "1,2",
+                     "--contexts", "64,256", "--steps", "8", "--budget", "90", "--repeats", "1",
+                     "--kv-cache-space-gib", "1", "--max-model-len", "1024"]) == 0
+    prof = profiles.load(str(out))
+    rows = list(csv.DictReader(out.with_suffix(".csv").open()))
+    pre = {int(r["length"]): float(r["seconds"]) for r in rows
+           if r["kind"] == "prefill" and r["cached"] == "0"}
+    assert set(pre) == {64, 256, 512} and all(t > 0 for t in pre.values())
+    got = dict(prof.prefill_points["cpu"])
+    assert got.keys() == pre.keys()
+    assert all(got[l] == pytest.approx(t, rel=1e-6) for l, t in pre.items())
+    assert any(r["kind"] == "prefill" and int(r["cached"]) > 0 for r in rows)
+    assert sum(r["kind"] == "step" for r in rows) >= 3     # medians of the step_run rows
+    assert prof.s_kv(1000) == pytest.approx(2 * 2 * 64 * 2 * 4 * 1000)   # 2 layers, fp32
+    cap = prof.decode.kv_capacity      # the server's blocks x 16 x bytes per token
+    assert 0.8 * 2**30 < cap <= 2**30 and prof.decode.step_time(1, 64) > 0

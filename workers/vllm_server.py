@@ -1,0 +1,168 @@
+"""One vLLM instance: its OpenAI server process, started, awaited and stopped by its worker.
+
+`model.engine: vllm` (docs/vllm.md). Each prefill and decode worker starts vLLM's own OpenAI
+server (`python -m vllm.entrypoints.openai.api_server`) from the vLLM venv
+(`testbed.vllmenv`) as its child, in its own network namespace, and talks HTTP to it. A server
+process rather than `AsyncLLM` inside the worker, because:
+
+- vLLM lives in its own venv (it pins numpy and more; the worker's venv stays as it is);
+- vLLM spawns its EngineCore and CPU worker processes itself; the server is the parent that
+  shuts them down, as it does in a real deployment;
+- it is the binary users deploy (`vllm serve`), flags and all.
+
+The server stays in the worker's process group (Mininet starts each worker as a session
+leader), so `pause` (SIGSTOP to the group) stops the API server, EngineCore and its workers
+together, and `kill` (SIGKILL to the group) leaves none; its parent-death signal and vLLM's
+own death pipe from the API server to EngineCore cover a worker killed alone; `stop` ends the
+server and then whatever descendant is left. The worker records the PIDs (`pids()`) for
+`testbed clean`.
+
+KV crosses between instances through vLLM's KV connector (NixlConnector over UCX TCP on
+CPU): the prefill server (`kv_producer`) keeps the KV, the decode server (`kv_consumer`) pulls
+it from the prefill instance's side-channel address, which is the prefill instance's own IP
+(`VLLM_NIXL_SIDE_CHANNEL_HOST`), so the pull crosses the shaped WAN.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import time
+
+from testbed import lifecycle
+
+ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
+HEALTH_POLL_S = 1.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServerSpec:
+    """Everything one server is started with (real-world values: vLLM runs at real speed)."""
+
+    python: str                     # the vLLM venv's Python (testbed.vllmenv.find_python)
+    model_dir: str
+    role: str                       # prefill | decode | both
+    host: str                       # the instance's IP: HTTP and the NIXL side channel
+    port: int                       # HTTP (OpenAI API)
+    side_port: int                  # NIXL side channel (handshake)
+    dtype: str = "float32"
+    max_model_len: int = 8192
+    max_num_seqs: int = 8
+    kv_cache_space_gib: float = 1.0
+    cpus: str = "nobind"            # VLLM_CPU_OMP_THREADS_BIND: a CPU list (0-1, 1) or nobind
+    connector: str = "NixlConnector"
+    seed: int = 0
+
+    @property
+    def url(self):
+        return f"http://{self.host}:{self.port}"
+
+
+def kv_transfer_config(spec):
+    return {"kv_connector": spec.connector, "kv_role": ROLES[spec.role],
+            "kv_buffer_device": "cpu"}
+
+
+def argv(spec):
+    return [spec.python, "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model_dir,
+            "--host", spec.host, "--port", str(spec.port), "--dtype", spec.dtype,
+            "--enforce-eager", "--max-model-len", str(spec.max_model_len),
+            "--max-num-seqs", str(spec.max_num_seqs), "--seed", str(spec.seed),
+            "--disable-uvicorn-access-log",
+            "--kv-transfer-config", json.dumps(kv_transfer_config(spec))]
+
+
+def env(spec, base=None):
+    e = dict(os.environ if base is None else base)
+    for k in ("PYTHONPATH", "VIRTUAL_ENV"):      # the testbed's, not the vLLM venv's
+        e.pop(k, None)
+    kib = spec.kv_cache_space_gib
+    e.update({"UCX_TLS": "tcp,self,sm", "VLLM_NIXL_SIDE_CHANNEL_HOST": spec.host,
+              "VLLM_NIXL_SIDE_CHANNEL_PORT": str(spec.side_port),
+              "VLLM_CPU_KVCACHE_SPACE": str(int(kib) if float(kib).is_integer() else kib),
+              "VLLM_CPU_OMP_THREADS_BIND": spec.cpus, "HF_HUB_OFFLINE": "1",
+              "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+              "VLLM_LOGGING_LEVEL": e.get("VLLM_LOGGING_LEVEL", "INFO")})
+    return e
+
+
+def descendants(pid):
+    """PIDs below `pid` (children first walked through /proc/<pid>/task/*/children)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        for task in _listdir(f"/proc/{p}/task"):
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    kids = [int(x) for x in f.read().split()]
+                out += kids
+                todo += kids
+    return out
+
+
+def _listdir(path):
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+class ServerFailed(RuntimeError):
+    """The server exited, or did not answer /health in time."""
+
+
+class VllmServer:
+    """Start, await and stop one server; `proc` is its Popen once started."""
+
+    def __init__(self, spec: ServerSpec, log_path):
+        self.spec, self.log_path, self.proc = spec, log_path, None
+
+    def start(self):
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(argv(self.spec), stdout=log, stderr=subprocess.STDOUT,
+                                         env=env(self.spec), stdin=subprocess.DEVNULL,
+                                         preexec_fn=lifecycle.die_with_parent())
+        return self.proc
+
+    async def wait_healthy(self, timeout_s, session):
+        """Poll GET /health (bounded by `timeout_s`) until 200; ServerFailed otherwise."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerFailed(f"vLLM server exited with {self.proc.returncode} before it "
+                                   f"was healthy; see {self.log_path}")
+            with contextlib.suppress(Exception):
+                async with session.get(f"{self.spec.url}/health") as r:
+                    if r.status == 200:
+                        return time.monotonic() - (deadline - timeout_s)
+            await asyncio.sleep(HEALTH_POLL_S)
+        raise ServerFailed(f"vLLM server not healthy after {timeout_s:.0f}s; see "
+                           f"{self.log_path}")
+
+    def pids(self):
+        """[(pid, start time)] of the server and every process below it, for the record."""
+        if self.proc is None:
+            return []
+        return [(p, lifecycle.proc_start_time(p)) for p in [self.proc.pid]
+                + descendants(self.proc.pid)]
+
+    def stop(self, grace_s=10.0):
+        """SIGTERM the server (it shuts EngineCore down), then SIGKILL whatever is left of it
+        and its descendants after `grace_s`."""
+        if self.proc is None:
+            return
+        below = self.pids()
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=grace_s)
+        for pid, start in reversed(below):
+            lifecycle.kill_recorded(pid, start, grace_s=0.5)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=2)
