@@ -29,8 +29,8 @@ placed in while an instance there is up. With failover on it recovers:
 
 Every decision (a health check's verdict, where a request moves, when it fails) is
 workers/redispatch.py's, asyncio- and gRPC-free, which the simulator runs too; this module is
-the RPCs and the waits around it. Every move is a `redispatch` row in events.csv and a `Redispatch` in the request's last chunk
-(the client's record). Without failover a failure fails the request with its reason, as before.
+the RPCs and the waits around it. Every move is a `redispatch` row in events.csv and a
+`Redispatch` in the request's last chunk (the client's record). Without failover a failure fails the request with its reason, as before.
 """
 
 import asyncio
