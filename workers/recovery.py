@@ -27,8 +27,10 @@ placed in while an instance there is up. With failover on it recovers:
   `direct` mark) is re-prefilled for another decode instance; one that has tokens (or has
   nowhere to go) fails at once with the reason, so nothing waits for the request timeout.
 
-Every move is a `redispatch` row in events.csv and a `Redispatch` in the request's last chunk
-(the client's record). Without failover a failure fails the request with its reason, as before.
+Every decision (a health check's verdict, where a request moves, when it fails) is
+workers/redispatch.py's, asyncio- and gRPC-free, which the simulator runs too; this module is
+the RPCs and the waits around it. Every move is a `redispatch` row in events.csv and a
+`Redispatch` in the request's last chunk (the client's record). Without failover a failure fails the request with its reason, as before.
 """
 
 import asyncio
@@ -38,40 +40,39 @@ import grpc
 
 from testbed.proto import testbed_pb2 as pb
 from testbed.records import RunDir
-from workers import control
+from workers import control, redispatch
 
 UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-MAX_ATTEMPTS = 4          # prefill attempts per request before it fails
 
 
 class Health:
+    """The asyncio and gRPC side of the instances' health: the checks' RPCs, the waits; every
+    decision is `workers.redispatch.HealthBook`'s (the simulator runs the same one)."""
+
     def __init__(self, svc, rt, log):
         self.svc, self.log = svc, log
         self.events = control.event_log(rt, "scheduler")
         self.flights = set()
         self._up = asyncio.Event()
-        self.last_seen = {}         # instance name -> monotonic time of its last chunk
+        r = svc.router
+        self.book = redispatch.HealthBook(
+            [i.name for i in r.remote + r.local + r.decode], self.events, time.monotonic,
+            on_down=self._tell, on_up=self._wake, stats=svc.stats)
 
     def seen(self, inst):
-        """Traffic from `inst` (a chunk on a `Decode` stream: tokens, a `direct` mark, a last
-        chunk) is a sign of life, as a health reply is."""
-        self.last_seen[inst.name] = time.monotonic()
+        self.book.seen(inst)
 
     def set(self, inst, down, reason):
         """Mark `inst` down or up; logs the transition and tells the requests on it."""
-        if inst.down == down:
-            return
-        inst.down = down
-        self.svc.stats.failovers += 1
-        self.log.warning("health: %s is %s (%s)", inst.name, "DOWN" if down else "up", reason)
-        self.events("health", instance=inst.name, role=inst.role,
-                    state="down" if down else "up", reason=reason.replace(" ", "_"))
-        if down:
-            for f in list(self.flights):
-                f.notify(inst, reason)
-        else:
-            self._up.set()
-            self._up = asyncio.Event()
+        self.book.set(inst, down, reason, self.log)
+
+    def _tell(self, inst, reason):
+        for f in list(self.flights):
+            f.notify(inst, reason)
+
+    def _wake(self, inst):
+        self._up.set()
+        self._up = asyncio.Event()
 
     async def any_up(self, timeout):
         """Wait until some instance comes back up, or `timeout`."""
@@ -84,35 +85,24 @@ class Health:
         if isinstance(err, grpc.aio.AioRpcError) and err.code() in UNREACHABLE:
             self.set(inst, True, f"{err.code().name} on an RPC")
 
-    async def loop(self, misses_down=2):
-        """Ask every instance for its health; down after `misses_down` missed checks in a row
-        (one slow reply on a busy machine is not an outage), up again at its first answer."""
+    async def loop(self):
+        """Ask every instance for its health every `health_interval_s`; `HealthBook.checked`
+        judges each answer (down after two missed checks in a row, up at the first answer)."""
         sched = self.svc.rt.scheduler
         interval, timeout = sched.health_interval_s, sched.health_timeout_s
         router = self.svc.router
         insts = router.remote + router.local + router.decode
         stubs = {**self.svc.prefill_stub, **self.svc.decode_stub}
-        misses = dict.fromkeys((i.name for i in insts), 0)
 
         async def check(inst):
             asked = time.monotonic()
             try:
                 await stubs[inst.name].Health(pb.Empty(), timeout=timeout)
-                misses[inst.name] = 0
+                out = self.book.checked(inst, True, asked, timeout)
             except grpc.aio.AioRpcError as e:
-                # A busy worker may answer late (its event loop is stepping a batch on a loaded
-                # machine) while its chunks still flow: passive liveness, not a miss. Chunks must
-                # still be arriving halfway through the wait: what a worker sent just before it
-                # froze lands within milliseconds and must not excuse the check.
-                if self.last_seen.get(inst.name, -1e9) > asked + timeout / 2:
-                    misses[inst.name] = 0
-                else:
-                    misses[inst.name] += 1
-                last = e.code().name
-            if misses[inst.name] >= misses_down:
-                self.set(inst, True, f"{misses[inst.name]} missed health checks ({last})")
-            elif misses[inst.name] == 0:
-                self.set(inst, False, "answered a health check")
+                out = self.book.checked(inst, False, asked, timeout, e.code().name)
+            if out is not None:
+                self.set(inst, *out)
 
         # Start once every worker has said it is ready (the runner waits for the same files):
         # a worker still importing is not an outage.
@@ -219,13 +209,12 @@ class Flight:
         self.attempt += 1
         return await self._prefill(p, d, self.attempt)
 
+    def _route(self):
+        return self.svc.route(self.req, self.kind)
+
     def _place(self):
         """An up prefill instance for this request (the routing policy's choice), or None."""
-        try:
-            _, p, _ = self.svc.route(self.req, self.kind)
-        except LookupError:
-            return None
-        return None if p.down else p
+        return redispatch.place_prefill(self._route)
 
     def _moved(self, role, old, new, reason):
         t = time.time()
@@ -238,9 +227,7 @@ class Flight:
     # ---- recovery ----
     def _redispatch_prefill(self, reason):
         """Move the prefill elsewhere; False when no instance is up for it."""
-        if self.attempt + 1 >= MAX_ATTEMPTS:
-            return False
-        p = self._place()
+        p = redispatch.move_prefill(self, self._route)
         if p is None:
             return False
         self._stop_prefill()
@@ -251,19 +238,10 @@ class Flight:
     def _reroute_decode(self, reason):
         """Re-prefill for another decode instance; an error string when that is not possible."""
         d_old = self.d
-        why = f"decode {d_old.name} failed ({reason})"
-        if not self.failover:
-            return why
-        if self.tokens:
-            return f"{why} after {self.tokens} tokens"
-        if self.attempt + 1 >= MAX_ATTEMPTS:
-            return f"{why}; {MAX_ATTEMPTS} prefill attempts made"
-        try:
-            _, p, d = self.svc.route(self.req, self.kind)
-        except LookupError as e:
-            return f"{why}; {e}"
-        if d is d_old or d.down:
-            return f"{why}; no other decode instance is up"
+        error, to = redispatch.reroute_decode(self, self._route, reason)
+        if error is not None:
+            return error
+        p, d = to
         self._stop_prefill()
         self._stop_decode()
         self._moved("decode", d_old, p, f"{reason}; decode now on {d.name}")
@@ -326,9 +304,10 @@ class Flight:
     def _on_down(self, inst, reason):
         """`inst` went down (health): with failover, the request moves off it; the error when
         it cannot (decode), else None."""
-        if self.failover and inst is self.d:
+        what = redispatch.on_instance_down(self, inst, self.ptask.done())
+        if what == "decode":
             return self._reroute_decode(f"{inst.name} down: {reason}")
-        if self.failover and inst is self.p and not self.ptask.done():
+        if what == "prefill":
             # A paused instance keeps the request when there is nowhere else to go.
             self._redispatch_prefill(f"{inst.name} down: {reason}")
         return None
@@ -338,14 +317,16 @@ class Flight:
         instance is up), or the error that fails the request."""
         if r.status == "ok":
             return None
-        if not self.failover:
-            return r.error
-        if self.d.down:
+        what, arg = redispatch.after_prefill_failure(self, self._route, r.error)
+        if what == "fail":
+            return arg
+        if what == "decode":
             return self._reroute_decode(r.error)
-        if self._redispatch_prefill(r.error):
+        if what == "move":
+            self._stop_prefill()
+            self._moved("prefill", self.p, arg, r.error)
+            self._start_prefill(arg)
             return None
-        if self.attempt + 1 >= MAX_ATTEMPTS:
-            return f"{r.error}; {MAX_ATTEMPTS} prefill attempts made"
         self.ptask = asyncio.create_task(self._prefill_when_up(self.d, r.error))
         return None
 

@@ -10,6 +10,9 @@
 - `cluster`: requests through the Router and the models, recorded as the client records them;
 - `run`: one expanded run, writing the same run directory files as the emulation.
 
+`faults`: instance faults, health checks and re-dispatch (workers/redispatch.py's
+  decisions).
+
 Nothing here needs root, namespaces or processes. `unsupported(exp)` (here, cheap to import)
 says what a deployment asks that the simulator does not model yet; the runner refuses it
 before anything starts (exit 2). docs/sim.md says what is modelled and how it compares.
@@ -26,11 +29,23 @@ def unsupported(exp):
                 "itself (workload.client: builtin)")
     if exp.cache.enabled:
         return "cache.enabled: the prefix cache and its placement are not simulated yet"
-    if any(f.kind != "link" for f in exp.faults):
-        return ("faults of kind pause/kill/restart/slow need health checks and re-dispatch, "
-                "which are not simulated yet (link faults are)")
-    if exp.scheduler.failover.enabled and (exp.faults or any(
-            c.up is False for c in exp.network.wan.changes)):
-        return ("scheduler.failover.enabled with an outage: health checks and re-dispatch are "
-                "not simulated yet")
+    decode = [f for f in exp.faults if f.kind != "link" and _hits_decode(exp, f.target)]
+    if decode:
+        return (f"faults on decode instances ({decode[0].kind} on {decode[0].target}) are not "
+                "simulated yet (prefill instances' faults are)")
     return None
+
+
+def _hits_decode(exp, target):
+    """Whether a fault's `target` (testbed.faultspec's groups, an instance, random(GROUP), a
+    list) may name a decode instance or a dual-role one: only PrfaaS, `prefill` and the
+    prefill instances (rp*, lp*) are safe."""
+    names = target if isinstance(target, (list, tuple)) else [target]
+    for n in (str(x).strip() for x in names):
+        if n.startswith("random(") and n.endswith(")"):
+            n = n[7:-1].strip()
+        if exp.scheduler.roles.enabled and n != "prfaas" and not n.startswith("rp"):
+            return True
+        if not (n in ("prfaas", "prefill") or n[:2] in ("rp", "lp")):
+            return True
+    return False

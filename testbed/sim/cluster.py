@@ -29,9 +29,10 @@ emulation does) until the router's book and the worker show nothing of the old r
 conversion cost, and puts it in the new role's list (`role` and `replan` rows in events.csv).
 
 The link schedule (`Deployment.link_changes`: changes, rate trace, link faults) is applied to
-the link models at its times. Not simulated yet: instance faults (pause, kill, restart, slow)
-with health checks and re-dispatch, the prefix cache and its placement, and an external
-client; `testbed.sim.unsupported` says which one a deployment asks for.
+the link models at its times; instance faults on prefill instances, the health checks and the
+re-dispatches are `testbed.sim.faults` (workers/redispatch.py's decisions). Not simulated yet:
+faults on decode instances, the prefix cache and its placement, and an external client;
+`testbed.sim.unsupported` says which one a deployment asks for.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from testbed.measure import CounterSampler
 from testbed.records import RunDir, SentRecord
 from testbed.proto import testbed_pb2 as pb
 from testbed.sim.engine import DecodeInstance, PrefillInstance, Slot
+from testbed.sim.faults import SimRecovery, redispatch_record
 from testbed.sim.wan import LinkModel, Terms
 from workers.adaptive import COLUMNS as SCHEDULER_COLUMNS
 from workers.adaptive import ThresholdDecider
@@ -66,11 +68,16 @@ class Request:
 
     __slots__ = ("id", "input_len", "output_len", "send", "kind", "p", "d", "predicted",
                  "queued", "start", "end", "kv_bytes", "send_start", "send_end",
-                 "recv_start", "recv_end", "opened")
+                 "recv_start", "recv_end", "opened", "failover", "attempt", "tokens", "replied",
+                 "failed", "flow", "moves")
 
-    def __init__(self, w, send):
+    def __init__(self, w, send, failover=False):
         self.id, self.input_len, self.output_len = int(w.id), int(w.input_len), int(w.output_len)
         self.send = send
+        self.p = self.d = self.flow = None
+        self.failover, self.attempt, self.tokens = failover, 0, 0     # workers.redispatch's
+        self.replied = self.failed = False      # FlightView: the attempt's reply, the end
+        self.moves = []
 
 
 class SimCluster:
@@ -110,6 +117,9 @@ class SimCluster:
             self.sched_csv = csv.writer(self._sched_file)
             self.sched_csv.writerow(SCHEDULER_COLUMNS)
             self.last_eval = -float("inf")
+        self.recovery = None
+        if dep.fault_actions or rt.scheduler.failover:
+            self.recovery = SimRecovery(self)
 
     def unix(self, t):
         return self.base + t
@@ -128,6 +138,8 @@ class SimCluster:
         self.sample_csv = csv.writer(self.samples)
         self.sample_csv.writerow(CounterSampler.COLUMNS)
         self._sample()
+        if self.recovery is not None:
+            self.recovery.start(self.dep.fault_actions, controllers_since_s)
         if self.decider is not None:
             self.loop.at(_first_tick(self.rt.scheduler.adaptive.interval_s, controllers_since_s),
                          self._adapt_timer)
@@ -241,7 +253,7 @@ class SimCluster:
     def submit(self, w):
         now = self.loop.now()
         self.to_send -= 1
-        r = Request(w, now)
+        r = Request(w, now, self.rt.scheduler.failover)
         self.records.write(SentRecord(id=r.id, send_time=self.unix(now),
                                       scheduled=self.unix(now), lateness_s=0.0))
         if self.decider is not None:
@@ -261,8 +273,49 @@ class SimCluster:
         r.opened = now
         r.predicted = self.router.predict_s(r.p, r.input_len)
         r.p.outstanding_s += r.predicted
+        self._call_prefill(r)
+
+    def _call_prefill(self, r):
+        if self.recovery is not None:
+            self.recovery.assign(r)
         delay = self.links["request"].one_way_s() if r.p.dc == "prfaas" else 0.0
-        self.loop.at(now + delay, self._prefill_arrives, r)
+        self.loop.after(delay, self.prefill_arrives, r)
+
+    def move_prefill(self, r, p, reason, d=None):
+        """Re-dispatch: the request's next prefill attempt on `p` (and, with `d`, its decode
+        stream re-opened on `d`), as `workers.recovery.Flight` does on the decisions of
+        workers/redispatch.py."""
+        now = self.loop.now()
+        old = r.p
+        if not r.replied:           # the cancelled attempt leaves the router's book
+            old.outstanding_s -= r.predicted
+        role = "prefill" if d is None else "decode"
+        src = old.name if d is None else r.d.name
+        r.moves.append(redispatch_record(self.unix(now), role, src, p.name, reason))
+        self.events("redispatch", id=r.id, role=role, **{"from": src, "to": p.name},
+                    attempt=r.attempt + 1, reason=reason.replace(" ", "_"))
+        if d is not None:
+            r.d.inflight -= 1
+            d.inflight += 1
+            r.d, r.opened = d, now
+        r.p, r.kind = p, "remote" if p.dc == "prfaas" else "local"
+        r.attempt += 1
+        r.flow, r.replied = None, False
+        r.predicted = self.router.predict_s(p, r.input_len)
+        p.outstanding_s += r.predicted
+        self._call_prefill(r)
+
+    def fail_flight(self, r, error):
+        """A routed request fails (the recovery's decision): out of the book, recorded."""
+        if r.failed:
+            return
+        r.failed = True
+        if not r.replied:
+            r.p.outstanding_s -= r.predicted
+        if self.recovery is not None:
+            self.recovery.done(r, r.p)
+        self._end(r)
+        self._fail(r, error)
 
     def _book(self):
         """The router's state a decision is made on: threshold and every instance's
@@ -271,23 +324,35 @@ class SimCluster:
         return ro.threshold, {i.name: (i.outstanding_s, i.inflight, i.down)
                               for i in ro.remote + ro.local + ro.decode}
 
-    def _link_of(self, r):
+    def link_of(self, r):
         return self.links["kv"] if r.p.dc == "prfaas" else self.fabric[r.p.dc]
 
-    def _prefill_arrives(self, r):
+    def prefill_arrives(self, r):
+        rec = self.recovery
+        if r.failed or (rec is not None and not rec.arrives(r)):
+            return
         r.queued = self.loop.now()
         r.start, r.end, pieces = self.prefill[r.p.name].schedule(r.queued, r.input_len)
         r.kv_bytes = sum(n for _, n, _ in pieces)
         r.send_start = pieces[0][0]
-        link = self._link_of(r)
-        flow = link.open(functools.partial(self._kv_done, r))
+        link = self.link_of(r)
+        flow = r.flow = link.open(functools.partial(self._kv_done, r, r.attempt, r.p,
+                                                    r.predicted))
+        if rec is None:
+            for ready, nbytes, last in pieces:
+                self.loop.at(ready, link.push, flow, nbytes, last)
+            return
+        st = rec.state[r.p.name]
         for ready, nbytes, last in pieces:
-            self.loop.at(ready, link.push, flow, nbytes, last)
+            self.loop.at(ready, rec.piece, r.p, st.kills, st.paused_total, r, r.attempt, ready,
+                         link, flow, nbytes, last)
 
-    def _kv_done(self, r, first_arrival, last_sent, last_arrival):
+    def _kv_done(self, r, attempt, p, predicted, first_arrival, last_sent, last_arrival):
+        if r.failed or r.attempt != attempt:
+            return                  # a cancelled attempt's KV: the decode worker discards it
         r.recv_start, r.send_end, r.recv_end = first_arrival, last_sent, last_arrival
-        reply_delay = self.links["kv"].one_way_s() if r.p.dc == "prfaas" else 0.0
-        self.loop.at(last_sent + reply_delay, self._prefill_replied, r)
+        reply_delay = self.links["kv"].one_way_s() if p.dc == "prfaas" else 0.0
+        self.loop.at(last_sent + reply_delay, self._prefill_replied, r, attempt, p, predicted)
         if last_arrival - r.opened > self.rt.kv_deadline_s:
             self.loop.at(r.opened + self.rt.kv_deadline_s, self._kv_late, r)
             return
@@ -300,10 +365,16 @@ class SimCluster:
         slot = Slot(r, r.input_len, r.output_len, need, self._finished)
         self.loop.at(last_arrival, dec.arrive, slot)
 
-    def _prefill_replied(self, r):
-        r.p.outstanding_s -= r.predicted
+    def _prefill_replied(self, r, attempt, p, predicted):
+        if r.attempt != attempt or r.failed:
+            return
+        p.outstanding_s -= predicted
+        r.replied = True
+        if self.recovery is not None:
+            self.recovery.done(r, p)
 
     def _kv_late(self, r):
+        r.failed = True
         self._end(r)
         self._fail(r, f"{r.d.name}: KV not complete after {self.rt.kv_deadline_s:.3g}s "
                       f"(emulated); received {r.kv_bytes} bytes")
@@ -319,6 +390,12 @@ class SimCluster:
     def _fail(self, r, error):
         t = Tracker(pb.Request(id=r.id, input_len=r.input_len, output_len=r.output_len),
                     self.unix(r.send))
+        if r.p is not None:
+            t.add(pb.TokenChunk(done=True, status="failed", error=error,
+                                route=pb.Route(kind=r.kind, prefill=r.p.name, decode=r.d.name,
+                                               threshold=self.router.threshold),
+                                attempts=r.attempt + 1, redispatches=r.moves),
+                  self.unix(self.loop.now()))
         out = t.finish(error, end=False)
         out.end_time = self.unix(self.loop.now())
         self.records.write(out, t.chunks)
@@ -360,4 +437,5 @@ class SimCluster:
                            threshold=self.router.threshold),
             prefill=prefill, kv_recv_start=u + r.recv_start, kv_recv_end=u + r.recv_end,
             kv_recv_bytes=r.kv_bytes, decode_instance=r.d.name,
-            decode_join=u + slot.join_time, kv_attempt=0, attempts=1)
+            decode_join=u + slot.join_time, kv_attempt=r.attempt, attempts=r.attempt + 1,
+            redispatches=r.moves)

@@ -190,6 +190,17 @@ class LinkModel:
         heapq.heappush(self.heap, (flow.end, self._seq, flow))
         self._reschedule()
 
+    def abort(self, flow):
+        """`flow`'s sender is gone (a killed worker): what it had not sent is lost."""
+        self.advance()
+        flow.on_done = lambda *a: None
+        if flow.active:
+            flow.active = False
+            self.n -= 1
+            if not self.n:
+                self.served = 0.0
+        self._reschedule()
+
     def _jitter_draw(self):
         j = self.jitter_s
         if not self.terms.jitter or j <= 0 or self.rng is None:

@@ -1,0 +1,115 @@
+"""Instance faults, health checks and re-dispatch in the simulator (testbed/sim/faults.py), on
+the decisions the emulation's scheduler runs (workers/redispatch.py). No root, seconds."""
+
+import csv
+import types
+
+import pandas as pd
+
+from conftest import ROOT
+from testbed import cli, rundir
+from workers.policy import Instance
+from workers.redispatch import HealthBook, after_prefill_failure, reroute_decode
+
+GRAY = str(ROOT / "experiments" / "gray_failure.yaml")
+WAN_FAILURE = str(ROOT / "experiments" / "wan_failure.yaml")
+
+
+def _events(d):
+    out = []
+    with open(d / "events.csv") as f:
+        for row in csv.reader(f):
+            if len(row) >= 3 and row[0][:1].isdigit():
+                out.append((float(row[0]), row[1], dict(kv.split("=", 1) for kv in
+                                                        row[2].split(" ") if "=" in kv)))
+    return out
+
+
+def test_the_health_book_judges_as_the_scheduler_does():
+    t = [0.0]
+    rows = []
+    inst = Instance("rp0", "prefill", "prfaas", "h200", "x")
+    book = HealthBook(["rp0"], lambda kind, **f: rows.append(f), lambda: t[0])
+    assert book.checked(inst, False, 0.0, 0.5, "DEADLINE_EXCEEDED") is None   # one miss
+    down, why = book.checked(inst, False, 1.5, 0.5, "DEADLINE_EXCEEDED")
+    assert down and "2 missed" in why and book.set(inst, down, why) and inst.down
+    t[0] = 3.3
+    book.seen(inst)                     # chunks still arriving late in the wait: no miss
+    assert book.checked(inst, False, 3.0, 0.5) == (False, "answered a health check")
+    assert book.set(inst, False, "answered") and not inst.down
+    assert [r["state"] for r in rows] == ["down", "up"]
+
+
+def test_the_redispatch_decisions():
+    p, d, d2 = (Instance(n, r, "local", "h20", "x") for n, r in
+                (("lp0", "prefill", ), ("ld0", "decode"), ("ld1", "decode")))
+    f = types.SimpleNamespace(failover=True, attempt=0, tokens=0, p=p, d=d)
+    assert after_prefill_failure(f, lambda: ("local", p, d), "boom") == ("move", p)
+    p.down = True
+    assert after_prefill_failure(f, lambda: ("local", p, d), "boom") == ("wait", None)
+    f.attempt = 3
+    assert after_prefill_failure(f, lambda: ("local", p, d), "boom")[0] == "fail"
+    f.attempt, f.tokens = 0, 5
+    assert "after 5 tokens" in reroute_decode(f, lambda: ("local", p, d2), "gone")[0]
+    f.tokens = 0
+    assert reroute_decode(f, lambda: ("local", p, d2), "gone") == (None, (p, d2))
+    f.failover = False
+    assert after_prefill_failure(f, lambda: ("local", p, d), "boom") == ("fail", "boom")
+
+
+def test_gray_failure_runs_in_the_sim(tmp_path):
+    """Both PrfaaS instances frozen, or killed and restarted: detected by the health checks
+    within two checks (1 s + 0.5 s each, real), the requests on them re-dispatched, up again
+    after the fault's end; every request completes."""
+    out = tmp_path / "g"
+    assert cli.main(["run", GRAY, "--backend", "sim", "--out", str(out), "--set",
+                     "requests=320", "--no-progress"]) == 0
+    runs = {d.name: d for d in rundir.find_runs(out)}
+    assert set(runs) == {"no-fault", "freeze-200s", "kill-restart-200s"}
+    for name in ("freeze-200s", "kill-restart-200s"):
+        ev = _events(runs[name])
+        t_inj = next(t for t, k, _ in ev if k == "fault_inject")
+        t_end = next(t for t, k, _ in ev if k == "fault_end")
+        downs = {f["instance"]: t for t, k, f in ev if k == "health" and f["state"] == "down"}
+        ups = {f["instance"]: t for t, k, f in ev if k == "health" and f["state"] == "up"}
+        assert set(downs) == {"rp0", "rp1"} == set(ups), name
+        for inst, t in downs.items():
+            assert 0 <= (t - t_inj) * 10 <= 2 * 1.5 + 0.5, (name, inst)     # scale.time 10
+            assert t_end <= ups[inst] <= t_end + 0.2, (name, inst)
+        moves = [f for t, k, f in ev if k == "redispatch"]
+        assert moves and all(f["from"].startswith("rp") for f in moves
+                             if f["reason"].startswith("rp"))
+        df = pd.read_parquet(runs[name] / "requests.parquet")
+        assert (df.status == "ok").all() and len(df) == 320
+        moved = df[df.attempts > 1]
+        assert len(moved) and all(len(x) == a - 1 for x, a in zip(moved.redispatches,
+                                                                 moved.attempts))
+        # routed while PrfaaS was down: nothing prefilled there but the ones that waited
+        during = df[(df.send_time > max(downs.values())) & (df.send_time < t_end)]
+        short = during[during.input_len <= 32_000]
+        assert len(short) and not short.prefill_instance.str.startswith("rp").any()
+    assert "UNAVAILABLE" in next(f["reason"] for t, k, f in _events(runs["kill-restart-200s"])
+                                 if k == "health")
+
+
+def test_wan_failure_runs_in_the_sim(tmp_path):
+    out = tmp_path / "w"
+    assert cli.main(["run", WAN_FAILURE, "--backend", "sim", "--out", str(out),
+                     "--no-progress"]) == 0
+    runs = {d.name: d for d in rundir.find_runs(out)}
+    assert not [k for _, k, _ in _events(runs["no-failover"]) if k == "health"]
+    ev = _events(runs["failover-all"])
+    assert {f["instance"] for _, k, f in ev if k == "health" and f["state"] == "down"} == \
+        {"rp0", "rp1"}
+    for d in runs.values():
+        assert (pd.read_parquet(d / "requests.parquet").status == "ok").all()
+
+
+def test_a_decode_fault_exits_2(tmp_path, capsys):
+    out = tmp_path / "d"
+    assert cli.main(["run", GRAY, "--backend", "sim", "--out", str(out), "--set",
+                     "variants=[{label: x, faults: [{at: 10s, kind: pause, target: ld0, "
+                     "duration: 5s}]}]"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "decode" in err
+    assert not out.exists()
