@@ -77,6 +77,7 @@ class VllmInstance:
         self.session = self.model = None
         self.started_s = 0.0
         self.bytes_at_ready = 0.0   # what the warm-up moved: not the workload's
+        self.facts = {}             # what `record` has been told so far
 
     async def start(self):
         import aiohttp  # reason: aiohttp, only for the vllm engine
@@ -94,8 +95,9 @@ class VllmInstance:
         """vllm/<name>.json: the server's PIDs (the runner puts them on record for `testbed
         clean`), its start-up time and, at the end, the connector's bytes."""
         self.pid_file.parent.mkdir(exist_ok=True)
+        self.facts.update(extra)
         data = {"pids": self.server.pids(), "url": self.url, "started_s": self.started_s,
-                **extra}
+                **self.facts}
         tmp = self.pid_file.with_name(f".{self.pid_file.name}")
         tmp.write_text(json.dumps(data))
         tmp.replace(self.pid_file)
