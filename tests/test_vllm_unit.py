@@ -104,3 +104,13 @@ def test_stop_ends_the_server_and_every_process_below_it(tmp_path, monkeypatch):
         srv.stop(grace_s=2)
     alive = [p for p, start in pids if _running(p, start)]
     assert not alive, alive
+
+
+def test_failure_heatmap_without_a_fault_free_variant(tmp_path):
+    """experiments/vllm_faults.yaml has only faulted variants: the p90 inflation has nothing to
+    divide by, and the heatmap says so instead of crashing."""
+    from testbed import plot
+    (tmp_path / "failure_matrix.csv").write_text(
+        "policy,failover,fault,case,p90_inflation,failed\n"
+        "prfaas,True,kill,kill-rp0,,0\nprfaas,True,pause,pause-rp0,,0\n")
+    assert plot.failure_heatmap(tmp_path, tmp_path / "figures").exists()
