@@ -25,9 +25,15 @@ WHY = {"NixlConnector": "vLLM's NixlConnector runs over UCX's TCP transport on C
 
 def ensure_model(rt):
     """Write the default model if the run uses it and it is not there yet."""
-    out = pathlib.Path(rt.vllm.model_dir)
-    if (out / "config.json").exists() or out != vllmspec.default_model_dir().resolve():
-        return
+    if pathlib.Path(rt.vllm.model_dir) == vllmspec.default_model_dir().resolve():
+        ensure_default_model()
+
+
+def ensure_default_model():
+    """results/.vllm-model, written if absent; its path."""
+    out = vllmspec.default_model_dir().resolve()
+    if (out / "config.json").exists():
+        return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=".vllm-model-", dir=out.parent))
     try:
@@ -38,6 +44,7 @@ def ensure_model(rt):
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    return out
 
 
 def _records(rd):
