@@ -20,7 +20,7 @@ import socket
 import pytest
 
 from test_vllm_unit import _running
-from testbed import vllmenv
+from testbed import vllmenv, vllmrun
 from workers import vllm_api as api
 from workers import vllm_server as vs
 
@@ -45,10 +45,11 @@ def _free_ports(n):
 def pair(tmp_path_factory):
     """(prefill url, decode url, model name, model shape, servers), running for the module."""
     d = tmp_path_factory.mktemp("vllm")
-    shape = json.loads(vllmenv.write_model(d / "model"))
+    model_dir = vllmrun.ensure_default_model()     # the one the root tests' runs use too
+    shape = json.loads((model_dir / "config.json").read_text())
     ports = _free_ports(4)
     servers = [vs.VllmServer(vs.ServerSpec(
-        python=vllmenv.find_python(), model_dir=str(d / "model"), role=role, host="127.0.0.1",
+        python=vllmenv.find_python(), model_dir=str(model_dir), role=role, host="127.0.0.1",
         port=ports[i], side_port=ports[i + 2], max_model_len=4096, kv_cache_space_gib=1),
         d / f"{role}.log") for i, role in enumerate(("prefill", "decode"))]
     for s in servers:
@@ -95,7 +96,9 @@ def test_greedy_after_transfer_is_identical_and_kv_bytes_match_the_shape(pair):
     xs, ys = list(moved), list(moved.values())
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    want = shape["kv_bytes_per_token"]["float32"]
+    head_dim = shape["hidden_size"] // shape["num_attention_heads"]
+    want = shape["num_hidden_layers"] * shape["num_key_value_heads"] * head_dim * 2 * 4
+    assert want == 4096         # the writer's default shape, float32
     assert abs(slope / want - 1) < 0.02, (slope, want, moved)
 
 
