@@ -28,7 +28,7 @@ import json
 import math
 import pathlib
 
-from testbed import config, faultspec, loadgen, units
+from testbed import config, faultspec, loadgen, units, vllmenv, vllmspec
 from testbed import profile as profiles
 from testbed.errors import ConfigError
 from testbed.experiment import cache_capacity
@@ -36,7 +36,8 @@ from testbed.net import spec as netspec
 from testbed.net.linkmodel import DIRECTIONS, Link, check_params, needs_per_frame_packets
 from testbed.net.ratetrace import read_rate_trace
 from testbed.runtime import (KV_PORT, AdaptiveRuntime, CacheRuntime, DecodeRuntime,
-                             InstanceRuntime, RolesRuntime, SchedulerRuntime, WorkerRuntime)
+                             InstanceRuntime, RolesRuntime, SchedulerRuntime, VllmRuntime,
+                             WorkerRuntime)
 from testbed.scale import Scale
 
 # Address plan: one /16 per datacenter; the topology puts each instance on its DC's bridge.
@@ -419,6 +420,18 @@ def _scheduler(exp, scale):
         adaptive=adaptive, roles=roles)
 
 
+def _vllm(exp):
+    """engine vllm: the servers' settings (the model directory made absolute), else None."""
+    if exp.model.engine != "vllm":
+        return None
+    v = exp.model.vllm
+    path = v.path if v.path is not None else vllmspec.default_model_dir()
+    return VllmRuntime(python=vllmenv.find_python() or "", model_dir=str(
+        pathlib.Path(path).expanduser().resolve()), dtype=v.dtype, max_model_len=v.max_model_len,
+        max_num_seqs=v.max_num_seqs, kv_cache_space_gib=v.kv_cache_space_gib, cpus=v.cpus,
+        connector=v.connector, start_timeout_s=v.start_timeout)
+
+
 def _runtime(exp, prof, scale, instances):
     step_real = exp.model.decode_step if exp.model.decode_step is not None else prof.decode_step_s
     c = exp.cache
@@ -433,7 +446,7 @@ def _runtime(exp, prof, scale, instances):
                              bs_max=exp.model.bs_max or prof.bs_max,
                              model_real=dataclasses.asdict(exp.decode_model())),
         scheduler=_scheduler(exp, scale), cache=cache,
-        frontdoor=loadgen.runtime(exp),
+        frontdoor=loadgen.runtime(exp), vllm=_vllm(exp),
         kv_deadline_s=scale.emulated_s(exp.run.kv_deadline),
         token_flush_s=scale.emulated_s(exp.run.token_flush),
         request_timeout_s=scale.emulated_s(exp.run.request_timeout),

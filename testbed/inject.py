@@ -7,11 +7,22 @@ worker's control file in the run directory and sends SIGUSR1 (workers/control.py
 """
 
 import json
+import os
 import signal
+import subprocess
 import threading
 import time
 
 from testbed.records import RunDir
+
+
+def _leads_group(p):
+    """A local worker leading its own process group (Mininet starts each one with setsid;
+    a Ray handle's PID is another host's)."""
+    try:
+        return isinstance(p, subprocess.Popen) and os.getpgid(p.pid) == p.pid
+    except OSError:
+        return False
 
 
 class Injector:
@@ -55,7 +66,10 @@ class Injector:
     def _signal(self, name, sig):
         p = self.procs().get(name)
         if p is not None and p.poll() is None:
-            p.send_signal(sig)      # a Popen or a backend's handle (another host's process)
+            if _leads_group(p):     # all it started (a vLLM server, EngineCore) with it
+                os.killpg(p.pid, sig)
+            else:
+                p.send_signal(sig)  # a Popen or a backend's handle (another host's process)
 
     def _do(self, a, name):
         k, phase = a.kind, a.phase

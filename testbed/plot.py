@@ -326,6 +326,10 @@ def failure_heatmap(top, out_dir: pathlib.Path) -> pathlib.Path | None:
     for ax, (col, title, fmt) in zip(axes, (("p90_inflation", "p90 TTFT / fault-free p90", ".2f"),
                                             ("failed", "failed requests", ".0f"))):
         grid = m.pivot_table(index=rows, columns="column", values=col, aggfunc="first")
+        if grid.empty:      # p90 inflation without a fault-free variant: nothing to divide by
+            ax.set_axis_off()
+            ax.set_title(f"{title}: no fault-free run")
+            continue
         sns.heatmap(grid, annot=True, fmt=fmt, cmap="Reds", ax=ax, cbar=False)
         _heat_axis(ax, title)
     return _save(fig, out_dir, "failure_matrix")

@@ -62,6 +62,7 @@ class RunDir:
     READY = "ready"                     # ready/<instance>, ready/start_at, ready/first_request
     CONTROL = "control"                 # control/<instance>.json (the `slow` fault)
     STATUS = "status"                   # status/<instance>.json: live state, only under --metrics
+    VLLM = "vllm"                       # vllm/<instance>.json: a vLLM server's PIDs and bytes
     AIPERF = "aiperf"                   # aiperf's artifact directory
     AIPERF_RECORDS = "profile_export.jsonl"
     AIPERF_AGGREGATE = "profile_export_aiperf.json"
@@ -113,6 +114,7 @@ class RunDir:
     ready = property(lambda self: self.path / self.READY)
     control = property(lambda self: self.path / self.CONTROL)
     status = property(lambda self: self.path / self.STATUS)
+    vllm = property(lambda self: self.path / self.VLLM)
     aiperf = property(lambda self: self.path / self.AIPERF)
     aiperf_records = property(lambda self: self.aiperf / self.AIPERF_RECORDS)
     aiperf_aggregate = property(lambda self: self.aiperf / self.AIPERF_AGGREGATE)
@@ -129,6 +131,14 @@ class RunDir:
     def ready_file(self, name):
         """ready/<name>: written by an instance once it serves."""
         return self.ready / name
+
+    def vllm_file(self, name):
+        """vllm/<name>.json: engine vllm, one instance's server (workers/vllm_engine.py)."""
+        return self.vllm / f"{name}.json"
+
+    def vllm_log(self, name):
+        """logs/<name>.vllm.log: that server's own output."""
+        return self.logs / f"{name}.vllm.log"
 
     def control_file(self, name):
         """control/<name>.json: the runner's settings for one worker (the `slow` fault)."""

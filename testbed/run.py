@@ -33,7 +33,8 @@ import sys
 import time
 
 from testbed import (analysis, clocks, config, deploy, faultspec, fidelity, lifecycle, loadgen,
-                     loadrun, ownership, plot, plot_load, replicates, rundir, runinputs, sim)
+                     loadrun, ownership, plot, plot_load, replicates, rundir, runinputs, sim,
+                     vllmrun)
 from testbed.backend import open_backend, preflight
 from testbed.errors import ConfigError, PrivilegeError, RunInterrupted, WorkerError
 from testbed.faults import write_matrix
@@ -162,6 +163,8 @@ class Run:
         if self.backend is not None:     # measured at start and at teardown
             self.meta["clocks"] = self.backend.clocks()
         self.meta["wan_counters"] = self.counters
+        if self.rt.vllm is not None:
+            self.meta["vllm"] = vllmrun.metadata(self.rd, self.rt)
         rundir.write_metadata(self.dir, self.meta)
         events.close()
 
@@ -198,11 +201,14 @@ class Run:
 
     def _stop_processes(self):
         """SIGTERM every process of the run (client first), then SIGKILL what is left."""
-        lifecycle.terminate_all(reversed(list(self.procs.values())))
+        lifecycle.terminate_all(reversed(list(self.procs.values())),   # vLLM: its servers too
+                                grace_s=3.0 if self.rt.vllm is None else 20.0)
 
     def _start_workers(self, registry, events):
         # Registered after the backend's teardown, so it runs before it (reverse order).
         registry.on_close(self._stop_processes, "processes")
+        if self.rt.vllm is not None:
+            vllmrun.ensure_model(self.rt)
         # Servers first: decode and cache pool workers listen, prefill workers connect to them
         # while they warm up (a sort on a bool is stable: the deployment order stays otherwise).
         for inst in sorted(self.deployment.workers(), key=lambda i: i.role == "prefill"):
@@ -214,11 +220,14 @@ class Run:
                 "--http-log", str(self.rd.frontdoor),
                 "--first-request-file", str(self.rd.first_request)])
         self._wait_ready(list(self.procs))
+        if self.rt.vllm is not None:
+            vllmrun.record_pids(self.rd, registry)
         events("workers_ready", count=len(self.procs))
 
     def _wait_ready(self, names):
         """Wait (bounded) until every process in `names` has written its ready file."""
-        deadline = time.monotonic() + READY_TIMEOUT_S
+        bound = READY_TIMEOUT_S + (0 if self.rt.vllm is None else 2 * self.rt.vllm.start_timeout_s)
+        deadline = time.monotonic() + bound
         pending = set(names)
         while pending:
             for name in list(pending):
@@ -228,7 +237,7 @@ class Run:
                     raise WorkerError(f"{name} exited with code {self.procs[name].returncode} "
                                       f"before it was ready; see {self.dir}/logs/{name}.log")
             if pending and time.monotonic() > deadline:
-                raise WorkerError(f"not ready after {READY_TIMEOUT_S:.0f}s: "
+                raise WorkerError(f"not ready after {bound:.0f}s: "
                                   f"{', '.join(sorted(pending))}; see {self.dir}/logs/")
             time.sleep(0.01)
 

@@ -134,6 +134,23 @@ class FrontdoorRuntime:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class VllmRuntime:
+    """engine vllm (workers/vllm_engine.py): how each server starts; real-world (scale 1)."""
+
+    python: str = ""                # the vLLM venv's Python
+    model_dir: str = ""
+    dtype: str = "float32"
+    max_model_len: int = 8192
+    max_num_seqs: int = 8
+    kv_cache_space_gib: float = 1.0
+    cpus: str = "nobind"
+    connector: str = "NixlConnector"
+    start_timeout_s: float = 600.0
+    http_port: int = 8100           # on the instance's own IP
+    side_port: int = 5600           # the connector's side channel (NIXL handshake)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class WorkerRuntime:
     """runtime.json: every process of the run reads it; times emulated unless named `real`."""
 
@@ -149,6 +166,7 @@ class WorkerRuntime:
     scheduler: SchedulerRuntime = dataclasses.field(default_factory=SchedulerRuntime)
     cache: CacheRuntime = dataclasses.field(default_factory=CacheRuntime)
     frontdoor: FrontdoorRuntime = dataclasses.field(default_factory=FrontdoorRuntime)
+    vllm: VllmRuntime | None = None
     kv_deadline_s: float = 300.0
     token_flush_s: float = 0.05
     request_timeout_s: float = 600.0

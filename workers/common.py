@@ -142,9 +142,10 @@ async def run_engine_worker(description, make_service, add_servicer, cache_cls):
     log.info(service.up_line(inst))
 
     def cleanup():
-        service.close()
+        done = service.close()      # a coroutine where the engine has one to stop (vLLM)
         if service.cache is not None:
             service.cache.close()
+        return done
 
     await serve_until_signalled(server, cleanup)
 

@@ -29,7 +29,7 @@ import time
 
 from testbed.proto import testbed_pb2 as pb
 from testbed.proto import testbed_pb2_grpc as pbg
-from workers import common, control, kvwire, status, stepclock, tokens
+from workers import common, control, kvwire, status, stepclock, tokens, vllm_api, vllm_engine
 from workers.cache_worker import DecodeCache
 from workers.engine import AssemblingDecodeEngine, DecodeEngine, PacedDecodeEngine
 from workers.engine_profile import ProfileDecodeEngine
@@ -269,6 +269,107 @@ class DecodeService(pbg.DecodeServicer):
         self.clock.report(self.events, self.name)
 
 
+class VllmDecodeService(DecodeService):
+    """The decode worker over a vLLM server (workers/vllm_engine.py): the KV handle arrives
+    on the KV socket as before, vLLM pulls the KV and streams the tokens, which are stamped on
+    arrival and sent as the step loop would (first at once, then every `flush_s`)."""
+
+    def __init__(self, rt, name, engine, log):
+        super().__init__(rt, name, engine, log)
+        self.kv = KvIntake(name, engine, True, rt.kv_deadline_s, log)   # keeps the handle
+        self.reprefills = 0
+
+    async def Decode(self, dreq, context):
+        req = dreq.request
+        slot = self.kv.claim(req.id)
+        slot.client, slot.input_len = req.client, req.input_len
+        slot.output_len = max(1, req.output_len)
+        pump = None
+        try:
+            error = await self._kv_ready(req, dreq, slot, None)
+            if error:
+                yield self._final(slot, "failed", f"{self.name}: {error}")
+                return
+            slot.join = time.time()
+            self.batch.append(slot)
+            pump = asyncio.create_task(self._pump(req, slot, *self.engine.take(req.id)))
+            while True:
+                await slot.wake.wait()
+                slot.wake.clear()
+                if slot.finished:
+                    why = slot.kv_error
+                    yield self._final(slot, "failed" if why else "ok", why and f"{self.name}: {why}")
+                    return
+                if len(slot.times) > slot.emitted:
+                    yield self._chunk(slot)
+                elif slot.emitted and not slot.marked:
+                    slot.marked = True
+                    yield pb.TokenChunk(id=slot.rid, direct=slot.emitted)
+        finally:
+            if pump is not None:
+                pump.cancel()
+            slot.finished = True
+            if slot in self.batch:
+                self.batch.remove(slot)
+            self.kv.done(req.id, slot)
+            self.engine.release(req.id)
+
+    async def _pump(self, req, slot, params, ids):
+        """Stream the tokens from vLLM; a failed KV pull is prefilled here instead (counted)."""
+        v = self.engine.vllm
+        try:
+            try:
+                await self._stream(slot, v.decode_stream(ids, slot.output_len, params))
+            except vllm_api.VllmRequestError as e:
+                if slot.times:
+                    raise
+                self.reprefills += 1
+                self.log.warning("request %d: KV pull failed (%s); prefilled here", req.id, e)
+                if self.events is not None:
+                    self.events("vllm_reprefill", instance=self.name, id=req.id, error=str(e))
+                await self._stream(slot, v.decode_stream(ids, slot.output_len, None))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the request fails with the reason
+            slot.kv_error = f"vLLM: {type(e).__name__}: {e}"
+        slot.finished = True
+        slot.wake.set()
+
+    async def _stream(self, slot, chunks):
+        async for token_ids in chunks:
+            now = time.time()
+            for t in token_ids:
+                slot.times.append(now)
+                slot.token_ids.append(int(t))
+            if slot.client in self.token_streams:
+                self._send_batch([s for s in self.batch if not s.finished], now)
+            elif len(slot.times) == len(token_ids) or now - self.slot_flush.get(
+                    slot.rid, 0.0) >= self.flush_s:
+                self.slot_flush[slot.rid] = now
+                slot.wake.set()
+        self.slot_flush.pop(slot.rid, None)
+
+    async def start(self, inst):
+        await self.engine.vllm.start()
+        await super().start(inst)
+
+    async def started(self):
+        """The KV connector's handshake with every prefill instance, before ready."""
+        prefill = [f"http://{i.ip}:{self.rt.vllm.http_port}" for i in self.rt.instances.values()
+                   if i.role == "prefill"]
+        deadline = time.monotonic() + self.rt.vllm.start_timeout_s
+        failed = await vllm_engine.warm_pairs(self.engine.vllm, prefill, deadline, self.log)
+        await self.engine.vllm.mark_ready(warm_failed=failed)
+        self._tasks = [asyncio.create_task(self.kv.discard_loop())]
+
+    def close(self):
+        for t in self._tasks:
+            t.cancel()
+        for s in self._servers:
+            s.close()
+        return self.engine.vllm.close()
+
+
 def make_engine(rt, inst) -> DecodeEngine:
     if rt.engine == "torch":
         from workers.engine_torch import TorchDecodeEngine  # reason: torch, heavy
@@ -278,7 +379,12 @@ def make_engine(rt, inst) -> DecodeEngine:
 
 
 def make_service(rt, name, inst, log):
-    service = DecodeService(rt, name, make_engine(rt, inst), log)
+    if rt.engine == "vllm":
+        engine = vllm_engine.VllmDecodeEngine(vllm_engine.VllmInstance(rt, name, inst, "decode",
+                                                                       log))
+        service = VllmDecodeService(rt, name, engine, log)
+    else:
+        service = DecodeService(rt, name, make_engine(rt, inst), log)
     service.events = control.event_log(rt, name)
     return service
 

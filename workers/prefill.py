@@ -12,7 +12,7 @@ import time
 
 from testbed.proto import testbed_pb2 as pb
 from testbed.proto import testbed_pb2_grpc as pbg
-from workers import common, control, kvwire, status
+from workers import common, control, kvwire, status, vllm_engine
 from workers.cache_worker import PrefillCache
 from workers.engine import PrefillEngine
 from workers.engine_profile import ProfilePrefillEngine
@@ -185,6 +185,17 @@ class TorchPrefill(PrefillEngine):
         return await self.engine.prefill(request, emit_sender(emit))
 
 
+class VllmPrefillService(PrefillService):
+    """The prefill worker over a vLLM server (workers/vllm_engine.py), started first."""
+
+    async def start(self, inst):
+        await self.engine.vllm.start()
+
+    def close(self):
+        super().close()
+        return self.engine.vllm.close()
+
+
 def make_engine(rt, inst) -> PrefillEngine:
     if rt.engine == "torch":
         return TorchPrefill(rt)
@@ -192,6 +203,9 @@ def make_engine(rt, inst) -> PrefillEngine:
 
 
 def make_service(rt, name, inst, log):
+    if rt.engine == "vllm":
+        return VllmPrefillService(rt, name, vllm_engine.VllmPrefill(vllm_engine.VllmInstance(
+            rt, name, inst, "prefill", log)), log)
     service = PrefillService(rt, name, make_engine(rt, inst), log)
     service.events = control.event_log(rt, name)
     return service

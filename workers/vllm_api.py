@@ -60,9 +60,9 @@ async def prefill(session, url, model, token_ids, request_id=None):
     return params
 
 
-async def generate(session, url, model, token_ids, max_tokens, params=None):
+async def generate(session, url, model, token_ids, max_tokens, params=None, **extra):
     """All generated token ids at once (non-streaming; colocated when `params` is None)."""
-    body = completion(token_ids, max_tokens, model=model)
+    body = completion(token_ids, max_tokens, model=model, **extra)
     if params is not None:
         body["kv_transfer_params"] = params
     out = await _post(session, url, body)

@@ -18,9 +18,9 @@ server and then whatever descendant is left. The worker records the PIDs (`pids(
 `testbed clean`.
 
 KV crosses between instances through vLLM's KV connector (NixlConnector over UCX TCP on
-CPU): the prefill server (`kv_producer`) keeps the KV, the decode server (`kv_consumer`) pulls
-it from the prefill instance's side-channel address, which is the prefill instance's own IP
-(`VLLM_NIXL_SIDE_CHANNEL_HOST`), so the pull crosses the shaped WAN.
+CPU, UCX_TLS=tcp,self): the prefill server (`kv_producer`) keeps the KV, the decode server
+(`kv_consumer`) pulls it from the prefill instance's side-channel address, which is the
+prefill instance's own IP (`VLLM_NIXL_SIDE_CHANNEL_HOST`), so the pull crosses the shaped WAN.
 """
 
 from __future__ import annotations
@@ -79,10 +79,14 @@ def argv(spec):
 
 def env(spec, base=None):
     e = dict(os.environ if base is None else base)
-    for k in ("PYTHONPATH", "VIRTUAL_ENV"):      # the testbed's, not the vLLM venv's
+    # The testbed's, not the vLLM venv's; the runner's one OpenMP thread per worker is not
+    # vLLM's (its CPU backend sizes its threads from the binding, VLLM_CPU_OMP_THREADS_BIND).
+    for k in ("PYTHONPATH", "VIRTUAL_ENV", "OMP_NUM_THREADS"):
         e.pop(k, None)
     kib = spec.kv_cache_space_gib
-    e.update({"UCX_TLS": "tcp,self,sm", "VLLM_NIXL_SIDE_CHANNEL_HOST": spec.host,
+    # No `sm`: UCX finds every instance on this one machine and would move the KV through
+    # shared memory, past the emulated WAN (measured: the kernel counted none of it).
+    e.update({"UCX_TLS": "tcp,self", "VLLM_NIXL_SIDE_CHANNEL_HOST": spec.host,
               "VLLM_NIXL_SIDE_CHANNEL_PORT": str(spec.side_port),
               "VLLM_CPU_KVCACHE_SPACE": str(int(kib) if float(kib).is_integer() else kib),
               "VLLM_CPU_OMP_THREADS_BIND": spec.cpus, "HF_HUB_OFFLINE": "1",

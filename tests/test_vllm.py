@@ -1,0 +1,113 @@
+"""The vLLM engine on loopback: two real vLLM CPU servers (a kv_producer prefill instance and
+a kv_consumer decode instance, NixlConnector over UCX TCP), started once for the module
+(minutes on 2 cores), driven through the testbed's own PD proxy protocol (workers/vllm_api.py).
+
+- Greedy decode after the KV transfer is token-identical to the same decode server serving
+  the prompt alone (float32, one request at a time, the reference under its own `cache_salt`
+  so that it computes its KV instead of reusing the pulled blocks).
+- The KV bytes the connector reports grow by layers x kv_heads x head_dim x 2 x 4 B per prompt
+  token (the model writer's shape), within 2%, as the slope over several prompt lengths.
+- The launcher's stop leaves none of the server's processes (EngineCore, workers) behind.
+
+Skipped without the vLLM venv (`make vllm`; `make test` installs it).
+"""
+
+import asyncio
+import json
+import random
+import socket
+
+import pytest
+
+from test_vllm_unit import _running
+from testbed import vllmenv, vllmrun
+from workers import vllm_api as api
+from workers import vllm_server as vs
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+    vllmenv.find_python() is None, reason="vLLM not installed (`make vllm`)")]
+
+START_TIMEOUT_S = 600       # two servers starting together on 2 busy cores: 100-200 s seen
+LENGTHS = (256, 768, 1280, 2048)
+
+
+def _free_ports(n):
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """(prefill url, decode url, model name, model shape, servers), running for the module."""
+    d = tmp_path_factory.mktemp("vllm")
+    model_dir = vllmrun.ensure_default_model()     # the one the root tests' runs use too
+    shape = json.loads((model_dir / "config.json").read_text())
+    ports = _free_ports(4)
+    servers = [vs.VllmServer(vs.ServerSpec(
+        python=vllmenv.find_python(), model_dir=str(model_dir), role=role, host="127.0.0.1",
+        port=ports[i], side_port=ports[i + 2], max_model_len=4096, kv_cache_space_gib=1),
+        d / f"{role}.log") for i, role in enumerate(("prefill", "decode"))]
+    for s in servers:
+        s.start()
+    try:
+        model = asyncio.run(_ready(servers))
+        yield servers[0].spec.url, servers[1].spec.url, model, shape, servers
+    finally:
+        for s in servers:
+            s.stop()
+
+
+async def _ready(servers):
+    import aiohttp  # reason: aiohttp (loaded by the workers anyway)
+    async with aiohttp.ClientSession() as session:
+        for s in servers:
+            await s.wait_healthy(START_TIMEOUT_S, session)
+        return await api.model_name(session, servers[0].spec.url)
+
+
+async def _transfer(pfx, dec, model, ids, max_tokens):
+    """(tokens after the transfer, colocated tokens, connector bytes of the transfer)."""
+    import aiohttp  # reason: as above
+    async with aiohttp.ClientSession() as session:
+        before = await api.connector_bytes(session, dec)
+        params = await api.prefill(session, pfx, model, ids)
+        got = []
+        async for chunk in api.decode_stream(session, dec, model, ids, max_tokens, params):
+            got += chunk
+        moved = await api.connector_bytes(session, dec) - before
+        alone = await api.generate(session, dec, model, ids, max_tokens,
+                                   cache_salt=f"alone-{random.random()}")
+        return got, alone, moved
+
+
+def test_greedy_after_transfer_is_identical_and_kv_bytes_match_the_shape(pair):
+    pfx, dec, model, shape, _ = pair
+    rng = random.Random(7)
+    moved = {}
+    for n in LENGTHS:
+        ids = [rng.randrange(shape["vocab_size"] - 3) for _ in range(n)]
+        got, alone, moved[n] = asyncio.run(_transfer(pfx, dec, model, ids, 12))
+        assert len(got) == 12 and got == alone, (n, got, alone)
+    xs, ys = list(moved), list(moved.values())
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    head_dim = shape["hidden_size"] // shape["num_attention_heads"]
+    want = shape["num_hidden_layers"] * shape["num_key_value_heads"] * head_dim * 2 * 4
+    assert want == 4096         # the writer's default shape, float32
+    assert abs(slope / want - 1) < 0.02, (slope, want, moved)
+
+
+def test_stop_leaves_no_server_process(pair):
+    """Last in the module: it stops the servers the fixture started."""
+    *_, servers = pair
+    pids = [p for s in servers for p in s.pids()]
+    assert len(pids) >= 4          # API server + EngineCore (+ its worker) each
+    for s in servers:
+        s.stop()
+    alive = [(pid, start) for pid, start in pids if _running(pid, start)]
+    assert not alive, alive
