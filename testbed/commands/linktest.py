@@ -87,7 +87,8 @@ def _on_this_machine(args, d):
                               duration_s=args.duration)
         backend, reason = link.wan.backend, link.wan.backend_reason
     cc = args.cc or open("/proc/sys/net/ipv4/tcp_congestion_control").read().strip()
-    return {"backend": backend, "backend_reason": reason, "congestion_control": cc, **result}
+    return {"backend": backend, "backend_reason": reason, "congestion_control": cc,
+            "calibration": link.calibration, **result}
 
 
 def _on_ray(args, d):
@@ -122,6 +123,11 @@ def format_result(out):
         lines.append(f"ray hosts: {h['src']} (dc=prfaas) -> {h['dst']} (dc=local, {h['dst_ip']});"
                      " shaped on " + ", ".join(f"{a['node']} {a['iface']}"
                                                 for a in out["agents"].values()))
+    cal = out.get("calibration")
+    if cal:
+        lines.append("calibration: fixed cost subtracted " + ", ".join(
+            f"{d} {ms:.3f} ms" for d, ms in cal["fixed_cost_ms"].items()) + " a hop (idle RTT "
+            + " -> ".join(f"{r:.3f}" for r in cal["rtt_ms"]) + " ms before the last correction)")
     lines.append(f"{'':22} {'configured':>16} {'measured':>16}")
     lines += [f"{a:22} {b:>16} {c_:>16}  {d}" for a, b, c_, d in rows]
     lines.append(f"goodput: {m['goodput_basis']}")

@@ -11,9 +11,11 @@ up exactly (`testbed clean`); `stop()` tears down in reverse order.
 
 import os
 import subprocess
+import sys
 
 from testbed import lifecycle
 from testbed.errors import NetworkError, PrivilegeError
+from testbed.net.calibrate import calibrate, shortfall
 from testbed.net.ns import disable_offloads
 from testbed.net.timers import TcpTimers, apply
 from testbed.net.wan import Wan
@@ -41,6 +43,7 @@ class Network:
         self.net = None
         self.topo = None
         self.wan = None
+        self.calibration = None      # testbed.net.calibrate, once the WAN is shaped
         self.tcp_timers = {}
 
     def start(self):
@@ -117,6 +120,13 @@ class Network:
                        backend=dep.shaping_backend, seed=dep.seed,
                        registry=self.registry, events=self.events)
         self.wan.start()
+        paths = self.netns_path
+        self.calibration = calibrate(self.wan, paths["probe_remote"], paths["probe_local"],
+                                     self.ip("probe_local"))
+        short = shortfall(self.calibration, dep.links, dep.scale.time)
+        if short:
+            print(f"warning: {short}", file=sys.stderr, flush=True)
+            self.calibration["warning"] = short
 
     def host(self, role):
         return self.net[self.topo.roles[role]]

@@ -345,6 +345,19 @@ class Wan:
                 out.append(e)
         return out
 
+    def delaylines(self):
+        """The directions with a running delay line (those `subtract_fixed_cost` acts on)."""
+        return sorted(self._delaylines)
+
+    def subtract_fixed_cost(self, offsets):
+        """Hold each direction's packets for its delay less `offsets[d]` seconds (the path's
+        fixed cost, measured by `testbed.net.calibrate`), from now on and in later changes."""
+        with self._lock:
+            for d, off in offsets.items():
+                dl = self._delaylines[d]
+                dl.offset_s = max(0.0, off)
+                dl.configure(self.links[d])
+
     # -- counters
 
     def stats(self):
