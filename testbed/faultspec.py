@@ -35,12 +35,14 @@ import random
 
 from testbed import units
 from testbed.errors import ConfigError
+from testbed.net.linkmodel import STEADY_KEYS
+from testbed.net.linkmodel import reorder_gap as _gap
 from testbed.schema import choice, integer, optional, positive, spec, string
 from testbed.workload import generate
 
 
 KINDS = ("pause", "kill", "restart", "link", "slow")
-LINK_KEYS = ("rate", "delay", "loss", "up")
+LINK_KEYS = ("rate", "delay", "loss", "up", *STEADY_KEYS)
 GROUPS = ("prfaas", "local", "prefill", "decode")
 
 
@@ -74,6 +76,11 @@ class FaultSpec:
     delay: float = spec(optional(units.duration_s), None, "link: one-way delay while it lasts")
     loss: float = spec(optional(units.probability), None, "link: loss probability while it lasts")
     up: bool = spec(optional(_up), None, "link: false cuts the link while it lasts")
+    corrupt: float = spec(optional(units.probability), None, "link: bit-flip probability")
+    duplicate: float = spec(optional(units.probability), None, "link: duplicate probability")
+    reorder_prob: float = spec(optional(units.probability), None,
+                               "link: probability a packet is sent ahead (netem's reorder)")
+    reorder_gap: int = spec(optional(_gap), None, "link: netem's reorder gap")
 
     def check(self):
         k = self.kind

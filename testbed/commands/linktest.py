@@ -27,7 +27,8 @@ from testbed.net.spec import _queue
 from testbed.net.tcp import CC_ENV
 
 
-def direction_params(rate, delay, jitter, loss, queue, jitter_dist="normal", loss_burst=None):
+def direction_params(rate, delay, jitter, loss, queue, jitter_dist="normal", loss_burst=None,
+                     **steady):
     """One symmetric direction's checked `Link` from command-line strings (units as in the
     YAML)."""
     try:
@@ -35,7 +36,8 @@ def direction_params(rate, delay, jitter, loss, queue, jitter_dist="normal", los
     except ValueError as e:
         raise ConfigError(str(e), key="--queue") from None
     return check_params({"rate": rate, "delay": delay, "jitter": jitter, "loss": loss,
-                         "queue": q, "jitter_dist": jitter_dist, "loss_burst": loss_burst},
+                         "queue": q, "jitter_dist": jitter_dist, "loss_burst": loss_burst,
+                         **{k: v for k, v in steady.items() if v is not None}},
                         "linktest")
 
 
@@ -48,6 +50,11 @@ def register(sub):
     p.add_argument("--loss", default="0", help="random loss, e.g. 1%% (default 0)")
     p.add_argument("--loss-burst", default=None,
                    help="mean loss burst in packets (Gilbert model; default: independent)")
+    p.add_argument("--corrupt", default=None, help="probability a packet gets a bit flipped")
+    p.add_argument("--duplicate", default=None, help="probability a packet is sent twice")
+    p.add_argument("--reorder", default=None, dest="reorder_prob",
+                   help="probability a packet is sent ahead of those held (netem's reorder)")
+    p.add_argument("--reorder-gap", default=None, help="netem's gap (default 1)")
     p.add_argument("--queue", default=None, help="drop-tail queue, bytes or '100p' (default BDP)")
     p.add_argument("--shaping", default="auto", choices=("auto", "netem", "userspace"),
                    help="the shaping backend (default auto: netem where the kernel has it)")
@@ -65,7 +72,9 @@ def register(sub):
 
 def main(args):
     d = direction_params(args.rate, args.delay, args.jitter, args.loss, args.queue,
-                         loss_burst=args.loss_burst)
+                         loss_burst=args.loss_burst, corrupt=args.corrupt,
+                         duplicate=args.duplicate, reorder_prob=args.reorder_prob,
+                         reorder_gap=args.reorder_gap)
     if args.backend == "ray":
         out = _on_ray(args, d)
     else:
@@ -116,6 +125,11 @@ def format_result(out):
             ("loss burst (packets)", "-" if not e.get("loss_burst") else f"{e['loss_burst']:g}",
              "-" if not m.get("loss_burst") else f"{m['loss_burst']:.2f}", "mean run"),
             ("reordered", "0", str(m["reordered"]), "")]
+    for k, what in (("corrupt", "corrupted (receiver checksum)"), ("duplicate", "duplicated"),
+                    ("reorder_share", "sent ahead (reorder)")):
+        if e.get(k):
+            rows.append((what, f"{e[k]:.3%}", "-" if m.get(k) is None else f"{m[k]:.3%}",
+                         f"{m['loss_packets']} packets"))
     lines = [f"backend: {out['backend']} ({out['backend_reason']}); TCP "
              f"{out['congestion_control']}"]
     if "hosts" in out:

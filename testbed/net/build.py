@@ -16,7 +16,8 @@ import sys
 from testbed import lifecycle
 from testbed.errors import NetworkError, PrivilegeError
 from testbed.net.calibrate import calibrate, shortfall
-from testbed.net.ns import disable_offloads
+from testbed.net.linkmodel import needs_checksums
+from testbed.net.ns import disable_checksum_offload, disable_offloads
 from testbed.net.timers import TcpTimers, apply
 from testbed.net.wan import Wan
 
@@ -104,6 +105,9 @@ class Network:
         self.per_frame = self.deployment.per_frame
         if not self.per_frame:
             return
+        dep = self.deployment
+        checksums = needs_checksums(dep.links) or any(   # corrupt/duplicate, now or later
+            getattr(c, "changes", {}).get(k) for c in dep.schedule for k in ("corrupt", "duplicate"))
         for name in self.topo.hosts():
             node = self.net[name]
             if node is self.host("wan"):
@@ -111,6 +115,8 @@ class Network:
             for intf in node.intfList():
                 if intf.name != "lo":
                     disable_offloads(f"/proc/{node.pid}/ns/net", intf.name)
+                    if checksums:
+                        disable_checksum_offload(f"/proc/{node.pid}/ns/net", intf.name)
 
     def _shape(self, router):
         dep = self.deployment

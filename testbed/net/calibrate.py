@@ -29,12 +29,12 @@ PASSES = 2
 def calibrate(wan, src, dst, dst_ip, probes=PROBES, passes=PASSES):
     """Measure and subtract the fixed cost of `wan` (a started `Wan`) between the namespaces
     `src` and `dst` (`dst_ip` in `dst`). Returns None when there is no delay line to calibrate
-    (netem, or no delay configured), else {"fixed_cost_ms": {dir: per hop}, "rtt_ms":
+    (netem, or no delay configured) or a direction starts down, else {"fixed_cost_ms": {dir: per hop}, "rtt_ms":
     [median RTT before, after each correction but the last], "configured_rtt_ms", "short":
     [directions whose delay is below their fixed cost]}."""
     dirs = wan.delaylines() if wan.backend == "userspace" else []
-    if not dirs:
-        return None
+    if not dirs or not all(wan.links[d].up for d in DIRECTIONS):
+        return None     # nothing to calibrate, or no echo can come back (a link starts down)
     configured_ms = 1e3 * sum(wan.links[d].delay_s for d in DIRECTIONS)
     cost_s = dict.fromkeys(dirs, 0.0)
     rtts = []

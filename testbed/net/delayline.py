@@ -24,7 +24,7 @@ import threading
 
 from testbed import lifecycle
 from testbed.errors import NetworkError
-from testbed.net.linkmodel import FRAME_BYTES, Link, burst_loss, gilbert
+from testbed.net.linkmodel import FRAME_BYTES, Link, burst_loss, gilbert, steady_faults
 
 MAX_NFQUEUE_PACKETS = 65536
 DELAYLINE_SRC = pathlib.Path(__file__).with_name("delayline.c")
@@ -184,6 +184,9 @@ class DelayLine:
             self.stop()
             raise NetworkError(f"delay line on NFQUEUE {self.queue_num} did not start: "
                                f"{(line or err).strip() or 'no answer'}")
+        if steady_faults(p):
+            with self._lock:
+                self._send("faults " + " ".join(self._faults(p)))
 
     @staticmethod
     def _args(link, offset_s=0.0):
@@ -207,11 +210,21 @@ class DelayLine:
             self._link = link
             if not self.alive():
                 raise NetworkError(f"delay line on NFQUEUE {self.queue_num} is not running")
-            self.proc.stdin.write("set " + " ".join(self._args(link, self.offset_s)) + "\n")
-            self.proc.stdin.flush()
-            ack = self._read_line(self.ACK_TIMEOUT_S)
-            if ack != "ok":
-                raise NetworkError(f"delay line on NFQUEUE {self.queue_num} answered {ack!r}")
+            self._send("set " + " ".join(self._args(link, self.offset_s)))
+            self._send("faults " + " ".join(self._faults(link)))
+
+    @staticmethod
+    def _faults(link):
+        return [f"{link.corrupt:.9g}", f"{link.duplicate:.9g}", f"{link.reorder_prob:.9g}",
+                str(link.reorder_gap)]
+
+    def _send(self, line):
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        ack = self._read_line(self.ACK_TIMEOUT_S)
+        if ack != "ok":
+            raise NetworkError(f"delay line on NFQUEUE {self.queue_num} answered {ack!r} to "
+                               f"{line.split()[0]}")
 
     def counters(self):
         """{'held', 'passed', 'dropped', 'lost', 'errors', 'late_sum_ns', 'late_max_ns'} from

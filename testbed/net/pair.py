@@ -24,9 +24,9 @@ import secrets
 
 from testbed import lifecycle
 from testbed.net.calibrate import calibrate as calibrate_link
-from testbed.net.linkmodel import needs_per_frame_packets
+from testbed.net.linkmodel import needs_checksums, needs_per_frame_packets
 from testbed.net.netlink import call as _netlink
-from testbed.net.ns import disable_offloads, ns_path, sysctl
+from testbed.net.ns import disable_checksum_offload, disable_offloads, ns_path, sysctl
 from testbed.net.wan import Wan
 
 VETH_ADDRESSES = ("10.254.77.1", "10.254.77.2")     # veth_pair's two ends
@@ -174,6 +174,9 @@ def routed_pair(params, backend="userspace", registry=None, seed=0, calibrate=Tr
         if needs_per_frame_packets(params):
             for end in (src, dst):
                 disable_offloads(path[end], f"{end}0")
+        if needs_checksums(params):
+            for end in (src, dst):
+                disable_checksum_offload(path[end], f"{end}0")
         wan = Wan(path[router], {"kv": f"{router}b", "request": f"{router}a"}, params,
                   backend=backend, seed=seed, registry=reg)
         wan.start()

@@ -38,7 +38,7 @@ from testbed.errors import ConfigError, NetworkError
 from testbed.net import netlink
 from testbed.net.delayline import DelayLine
 from testbed.net.firewall import Firewall
-from testbed.net.linkmodel import (DIRECTIONS, SETTABLE, Link, burst_loss, htb_burst_bytes,
+from testbed.net.linkmodel import (DIRECTIONS, SETTABLE, STEADY_FAULTS, Link, burst_loss, htb_burst_bytes,
                                    htb_quantum_bytes, needs_delayline, queue_limit,
                                    queue_packets)
 
@@ -249,7 +249,7 @@ class Wan:
             netlink.call(f"{command} netem 10: on {name}", self._ns.tc, command, "netem",
                          index=idx, handle=LEAF_HANDLE, parent=CLASS_HANDLE,
                          delay=int(lk.delay_s * 1e6), jitter=int(lk.jitter_s * 1e6),
-                         loss=loss, limit=limit, **({"gap": 0} if lk.reorder else {}))
+                         loss=loss, limit=limit, **self._netem_faults(lk))
         else:
             kind, limit = queue_limit(lk.queue, lk.rate_bps, self._rtt_s())
             if command != "add":   # bfifo <-> pfifo needs a new qdisc, not a change
@@ -257,6 +257,18 @@ class Wan:
             netlink.call(f"{command} {kind} 10: limit {limit} on {name}", self._ns.tc,
                          command, kind, index=idx, handle=LEAF_HANDLE, parent=CLASS_HANDLE,
                          limit=limit)
+
+    @staticmethod
+    def _netem_faults(lk):
+        """netem's duplicate, corrupt and reorder (percent), as `tc ... netem` takes them."""
+        out = {"duplicate": lk.duplicate * 100} if lk.duplicate else {}
+        if lk.corrupt:
+            out["prob_corrupt"] = lk.corrupt * 100
+        if lk.reorder_prob:
+            out.update(prob_reorder=lk.reorder_prob * 100, gap=lk.reorder_gap)
+        elif lk.reorder:
+            out["gap"] = 0
+        return out
 
     def _check_backend_supports(self, d, link):
         if self.backend == "netem" and burst_loss(link):
@@ -324,7 +336,8 @@ class Wan:
         if d in self._arrival:
             if changed & {"loss", "loss_burst", "up"}:
                 self._firewall.sync(d, link.up, self._iptables_loss(link))
-            if changed & {"delay", "jitter", "loss", "loss_burst"} and (
+            if changed & {"delay", "jitter", "loss", "loss_burst", *STEADY_FAULTS,
+                          "reorder_gap"} and (
                     needs_delayline(link) or d in self._delaylines):
                 self._ensure_delayline(d)
 
