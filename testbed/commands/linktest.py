@@ -140,8 +140,8 @@ def format_result(out):
     cal = out.get("calibration")
     if cal:
         lines.append("calibration: fixed cost subtracted " + ", ".join(
-            f"{d} {ms:.3f} ms" for d, ms in cal["fixed_cost_ms"].items()) + " a hop (idle RTT "
-            + " -> ".join(f"{r:.3f}" for r in cal["rtt_ms"]) + " ms before the last correction)")
+            f"{d} {ms:.3f} ms" for d, ms in cal["fixed_cost_ms"].items()) + " a hop (idle RTT, "
+            "each round: " + " -> ".join(f"{r:.3f}" for r in cal["rtt_ms"]) + " ms)")
     lines.append(f"{'':22} {'configured':>16} {'measured':>16}")
     lines += [f"{a:22} {b:>16} {c_:>16}  {d}" for a, b, c_, d in rows]
     lines.append(f"goodput: {m['goodput_basis']}")

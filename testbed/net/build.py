@@ -107,7 +107,8 @@ class Network:
             return
         dep = self.deployment
         checksums = needs_checksums(dep.links) or any(   # corrupt/duplicate, now or later
-            getattr(c, "changes", {}).get(k) for c in dep.schedule for k in ("corrupt", "duplicate"))
+            getattr(c, "changes", {}).get(k) for c in dep.schedule
+            for k in ("corrupt", "duplicate"))
         for name in self.topo.hosts():
             node = self.net[name]
             if node is self.host("wan"):

@@ -147,12 +147,13 @@ def measure_udp(src, dst, dst_ip, probes=PROBES, train=0, train_pps=1000.0):
     return c, s
 
 
-def measure_rtt_ms(src, dst, dst_ip, probes=PROBES):
-    """Median RTT (ms) of `probes` UDP echoes src -> dst, as `measure_link` times them."""
+def measure_rtt_ms(src, dst, dst_ip, probes=PROBES, q=0.5):
+    """The `q` quantile (default: the median) of the RTTs (ms) of `probes` UDP echoes
+    src -> dst, as `measure_link` times them."""
     c, _ = measure_udp(src, dst, dst_ip, probes)
     if not c["rtt_ns"]:
         raise NetworkError(f"no UDP echo came back from {dst_ip} (is the link up?)")
-    return _percentile([x / 1e6 for x in c["rtt_ns"]], 0.5)
+    return _percentile([x / 1e6 for x in c["rtt_ns"]], q)
 
 
 def measure_goodput(src, dst, dst_ip, duration_s):

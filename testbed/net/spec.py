@@ -50,7 +50,7 @@ class SteadyFaults:
     """The steady faults of a direction, a change or the whole WAN (unset: none, gap 1)."""
 
     corrupt: float = spec(optional(units.probability), None,
-                          "probability a packet gets a bit flipped (the receiver's checksum drops it)")
+                          "probability a packet gets a bit flipped (receiver's checksum drops it)")
     duplicate: float = spec(optional(units.probability), None, "probability a packet is sent twice")
     reorder_prob: float = spec(optional(units.probability), None,
                                "probability a packet is sent ahead of those held (netem's reorder)")

@@ -38,9 +38,9 @@ from testbed.errors import ConfigError, NetworkError
 from testbed.net import netlink
 from testbed.net.delayline import DelayLine
 from testbed.net.firewall import Firewall
-from testbed.net.linkmodel import (DIRECTIONS, SETTABLE, STEADY_FAULTS, Link, burst_loss, htb_burst_bytes,
-                                   htb_quantum_bytes, needs_delayline, queue_limit,
-                                   queue_packets)
+from testbed.net.linkmodel import (DIRECTIONS, SETTABLE, STEADY_FAULTS, Link, burst_loss,
+                                   htb_burst_bytes, htb_quantum_bytes, needs_delayline,
+                                   queue_limit, queue_packets)
 
 HTB_HANDLE, CLASS_HANDLE, LEAF_HANDLE = 0x10000, 0x10010, 0x100000   # 1:  1:10  10:
 TC_H_ROOT = 0xFFFFFFFF
