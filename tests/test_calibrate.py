@@ -3,6 +3,7 @@
 from testbed.net.calibrate import shortfall
 from testbed.net.linkmodel import check_params
 from testbed.net.probe import compare
+from testbed.scale import Scale
 
 
 def _measured(rtt_ms):
@@ -28,7 +29,7 @@ def test_rtt_deviation_is_relative_to_the_configured_rtt_with_a_005_ms_floor():
 def test_shortfall_names_the_largest_scale_time():
     links = {d: check_params({"rate": 1e9, "delay": 0.000125}, d) for d in ("kv", "request")}
     cal = {"fixed_cost_ms": {"kv": 0.25, "request": 0.25}, "short": ["kv", "request"]}
-    line = shortfall(cal, links, 40.0)
+    line = shortfall(cal, links, Scale(time=40.0))
     assert "cannot be emulated at scale.time 40" in line and line.endswith("can is 20")
-    assert shortfall({**cal, "short": []}, links, 40.0) is None
-    assert shortfall(None, links, 1) is None
+    assert shortfall({**cal, "short": []}, links, Scale(time=40.0)) is None
+    assert shortfall(None, links, Scale()) is None

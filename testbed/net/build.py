@@ -130,7 +130,7 @@ class Network:
         paths = self.netns_path
         self.calibration = calibrate(self.wan, paths["probe_remote"], paths["probe_local"],
                                      self.ip("probe_local"))
-        short = shortfall(self.calibration, dep.links, dep.scale.time)
+        short = shortfall(self.calibration, dep.links, dep.scale)
         if short:
             print(f"warning: {short}", file=sys.stderr, flush=True)
             self.calibration["warning"] = short

@@ -70,14 +70,16 @@ def calibrate(wan, src, dst, dst_ip, probes=PROBES, passes=PASSES):
             "probes": probes, "short": short}
 
 
-def shortfall(cal, links, scale_time):
+def shortfall(cal, links, scale):
     """One line when a configured delay is below the fixed cost (else None): the delay cannot
-    be emulated at this scale.time, and the largest scale.time at which it can."""
+    be emulated at this scale.time (`scale`: the run's `testbed.scale.Scale`), and the largest
+    scale.time at which it can: the real-world delay over the fixed cost."""
     if not cal or not cal["short"]:
         return None
-    fits = {d: links[d].delay_s * 1e3 / cal["fixed_cost_ms"][d] for d in cal["short"]}
+    fits = {d: 1e3 * scale.real_s(links[d].delay_s) / cal["fixed_cost_ms"][d]
+            for d in cal["short"]}
     d = min(fits, key=fits.get)
     return (f"the {d} direction's emulated one-way delay {links[d].delay_s * 1e3:.3f} ms is "
             f"below the delay line's fixed cost here ({cal['fixed_cost_ms'][d]:.3f} ms a hop): "
-            f"it cannot be emulated at scale.time {scale_time:g}; the largest scale.time at "
-            f"which it can is {scale_time * fits[d]:.3g}")
+            f"it cannot be emulated at scale.time {scale.time:g}; the largest scale.time at "
+            f"which it can is {fits[d]:.3g}")
