@@ -36,8 +36,7 @@ def link_factory(tmp_path):
 
     def build(backend="userspace", **kw):
         reg = lifecycle.Registry(f"t{os.getpid()}-{len(stack)}", kind="test", state_dir=tmp_path)
-        # uncalibrated: these tests check the delay line itself (held for the delay exactly)
-        cm = routed_pair(_params(**kw), backend=backend, registry=reg, calibrate=False)
+        cm = routed_pair(_params(**kw), backend=backend, registry=reg)
         stack.append((cm, reg))
         return cm.__enter__()
 
