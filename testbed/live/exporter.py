@@ -298,6 +298,7 @@ def http_server(registry, host, port):
             if self.path.split("?")[0] not in ("/metrics", "/"):
                 self.send_error(404)
                 return
+            final = server.final            # read before rendering: was the last poll in it?
             body = generate_latest(registry)
             self.send_response(200)
             self.send_header("Content-Type", CONTENT_TYPE_PLAIN_0_0_4)
@@ -306,6 +307,7 @@ def http_server(registry, host, port):
             self.wfile.write(body)
             with server.scraped:
                 server.scrapes += 1
+                server.final_scrapes += final
                 server.scraped.notify_all()
 
         def log_message(self, *args):      # a line per scrape is noise in live.log
@@ -313,19 +315,21 @@ def http_server(registry, host, port):
 
     server = http.server.ThreadingHTTPServer((host, port), Handler)
     server.daemon_threads = True
-    server.scrapes, server.scraped = 0, threading.Condition()
+    server.scrapes, server.final_scrapes, server.final = 0, 0, False
+    server.scraped = threading.Condition()
     thread = threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True)
     thread.start()
     return server, thread
 
 
 def _await_scrape(server, timeout_s=FINAL_SCRAPE_S):
-    """After the last poll, wait (bounded) for one more scrape, so the scraper holds the final
-    counts; not when nobody scraped at all."""
+    """After the last poll, wait (bounded) for one scrape rendered from it, so the scraper holds
+    the final counts; not when nobody scraped at all. A scrape under way while the last poll ran
+    may hold the earlier state, so only one that began after it counts."""
     with server.scraped:
+        server.final = True
         if server.scrapes:
-            n = server.scrapes
-            server.scraped.wait_for(lambda: server.scrapes > n, timeout=timeout_s)
+            server.scraped.wait_for(lambda: server.final_scrapes > 0, timeout=timeout_s)
 
 
 def serve(top, port, host="127.0.0.1", poll_s=1.0, stop=None):
