@@ -36,7 +36,7 @@ TORCH_CHECK := $(PY) -W ignore -c 'import sys, torch; cuda = torch.version.cuda 
   sys.exit(0 if cuda == ("$(TORCH)" == "cuda") else \
   "torch " + torch.__version__ + " is not a $(TORCH) build")'
 
-.PHONY: all deps apt-deps cluster aiperf vllm proto demo test unit lint bench clean-run distclean FORCE
+.PHONY: all deps apt-deps cluster aiperf vllm proto demo test unit lint bench bench-smoke clean-run distclean FORCE
 
 all: deps
 
@@ -156,6 +156,10 @@ unit: deps
 
 bench: deps
 	$(PY) benchmarks/link_fidelity.py
+
+# Every benchmark's --smoke, also those `make test` skips because a root test runs their path.
+bench-smoke: deps cluster
+	TB_ALL_SMOKES=1 $(PY) -m pytest tests/test_benchmarks.py $(PYTEST_ARGS)
 
 clean-run:
 	$(PY) -m testbed.cli clean

@@ -153,14 +153,32 @@ async def measure(p, plan, m, progress, deadline):
     return skipped
 
 
-async def _session_run(server, spec, plan, m, progress, budget_s, seed):
+class Running:
+    """A vLLM server started by someone else (`testbed calibrate --url`): only its /health."""
+
+    def __init__(self, url):
+        self.url = url.rstrip("/")
+
+    async def wait_healthy(self, timeout_s, session):
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with contextlib.suppress(Exception):
+                async with session.get(f"{self.url}/health") as r:
+                    if r.status == 200:
+                        return time.monotonic() - (deadline - timeout_s)
+            if time.monotonic() > deadline:
+                raise ServerFailed(f"no healthy vLLM server at {self.url} within "
+                                   f"{timeout_s:.0f}s (GET /health)")
+            await asyncio.sleep(1.0)
+
+
+async def _session_run(server, url, plan, m, progress, budget_s, seed):
     import aiohttp     # reason: the testbed's HTTP client; only the command needs it here
     timeout = aiohttp.ClientTimeout(total=None, sock_read=max(60.0, budget_s))
     async with aiohttp.ClientSession(timeout=timeout) as session:
         start_s = await server.wait_healthy(plan["start_timeout_s"], session)
         progress(f"vLLM server healthy after {start_s:.1f} s")
         m.info["start_up_s"] = round(start_s, 1)
-        url = spec.url
         model = await vllm_api.model_name(session, url)
         async with session.get(f"{url}/metrics") as r:
             m.kv_blocks, m.block_tokens = cache_blocks(await r.text())
@@ -172,26 +190,34 @@ async def _session_run(server, spec, plan, m, progress, budget_s, seed):
         return skipped
 
 
-def run(python, model_dir, plan, log_path, progress, budget_s, seed=0):
-    """Start one server, measure, stop it (also on error or Ctrl-C); (Measurements, skipped)."""
+def run(python, model_dir, plan, log_path, progress, budget_s, seed=0, url=None):
+    """Start one server, measure, stop it (also on error or Ctrl-C); (Measurements, skipped).
+    With `url`, measure the server already running there instead (it loaded `model_dir`; its
+    settings are its own, so the plan's server keys are not recorded as its)."""
     dtype = plan["dtype"]
     bpt, layers, weights = model_shape(model_dir, dtype)
     vocab = json.loads((pathlib.Path(model_dir) / "config.json").read_text())["vocab_size"]
     plan = {**plan, "vocab": max(2, vocab - 3)}         # the writer's specials sit at the top
+    server_keys = ("max_model_len", "max_num_seqs", "kv_cache_space_gib", "cpus")
+    m = Measurements(kv_bytes_per_token=bpt, layers=layers, weights_bytes=weights,
+                     bs_max=plan["max_num_seqs"],
+                     info={"model": str(model_dir), "dtype": dtype,
+                           "server": {"url": url} if url else
+                           {k: plan[k] for k in server_keys}})
+    if url:
+        skipped = asyncio.run(_session_run(Running(url), url.rstrip("/"), plan, m, progress,
+                                           budget_s, seed))
+        m.info["skipped"] = skipped
+        return m, skipped
     spec = ServerSpec(python=python, model_dir=str(model_dir), role="both", host="127.0.0.1",
                       port=free_port(), side_port=free_port(), dtype=dtype,
                       max_model_len=plan["max_model_len"], max_num_seqs=plan["max_num_seqs"],
                       kv_cache_space_gib=plan["kv_cache_space_gib"], cpus=plan["cpus"],
                       seed=seed)
-    m = Measurements(kv_bytes_per_token=bpt, layers=layers, weights_bytes=weights,
-                     bs_max=plan["max_num_seqs"],
-                     info={"model": str(model_dir), "dtype": dtype,
-                           "server": {k: plan[k] for k in ("max_model_len", "max_num_seqs",
-                                                           "kv_cache_space_gib", "cpus")}})
     server = VllmServer(spec, log_path)
     server.start()
     try:
-        skipped = asyncio.run(_session_run(server, spec, plan, m, progress, budget_s, seed))
+        skipped = asyncio.run(_session_run(server, spec.url, plan, m, progress, budget_s, seed))
     finally:
         with contextlib.suppress(Exception):
             server.stop()

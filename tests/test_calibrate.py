@@ -1,7 +1,7 @@
 """`testbed calibrate` (issue 20 item 5): measurements -> a profile file the profile engine
 runs. The fitting side is checked on synthetic measurements of a known engine (no vLLM); the
-command against a real vLLM server runs where the vLLM venv is (`make vllm`), else it is
-skipped with the reason."""
+command against a real vLLM server is in tests/test_vllm.py, on the servers that module starts
+(`calibrate --url`: one vLLM start-up fewer)."""
 
 import csv
 import random
@@ -9,7 +9,7 @@ import random
 import pytest
 
 from conftest import SMALL_EXPERIMENT
-from testbed import calibfit, calibrun, cli, config, rundir, vllmenv
+from testbed import calibfit, calibrun, cli, config, rundir
 from testbed import profile as profiles
 from testbed.calibfit import Measurements, Sample
 
@@ -95,29 +95,3 @@ def test_calibrate_refuses_bad_input_with_one_line(tmp_path, capsys):
     assert cli.main(["calibrate", "--model", str(tmp_path), "--out", str(tmp_path / "p.txt")]) == 2
     assert ".yaml" in capsys.readouterr().err
     assert not (tmp_path / "p.yaml").exists()
-
-
-@pytest.mark.skipif(vllmenv.find_python() is None, reason="no vLLM venv (`make vllm`)")
-def test_calibrate_measures_a_real_vllm_server_into_a_profile_it_runs(tmp_path):
-    """One small server, a short plan: the profile's points are the measured medians, its KV
-    bytes per token the model's, its decode memory the server's KV cache, and it loads."""
-    model = tmp_path / "model"
-    vllmenv.write_model(model, layers=2)
-    out = tmp_path / "cpu.yaml"
-    assert cli.main(["calibrate", "--model", str(model), "--out", str(out),
-                     "--lengths", "64,256,512", "--batches", "1,2",
-                     "--contexts", "64,256", "--steps", "8", "--budget", "90", "--repeats", "1",
-                     "--kv-cache-space-gib", "1", "--max-model-len", "1024"]) == 0
-    prof = profiles.load(str(out))
-    rows = list(csv.DictReader(out.with_suffix(".csv").open()))
-    pre = {int(r["length"]): float(r["seconds"]) for r in rows
-           if r["kind"] == "prefill" and r["cached"] == "0"}
-    assert set(pre) == {64, 256, 512} and all(t > 0 for t in pre.values())
-    got = dict(prof.prefill_points["cpu"])
-    assert got.keys() == pre.keys()
-    assert all(got[l] == pytest.approx(t, rel=1e-6) for l, t in pre.items())
-    assert any(r["kind"] == "prefill" and int(r["cached"]) > 0 for r in rows)
-    assert sum(r["kind"] == "step" for r in rows) >= 3     # medians of the step_run rows
-    assert prof.s_kv(1000) == pytest.approx(2 * 2 * 64 * 2 * 4 * 1000)   # 2 layers, fp32
-    cap = prof.decode.kv_capacity      # the server's blocks x 16 x bytes per token
-    assert 0.8 * 2**30 < cap <= 2**30 and prof.decode.step_time(1, 64) > 0

@@ -7,12 +7,14 @@ a kv_consumer decode instance, NixlConnector over UCX TCP), started once for the
   so that it computes its KV instead of reusing the pulled blocks).
 - The KV bytes the connector reports grow by layers x kv_heads x head_dim x 2 x 4 B per prompt
   token (the model writer's shape), within 2%, as the slope over several prompt lengths.
+- `testbed calibrate --url` measures the prefill server into a profile the profile engine loads.
 - The launcher's stop leaves none of the server's processes (EngineCore, workers) behind.
 
 Skipped without the vLLM venv (`make vllm`; `make test` installs it).
 """
 
 import asyncio
+import csv
 import json
 import random
 import socket
@@ -20,7 +22,8 @@ import socket
 import pytest
 
 from test_vllm_unit import _running
-from testbed import vllmenv, vllmrun
+from testbed import cli, vllmenv, vllmrun
+from testbed import profile as profiles
 from workers import vllm_api as api
 from workers import vllm_server as vs
 
@@ -100,6 +103,35 @@ def test_greedy_after_transfer_is_identical_and_kv_bytes_match_the_shape(pair):
     want = shape["num_hidden_layers"] * shape["num_key_value_heads"] * head_dim * 2 * 4
     assert want == 4096         # the writer's default shape, float32
     assert abs(slope / want - 1) < 0.02, (slope, want, moved)
+
+
+def test_calibrate_measures_the_running_server_into_a_profile_it_runs(pair, tmp_path):
+    """`testbed calibrate --url` on the module's prefill server, a short plan: the profile's
+    points are the measured medians, its KV bytes per token the model's, its decode memory the
+    server's KV cache (1 GiB), and it loads."""
+    pfx, _, _, shape, servers = pair
+    out = tmp_path / "cpu.yaml"
+    assert cli.main(["calibrate", "--url", pfx, "--model", servers[0].spec.model_dir,
+                     "--out", str(out), "--lengths", "64,256,512", "--batches", "1,2",
+                     "--contexts", "64,256", "--steps", "8", "--budget", "60", "--repeats",
+                     "1", "--max-model-len", "4096"]) == 0
+    prof = profiles.load(str(out))
+    rows = list(csv.DictReader(out.with_suffix(".csv").open()))
+    pre = {int(r["length"]): float(r["seconds"]) for r in rows
+           if r["kind"] == "prefill" and r["cached"] == "0"}
+    assert set(pre) == {64, 256, 512} and all(t > 0 for t in pre.values())
+    got = dict(prof.prefill_points["cpu"])
+    assert got.keys() == pre.keys()
+    assert all(got[l] == pytest.approx(t, rel=1e-6) for l, t in pre.items())
+    assert any(r["kind"] == "prefill" and int(r["cached"]) > 0 for r in rows)
+    assert sum(r["kind"] == "step" for r in rows) >= 3     # medians of the step_run rows
+    head_dim = shape["hidden_size"] // shape["num_attention_heads"]
+    per_token = shape["num_hidden_layers"] * shape["num_key_value_heads"] * head_dim * 2 * 4
+    assert prof.s_kv(1000) == pytest.approx(per_token * 1000)              # fp32
+    cap = prof.decode.kv_capacity      # the server's blocks x 16 x bytes per token
+    assert 0.8 * 2**30 < cap <= 2**30 and prof.decode.step_time(1, 64) > 0
+    assert cli.main(["calibrate", "--url", "localhost:1", "--model",
+                     servers[0].spec.model_dir, "--out", str(tmp_path / "x.yaml")]) == 2
 
 
 def test_stop_leaves_no_server_process(pair):

@@ -1,7 +1,7 @@
 """`testbed calibrate --engine vllm --model DIR --out profile.yaml`: a profile measured from a
 real engine (issue 20 item 5, docs/vllm.md "Calibration").
 
-Starts one vLLM server on loopback (`testbed.calibrun`), measures T_prefill(l) (also with a
+Starts one vLLM server on loopback (`testbed.calibrun`; or measures yours at --url), measures T_prefill(l) (also with a
 cached prefix), T_step(B, C), S_kv and the decode memory, fits them in the profile engine's
 form and writes the profile at --out with the raw measurements beside it (`testbed.calibfit`);
 `model.profile: profile.yaml` then runs the profile engine as this engine, at any scale.
@@ -49,6 +49,10 @@ def register(subparsers):
                    help="seconds of measuring after start-up (default 180)")
     p.add_argument("--start-timeout", type=float, default=240.0,
                    help="bound on the server's start-up, seconds")
+    p.add_argument("--url", metavar="URL",
+                   help="measure the vLLM server already running at URL (e.g. yours on a GPU "
+                        "host; --model is the directory it loaded) instead of starting one; "
+                        "its --max-num-seqs must match yours")
     p.set_defaults(func=run)
     return p
 
@@ -89,19 +93,22 @@ def run(args):
         return _refuse(f"--model {model}: no config.json (a Hugging Face model directory; "
                        f"`testbed models --write DIR` writes one)")
     python = vllmenv.find_python()
-    if python is None:
+    if python is None and not args.url:
         return _refuse(vllmenv.INSTALL_HINT)
+    if args.url and not args.url.startswith(("http://", "https://")):
+        return _refuse(f"--url {args.url}: expected http://HOST:PORT")
     plan, why = _plan(args)
     if plan is None:
         return _refuse(why)
     log = out.with_suffix(".server.log")
     out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    print(f"calibrate: starting vLLM on {model} (server log {log})", flush=True)
+    print(f"calibrate: measuring {args.url} ({model})" if args.url else
+          f"calibrate: starting vLLM on {model} (server log {log})", flush=True)
     try:
         m, skipped = calibrun.run(python, model.resolve(), plan, log,
                                   lambda line: print(f"calibrate: {line}", flush=True),
-                                  args.budget)
+                                  args.budget, url=args.url)
     except (calibrun.ServerFailed, calibrun.vllm_api.VllmRequestError) as e:
         return _refuse(f"{e}")
     m.info["wall_s"] = round(time.monotonic() - t0, 1)
