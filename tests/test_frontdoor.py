@@ -296,24 +296,28 @@ def test_command_argv_substitution_and_trace(tmp_path):
     assert rows[-1]["timestamp"] == round(wl.arrival_s.iloc[-1] / exp.scale.time * 1e3)
 
 
-def test_served_workload_and_compare(tmp_path):
-    """The front door's records become the analysed request list; a tool's records pair with
-    them in start order."""
-    stub = FakeStub()
-
+def _two_served(tmp_path, scale):
+    """Two streamed completions (3 and 7 words) through the front door; (workload served, the
+    request list built from its records)."""
     async def fn(client):
         for n in (3, 7):
             r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "a " * n,
                                                            "max_tokens": 4, "stream": True})
             await r.text()
-    _run(tmp_path, stub, fn)
-    wl = loadstats.served_workload(tmp_path, Scale(10.0))
-    assert wl.id.tolist() == [0, 1] and wl.input_len.tolist() == [3, 7]
-    assert wl.output_len.tolist() == [4, 4] and wl.arrival_s.iloc[0] == 0.0
+    _run(tmp_path, FakeStub(), fn)
     from testbed.metrics import build_requests
     from testbed.records import read_records
+    wl = loadstats.served_workload(tmp_path, scale)
     sent, done = read_records(tmp_path / "requests.jsonl")
-    ours = build_requests(wl, sent, done, Scale(10.0))
+    return wl, build_requests(wl, sent, done, scale)
+
+
+def test_served_workload_and_compare(tmp_path):
+    """The front door's records become the analysed request list; a tool's records pair with
+    them in start order."""
+    wl, ours = _two_served(tmp_path, Scale(10.0))
+    assert wl.id.tolist() == [0, 1] and wl.input_len.tolist() == [3, 7]
+    assert wl.output_len.tolist() == [4, 4] and wl.arrival_s.iloc[0] == 0.0
     tool = pd.DataFrame({"start": ours.send_time - 0.001,
                          "ttft_s": (ours.first_token - ours.send_time) + 0.002, "ok": True})
     c = loadstats.compare(tool, ours, Scale(10.0))
@@ -409,20 +413,9 @@ def test_vllm_bench_argv_sends_the_workloads_count_rate_and_mean_lengths(tmp_pat
 def test_vllm_bench_results_are_read_onto_our_clock_and_compared(tmp_path):
     """bench serve's --save-detailed result (perf_counter start times, emulated seconds) and
     the clock offset workers/vllm_bench.py wrote become the per-request comparison."""
-    stub = FakeStub()
-
-    async def fn(client):
-        for n in (3, 7):
-            r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "a " * n,
-                                                           "max_tokens": 4, "stream": True})
-            await r.text()
-    _run(tmp_path, stub, fn)
-    from testbed.metrics import build_requests
-    from testbed.records import RunDir, read_records
+    from testbed.records import RunDir
     scale = Scale(10.0)
-    wl = loadstats.served_workload(tmp_path, scale)
-    sent, done = read_records(tmp_path / "requests.jsonl")
-    ours = build_requests(wl, sent, done, scale)
+    _, ours = _two_served(tmp_path, scale)
     rd = RunDir(tmp_path)
     rd.vllm_bench.mkdir()
     offset = 1000.0
