@@ -166,7 +166,9 @@ def _compile(exp):
                                                                link_changes)
                             + _fault_actions(scale, faults), key=lambda s: s.at_s))
     per_frame = needs_per_frame_packets(links) or any(
-        c.loss for c in exp.network.wan.changes)
+        c.loss or c.corrupt or c.duplicate for c in exp.network.wan.changes) or any(
+        o.spec.kind == "link" and (o.spec.corrupt or o.spec.duplicate)
+        for o in faults)
     return Deployment(
         name=exp.name, label=exp.run_label, seed=exp.seed, scale=scale,
         instances=tuple(instances),
@@ -236,20 +238,22 @@ def emulated_link(real, scale, direction) -> Link:
                          "jitter": scale.emulated_s(real["jitter"]),
                          "jitter_dist": real["jitter_dist"], "reorder": real["reorder"],
                          "loss": real["loss"], "loss_burst": real["loss_burst"],
-                         "queue": dict(q) if q else None, "up": real["up"]}, direction)
+                         "queue": dict(q) if q else None, "up": real["up"],
+                         **{k: real[k] for k in netspec.STEADY_KEYS}}, direction)
 
 
 def _real(d):
     return {"rate_real_bps": d["rate"], "delay_real_s": d["delay"], "jitter_real_s": d["jitter"],
             "jitter_dist": d["jitter_dist"], "reorder": d["reorder"], "loss": d["loss"],
-            "loss_burst": d["loss_burst"], "queue_real": d["queue"], "up": d["up"]}
+            "loss_burst": d["loss_burst"], "queue_real": d["queue"], "up": d["up"],
+            **{k: d[k] for k in netspec.STEADY_KEYS}}
 
 
 def _changes(spec, scale):
     """The shaper's keys of a change or link fault (`rate`, `delay`, `jitter`, `loss`, `up`
     that are set), emulated."""
     out = {}
-    for k in ("rate", "delay", "jitter", "loss", "up"):
+    for k in ("rate", "delay", "jitter", "loss", "up", *netspec.STEADY_KEYS):
         v = getattr(spec, k, None)
         if v is None:
             continue

@@ -43,12 +43,14 @@ import random
 
 from testbed import units
 from testbed.errors import ConfigError
+from testbed.net.linkmodel import STEADY_KEYS
+from testbed.net.linkmodel import reorder_gap as _gap
 from testbed.schema import choice, integer, optional, positive, spec, string
 from testbed.workload import generate
 
 
 KINDS = ("pause", "kill", "restart", "link", "slow", "flap", "blackhole", "reject", "reset")
-LINK_KEYS = ("rate", "delay", "loss", "up")
+LINK_KEYS = ("rate", "delay", "loss", "up", *STEADY_KEYS)
 EVENTS = ("blackhole", "reject", "reset")      # testbed.net.linkevents, in the router
 WAN_KINDS = ("link", "flap", *EVENTS)           # what crosses the WAN; no target
 RESET_WINDOW_S = 0.5        # reset without a duration: RST for this long (real-world)
@@ -90,6 +92,11 @@ class FaultSpec:
                            "flap: the link is down this long, then up for `up_for`, ...")
     up_for: float = spec(optional(positive(units.duration_s)), None,
                          "flap: ... up this long, repeated while `duration` lasts")
+    corrupt: float = spec(optional(units.probability), None, "link: bit-flip probability")
+    duplicate: float = spec(optional(units.probability), None, "link: duplicate probability")
+    reorder_prob: float = spec(optional(units.probability), None,
+                               "link: probability a packet is sent ahead (netem's reorder)")
+    reorder_gap: int = spec(optional(_gap), None, "link: netem's reorder gap")
 
     def check(self):
         k = self.kind

@@ -177,6 +177,7 @@ class Run:
                             "segmentation_offload": desc["segmentation_offload"],
                             "timers": desc.get("tcp_timers", {})}
         self.meta["shaping"] = desc["shaping"]
+        self.meta["link_calibration"] = desc.get("link_calibration")
 
     def _probe_link(self, events):
         """link_fidelity: the WAN measured as built, or the probe of an earlier run of this

@@ -53,6 +53,7 @@ class MininetBackend:
                          "router_egress": dict(topo.router_intfs)},
             "segmentation_offload": not self.net.per_frame,
             "tcp_timers": self.net.tcp_timers,
+            "link_calibration": self.net.calibration,
             "shaping": {"backend": wan.backend, "reason": getattr(wan, "backend_reason", ""),
                         "emulated": {d: link.params()
                                      for d, link in self.deployment.links.items()}}}

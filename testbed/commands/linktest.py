@@ -27,7 +27,8 @@ from testbed.net.spec import _queue
 from testbed.net.tcp import CC_ENV
 
 
-def direction_params(rate, delay, jitter, loss, queue, jitter_dist="normal", loss_burst=None):
+def direction_params(rate, delay, jitter, loss, queue, jitter_dist="normal", loss_burst=None,
+                     **steady):
     """One symmetric direction's checked `Link` from command-line strings (units as in the
     YAML)."""
     try:
@@ -35,7 +36,8 @@ def direction_params(rate, delay, jitter, loss, queue, jitter_dist="normal", los
     except ValueError as e:
         raise ConfigError(str(e), key="--queue") from None
     return check_params({"rate": rate, "delay": delay, "jitter": jitter, "loss": loss,
-                         "queue": q, "jitter_dist": jitter_dist, "loss_burst": loss_burst},
+                         "queue": q, "jitter_dist": jitter_dist, "loss_burst": loss_burst,
+                         **{k: v for k, v in steady.items() if v is not None}},
                         "linktest")
 
 
@@ -48,6 +50,11 @@ def register(sub):
     p.add_argument("--loss", default="0", help="random loss, e.g. 1%% (default 0)")
     p.add_argument("--loss-burst", default=None,
                    help="mean loss burst in packets (Gilbert model; default: independent)")
+    p.add_argument("--corrupt", default=None, help="probability a packet gets a bit flipped")
+    p.add_argument("--duplicate", default=None, help="probability a packet is sent twice")
+    p.add_argument("--reorder", default=None, dest="reorder_prob",
+                   help="probability a packet is sent ahead of those held (netem's reorder)")
+    p.add_argument("--reorder-gap", default=None, help="netem's gap (default 1)")
     p.add_argument("--queue", default=None, help="drop-tail queue, bytes or '100p' (default BDP)")
     p.add_argument("--shaping", default="auto", choices=("auto", "netem", "userspace"),
                    help="the shaping backend (default auto: netem where the kernel has it)")
@@ -65,7 +72,9 @@ def register(sub):
 
 def main(args):
     d = direction_params(args.rate, args.delay, args.jitter, args.loss, args.queue,
-                         loss_burst=args.loss_burst)
+                         loss_burst=args.loss_burst, corrupt=args.corrupt,
+                         duplicate=args.duplicate, reorder_prob=args.reorder_prob,
+                         reorder_gap=args.reorder_gap)
     if args.backend == "ray":
         out = _on_ray(args, d)
     else:
@@ -87,7 +96,8 @@ def _on_this_machine(args, d):
                               duration_s=args.duration)
         backend, reason = link.wan.backend, link.wan.backend_reason
     cc = args.cc or open("/proc/sys/net/ipv4/tcp_congestion_control").read().strip()
-    return {"backend": backend, "backend_reason": reason, "congestion_control": cc, **result}
+    return {"backend": backend, "backend_reason": reason, "congestion_control": cc,
+            "calibration": link.calibration, **result}
 
 
 def _on_ray(args, d):
@@ -115,6 +125,11 @@ def format_result(out):
             ("loss burst (packets)", "-" if not e.get("loss_burst") else f"{e['loss_burst']:g}",
              "-" if not m.get("loss_burst") else f"{m['loss_burst']:.2f}", "mean run"),
             ("reordered", "0", str(m["reordered"]), "")]
+    for k, what in (("corrupt", "corrupted (receiver checksum)"), ("duplicate", "duplicated"),
+                    ("reorder_share", "sent ahead (reorder)")):
+        if e.get(k):
+            rows.append((what, f"{e[k]:.3%}", "-" if m.get(k) is None else f"{m[k]:.3%}",
+                         f"{m['loss_packets']} packets"))
     lines = [f"backend: {out['backend']} ({out['backend_reason']}); TCP "
              f"{out['congestion_control']}"]
     if "hosts" in out:
@@ -122,6 +137,11 @@ def format_result(out):
         lines.append(f"ray hosts: {h['src']} (dc=prfaas) -> {h['dst']} (dc=local, {h['dst_ip']});"
                      " shaped on " + ", ".join(f"{a['node']} {a['iface']}"
                                                 for a in out["agents"].values()))
+    cal = out.get("calibration")
+    if cal:
+        lines.append("calibration: fixed cost subtracted " + ", ".join(
+            f"{d} {ms:.3f} ms" for d, ms in cal["fixed_cost_ms"].items()) + " a hop (idle RTT, "
+            "each round: " + " -> ".join(f"{r:.3f}" for r in cal["rtt_ms"]) + " ms)")
     lines.append(f"{'':22} {'configured':>16} {'measured':>16}")
     lines += [f"{a:22} {b:>16} {c_:>16}  {d}" for a, b, c_, d in rows]
     lines.append(f"goodput: {m['goodput_basis']}")

@@ -11,10 +11,13 @@ up exactly (`testbed clean`); `stop()` tears down in reverse order.
 
 import os
 import subprocess
+import sys
 
 from testbed import lifecycle
 from testbed.errors import NetworkError, PrivilegeError
-from testbed.net.ns import disable_offloads
+from testbed.net.calibrate import calibrate, shortfall
+from testbed.net.linkmodel import needs_checksums
+from testbed.net.ns import disable_checksum_offload, disable_offloads
 from testbed.net.timers import TcpTimers, apply
 from testbed.net.wan import Wan
 
@@ -41,6 +44,7 @@ class Network:
         self.net = None
         self.topo = None
         self.wan = None
+        self.calibration = None      # testbed.net.calibrate, once the WAN is shaped
         self.tcp_timers = {}
 
     def start(self):
@@ -101,6 +105,10 @@ class Network:
         self.per_frame = self.deployment.per_frame
         if not self.per_frame:
             return
+        dep = self.deployment
+        checksums = needs_checksums(dep.links) or any(   # corrupt/duplicate, now or later
+            getattr(c, "changes", {}).get(k) for c in dep.schedule
+            for k in ("corrupt", "duplicate"))
         for name in self.topo.hosts():
             node = self.net[name]
             if node is self.host("wan"):
@@ -108,6 +116,8 @@ class Network:
             for intf in node.intfList():
                 if intf.name != "lo":
                     disable_offloads(f"/proc/{node.pid}/ns/net", intf.name)
+                    if checksums:
+                        disable_checksum_offload(f"/proc/{node.pid}/ns/net", intf.name)
 
     def _shape(self, router):
         dep = self.deployment
@@ -117,6 +127,13 @@ class Network:
                        backend=dep.shaping_backend, seed=dep.seed,
                        registry=self.registry, events=self.events)
         self.wan.start()
+        paths = self.netns_path
+        self.calibration = calibrate(self.wan, paths["probe_remote"], paths["probe_local"],
+                                     self.ip("probe_local"))
+        short = shortfall(self.calibration, dep.links, dep.scale)
+        if short:
+            print(f"warning: {short}", file=sys.stderr, flush=True)
+            self.calibration["warning"] = short
 
     def host(self, role):
         return self.net[self.topo.roles[role]]

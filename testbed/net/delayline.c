@@ -71,7 +71,9 @@
 #define MAX_LIMIT 65536UL           /* shaping.MAX_NFQUEUE_PACKETS */
 #define JITTER_CLIP_SD 100.0        /* Pareto (shape 3) passes it once in ~680,000 draws */
 
-struct held { uint64_t due_ns; uint64_t seq; uint32_t id; };
+/* A held packet; `data` (malloc'd, `len` bytes) only for one to corrupt or duplicate. */
+struct held { uint64_t due_ns; uint64_t seq; uint32_t id; uint32_t len; unsigned char *data;
+              int dup, corrupt; };
 
 static struct held *heap;          /* min-heap on (due_ns, seq) */
 static size_t heap_n, limit;
@@ -83,6 +85,18 @@ static int64_t delay_ns, jitter_ns;
 static int reorder, dist;          /* dist: 0 normal, 1 pareto, 2 uniform */
 static uint64_t rng_state;
 static struct nfq_q_handle *qh;
+/* Steady faults (`faults` command): corrupt flips one bit after the IP header (the receiver's
+ * checksum drops it), duplicate sends a copy on release (raw socket, marked DUP_MARK so the
+ * NFQUEUE rule lets it pass), reorder sends a packet at once (netem's reorder P gap G: after
+ * G - 1 delayed packets, each is sent at once with probability P). Copies of the payload are
+ * asked of the kernel only while corrupt or duplicate is on; a packet longer than COPY_RANGE
+ * (a GSO burst) passes unharmed and is counted as skipped. */
+#define COPY_RANGE 4096
+#define DUP_MARK 0x7b1
+static double corrupt_p, dup_p, reorder_p;
+static long long reorder_gap = 1, reorder_count;
+static uint64_t corrupted, duplicated, reordered, skipped;
+static int raw_fd = -1, copying;
 static volatile sig_atomic_t stop_signal;
 
 static void on_stop_signal(int sig)
@@ -220,8 +234,50 @@ static int on_packet(struct nfq_q_handle *q, struct nfgenmsg *msg, struct nfq_da
         dropped++;
         return 0;
     }
-    heap_push((struct held){due_for_packet(now_ns()), seq++, id});
+    struct held h = {0, seq++, id, 0, NULL, 0, 0};
+    uint64_t t = now_ns();
+    if (reorder_p > 0 && reorder_count >= reorder_gap - 1 && uniform01() < reorder_p) {
+        h.due_ns = t;               /* sent at once, ahead of the packets held */
+        reorder_count = 0;
+        reordered++;
+    } else {
+        h.due_ns = due_for_packet(t);
+        reorder_count++;
+    }
+    int corrupt = h.corrupt = corrupt_p > 0 && uniform01() < corrupt_p;
+    h.dup = dup_p > 0 && uniform01() < dup_p;
+    if (corrupt || h.dup) {
+        unsigned char *payload;
+        int n = nfq_get_payload(nfa, &payload);
+        if (n >= 20 && n < COPY_RANGE && (h.data = malloc((size_t)n)) != NULL) {
+            memcpy(h.data, payload, (size_t)n);
+            h.len = (uint32_t)n;
+            if (corrupt) {
+                uint32_t ihl = (uint32_t)(h.data[0] & 15) * 4, lo = ihl + 20;
+                if (lo >= h.len)
+                    lo = ihl < h.len ? ihl : 0;
+                uint32_t bit = (uint32_t)(uniform01() * (double)(h.len - lo) * 8);
+                h.data[lo + bit / 8] ^= (unsigned char)(1u << (bit % 8));
+                corrupted++;
+            }
+        } else {
+            h.dup = h.corrupt = 0;
+            skipped++;
+        }
+    }
+    heap_push(h);
     return 0;
+}
+
+/* A copy of `h`'s packet sent again through the router (released right after it). */
+static void send_duplicate(const struct held *h)
+{
+    struct sockaddr_in to = {.sin_family = AF_INET};
+    memcpy(&to.sin_addr, h->data + 16, 4);
+    if (raw_fd < 0 || sendto(raw_fd, h->data, h->len, 0, (struct sockaddr *)&to, sizeof to) < 0)
+        errors++;
+    else
+        duplicated++;
 }
 
 /* Accept every held packet that is due at `t`. In FIFO mode ids leave in increasing order, so
@@ -234,7 +290,17 @@ static void release_due(uint64_t t, int count_late)
     int any = 0;
     while (heap_n > 0 && heap[0].due_ns <= t) {
         struct held h = heap_pop();
-        if (reorder) {
+        if (h.data != NULL) {       /* its own verdict (with the corrupted bytes), in order */
+            if (any && nfq_set_verdict_batch(qh, last, NF_ACCEPT) < 0)
+                errors++;
+            any = 0;
+            if (nfq_set_verdict(qh, h.id, NF_ACCEPT, h.corrupt ? h.len : 0,
+                                h.corrupt ? h.data : NULL) < 0)
+                errors++;
+            if (h.dup)
+                send_duplicate(&h);
+            free(h.data);
+        } else if (reorder || reorder_p > 0) {   /* batches would release held ids */
             verdict(h.id, NF_ACCEPT);
         } else {
             last = h.id;
@@ -348,6 +414,27 @@ static int set_params(char **f)
     return 0;
 }
 
+/* CORRUPT DUPLICATE REORDER GAP (a `faults` line): applied only when all are valid. Payload
+ * copies are asked of the kernel while corrupt or duplicate is above 0. */
+static int set_faults(char **f)
+{
+    double c, d, r;
+    long long g;
+    if (parse_prob(f[0], &c) || parse_prob(f[1], &d) || parse_prob(f[2], &r)
+        || parse_int(f[3], 1, 1000000, &g))
+        return -1;
+    int copy = c > 0 || d > 0;
+    if (copy != copying && qh != NULL
+        && nfq_set_mode(qh, copy ? NFQNL_COPY_PACKET : NFQNL_COPY_META, COPY_RANGE) < 0)
+        return -1;
+    copying = copy;
+    corrupt_p = c;
+    dup_p = d;
+    reorder_p = r;
+    reorder_gap = g;
+    return 0;
+}
+
 static void control(char *line)
 {
     char *f[10] = {0}, *save = NULL, *tok;
@@ -363,11 +450,20 @@ static void control(char *line)
         else
             printf("error expected set DELAY_US JITTER_US normal|pareto|uniform 0|1 P_GB P_BG "
                    "LOSS_GOOD LOSS_BAD (delays 0..%lld us, probabilities 0..1)\n", MAX_DELAY_US);
+    } else if (!strcmp(f[0], "faults")) {
+        if (n == 5 && set_faults(f + 1) == 0)
+            printf("ok\n");
+        else
+            printf("error expected faults CORRUPT DUPLICATE REORDER GAP (probabilities 0..1, "
+                   "gap 1..1000000)\n");
     } else if (!strcmp(f[0], "stats") && n == 1) {
         printf("held=%zu passed=%llu dropped=%llu lost=%llu errors=%llu late_sum_ns=%llu "
-               "late_max_ns=%llu\n", heap_n, (unsigned long long)passed,
+               "late_max_ns=%llu corrupted=%llu duplicated=%llu reordered=%llu skipped=%llu\n",
+               heap_n, (unsigned long long)passed,
                (unsigned long long)dropped, (unsigned long long)lost, (unsigned long long)errors,
-               (unsigned long long)late_sum_ns, (unsigned long long)late_max_ns);
+               (unsigned long long)late_sum_ns, (unsigned long long)late_max_ns,
+               (unsigned long long)corrupted, (unsigned long long)duplicated,
+               (unsigned long long)reordered, (unsigned long long)skipped);
     } else {
         printf("error unknown command\n");
     }
@@ -513,6 +609,12 @@ int main(int argc, char **argv)
     if (sched_setscheduler(0, SCHED_FIFO, &sp) < 0)
         fprintf(stderr, "NFQUEUE %lld: no real-time priority (%s); releases may be late under "
                 "CPU load\n", qnum, strerror(errno));
+    /* duplicates leave through a raw socket, marked so the NFQUEUE rule lets them pass */
+    raw_fd = socket(AF_INET, SOCK_RAW, IPPROTO_RAW);
+    int mark = DUP_MARK;
+    if (raw_fd < 0 || setsockopt(raw_fd, SOL_SOCKET, SO_MARK, &mark, sizeof mark) < 0)
+        fprintf(stderr, "NFQUEUE %lld: no raw socket for duplicates (%s)\n", qnum,
+                strerror(errno));
     printf("ready\n");
     fflush(stdout);
 

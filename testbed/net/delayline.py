@@ -24,7 +24,7 @@ import threading
 
 from testbed import lifecycle
 from testbed.errors import NetworkError
-from testbed.net.linkmodel import FRAME_BYTES, Link, burst_loss, gilbert
+from testbed.net.linkmodel import FRAME_BYTES, Link, burst_loss, gilbert, steady_faults
 
 MAX_NFQUEUE_PACKETS = 65536
 DELAYLINE_SRC = pathlib.Path(__file__).with_name("delayline.c")
@@ -163,12 +163,13 @@ class DelayLine:
         self.proc = None
         self._lock = threading.Lock()
         self._link = link
+        self.offset_s = 0.0     # the path's fixed cost, subtracted (testbed.net.calibrate)
 
     def start(self):
         binary = delayline_binary()
         p = self._link
         argv = ["nsenter", f"--net={self.netns_path}", str(binary), str(self.queue_num),
-                str(self.capacity), *self._args(p), str(self.seed)]
+                str(self.capacity), *self._args(p, self.offset_s), str(self.seed)]
         # nsenter execs the binary (no fork for --net alone), so proc.pid is the delay line. It
         # dies with this process: stdin closes (EOF stops it), and when started by the main
         # thread the kernel also sends it SIGKILL (parent-death signal, kept across the exec).
@@ -183,11 +184,17 @@ class DelayLine:
             self.stop()
             raise NetworkError(f"delay line on NFQUEUE {self.queue_num} did not start: "
                                f"{(line or err).strip() or 'no answer'}")
+        if steady_faults(p):
+            with self._lock:
+                self._send("faults " + " ".join(self._faults(p)))
 
     @staticmethod
-    def _args(link):
+    def _args(link, offset_s=0.0):
+        """The `set` fields of `link`; the delay held is the configured one less `offset_s`
+        (the fixed cost measured by `testbed.net.calibrate`), never below 0."""
         p_gb, p_bg = gilbert(link.loss, link.loss_burst) if burst_loss(link) else (0.0, 1.0)
-        return [str(int(round(link.delay_s * 1e6))), str(int(round(link.jitter_s * 1e6))),
+        held_s = max(0.0, link.delay_s - offset_s)
+        return [str(int(round(held_s * 1e6))), str(int(round(link.jitter_s * 1e6))),
                 link.jitter_dist, "1" if link.reorder else "0",
                 f"{p_gb:.9g}", f"{p_bg:.9g}", "0", "1"]
 
@@ -203,11 +210,21 @@ class DelayLine:
             self._link = link
             if not self.alive():
                 raise NetworkError(f"delay line on NFQUEUE {self.queue_num} is not running")
-            self.proc.stdin.write("set " + " ".join(self._args(link)) + "\n")
-            self.proc.stdin.flush()
-            ack = self._read_line(self.ACK_TIMEOUT_S)
-            if ack != "ok":
-                raise NetworkError(f"delay line on NFQUEUE {self.queue_num} answered {ack!r}")
+            self._send("set " + " ".join(self._args(link, self.offset_s)))
+            self._send("faults " + " ".join(self._faults(link)))
+
+    @staticmethod
+    def _faults(link):
+        return [f"{link.corrupt:.9g}", f"{link.duplicate:.9g}", f"{link.reorder_prob:.9g}",
+                str(link.reorder_gap)]
+
+    def _send(self, line):
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        ack = self._read_line(self.ACK_TIMEOUT_S)
+        if ack != "ok":
+            raise NetworkError(f"delay line on NFQUEUE {self.queue_num} answered {ack!r} to "
+                               f"{line.split()[0]}")
 
     def counters(self):
         """{'held', 'passed', 'dropped', 'lost', 'errors', 'late_sum_ns', 'late_max_ns'} from

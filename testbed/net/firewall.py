@@ -12,6 +12,8 @@ from testbed.errors import NetworkError
 from testbed.net.linkmodel import DIRECTIONS
 from testbed.net.ns import ns_argv, ns_run
 
+DUP_MARK = "0x7b1"      # the delay line's duplicates (delayline.c DUP_MARK): not queued again
+
 
 def ns_iptables(netns_path, argv, stdin=None, check=True):
     """Run an iptables command (`argv`, `stdin` for iptables-restore) in the namespace; a
@@ -50,7 +52,8 @@ class Firewall:
 
     def _queue(self, direction, iface, queue_num):
         """The mangle rule sending the direction's packets to the delay line."""
-        return ["POSTROUTING", "-o", iface, "-j", "NFQUEUE", "--queue-num", str(queue_num)]
+        return ["POSTROUTING", "-o", iface, "-m", "mark", "!", "--mark", DUP_MARK, "-j",
+                "NFQUEUE", "--queue-num", str(queue_num)]
 
     def install(self, direction, iface):
         c = self.chain(direction)

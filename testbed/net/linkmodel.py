@@ -30,7 +30,11 @@ MIN_BURST_BYTES = 2 * FRAME_BYTES
 # bursts at once (veth does not pace them), and a queue smaller than one burst drops all of it
 # (measured: 12 KiB at 1 Gbit/s, 0 ms gave 0.3% of the rate; 96 KiB gave 95%).
 MIN_QUEUE_BYTES = 96 * 1024
-SETTABLE = ("rate", "delay", "jitter", "loss", "loss_burst", "up", "queue")
+SETTABLE = ("rate", "delay", "jitter", "loss", "loss_burst", "up", "queue", "corrupt",
+            "duplicate", "reorder_prob", "reorder_gap")
+STEADY_FAULTS = ("corrupt", "duplicate", "reorder_prob")   # probabilities (docs/link.md)
+STEADY_KEYS = (*STEADY_FAULTS, "reorder_gap")             # the YAML's and the shaper's keys
+MAX_REORDER_GAP = 1_000_000
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -46,13 +50,19 @@ class Link:
     loss_burst: float | None = None      # packets: not scaled
     queue: dict | None = None            # {"bytes": emulated} or {"packets": n}; None: one BDP
     up: bool = True
+    corrupt: float = 0.0                 # a bit flipped (the receiver's checksum drops it)
+    duplicate: float = 0.0
+    reorder_prob: float = 0.0            # netem's reorder P gap G: sent at once, overtaking
+    reorder_gap: int = 1
 
     def params(self) -> dict:
         """The shaper's keyword form (the keys of `Wan.set` and of scheduled changes)."""
         return {"rate": self.rate_bps, "delay": self.delay_s, "jitter": self.jitter_s,
                 "loss": self.loss, "loss_burst": self.loss_burst,
                 "queue": dict(self.queue) if self.queue else None, "up": self.up,
-                "jitter_dist": self.jitter_dist, "reorder": self.reorder}
+                "jitter_dist": self.jitter_dist, "reorder": self.reorder,
+                "corrupt": self.corrupt, "duplicate": self.duplicate,
+                "reorder_prob": self.reorder_prob, "reorder_gap": self.reorder_gap}
 
     def changed(self, direction: str, **changes) -> Link:
         """This link with `changes` (the shaper's keys) applied, checked like any other."""
@@ -68,13 +78,15 @@ def check_params(p: dict, direction: str = "wan") -> Link:
     Raises ConfigError naming the key; fills `jitter_dist`, `reorder`, `up`, `queue` defaults.
     """
     out = {"delay": 0.0, "jitter": 0.0, "loss": 0.0, "queue": None, "up": True,
-           "jitter_dist": "normal", "reorder": False, "loss_burst": None}
+           "jitter_dist": "normal", "reorder": False, "loss_burst": None, "corrupt": 0.0,
+           "duplicate": 0.0, "reorder_prob": 0.0, "reorder_gap": 1}
     out.update(p or {})
     key = f"network.wan.{direction}"
     if "rate" not in out or out["rate"] is None:
         raise ConfigError("expected a rate in bit/s", key=f"{key}.rate")
     for name, parse in (("rate", units.rate_bps), ("delay", units.duration_s),
-                        ("jitter", units.duration_s), ("loss", units.probability)):
+                        ("jitter", units.duration_s), ("loss", units.probability),
+                        *((k, units.probability) for k in STEADY_FAULTS)):
         try:
             out[name] = float(parse(out[name]))
         except (TypeError, ValueError) as e:
@@ -106,9 +118,34 @@ def check_params(p: dict, direction: str = "wan") -> Link:
             raise ConfigError(f"loss {out['loss']:g} with bursts of {out['loss_burst']:g} "
                               f"packets needs a good->bad probability above 1; use longer bursts",
                               key=f"{key}.loss_burst")
-    return Link(rate_bps=out["rate"], delay_s=out["delay"], jitter_s=out["jitter"],
+    out["reorder_gap"] = _gap(out["reorder_gap"], key)
+    return Link(corrupt=out["corrupt"], duplicate=out["duplicate"],
+                reorder_prob=out["reorder_prob"], reorder_gap=out["reorder_gap"],
+                rate_bps=out["rate"], delay_s=out["delay"], jitter_s=out["jitter"],
                 jitter_dist=out["jitter_dist"], reorder=bool(out["reorder"]), loss=out["loss"],
                 loss_burst=out["loss_burst"], queue=dict(q) if q else None, up=bool(out["up"]))
+
+
+def reorder_gap(value):
+    """netem's reorder gap (YAML): a whole number of packets, 1..MAX_REORDER_GAP (not scaled)."""
+    n = float(units.number(value))
+    if not n.is_integer() or not 1 <= n <= MAX_REORDER_GAP:
+        raise ValueError(f"expected a whole number of packets 1..{MAX_REORDER_GAP}, got "
+                         f"{value!r}")
+    return int(n)
+
+
+def _gap(value, key):
+    """netem's reorder gap: a whole number of packets, 1..MAX_REORDER_GAP."""
+    try:
+        return reorder_gap(value)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(str(e), key=f"{key}.reorder_gap") from None
+
+
+def steady_faults(link: Link) -> bool:
+    """True when `link` corrupts, duplicates or reorders packets."""
+    return any(getattr(link, k) > 0 for k in STEADY_FAULTS)
 
 
 # ---------------------------------------------------------------- queue arithmetic
@@ -160,7 +197,7 @@ def burst_loss(link: Link) -> bool:
 
 def needs_delayline(link: Link) -> bool:
     """True when the userspace backend needs the delay line: delay, jitter or burst loss."""
-    return link.delay_s > 0 or link.jitter_s > 0 or burst_loss(link)
+    return link.delay_s > 0 or link.jitter_s > 0 or burst_loss(link) or steady_faults(link)
 
 
 def needs_per_frame_packets(links: dict) -> bool:
@@ -173,4 +210,13 @@ def needs_per_frame_packets(links: dict) -> bool:
     builders turn segmentation offload off on the end hosts (`ns.disable_offloads`), at the price
     of per-frame work in the delay line (about 0.6 Gbit/s at most here instead of ~1).
     """
-    return any(lk.loss or lk.loss_burst for lk in links.values())
+    return any(lk.loss or lk.loss_burst or lk.corrupt or lk.duplicate for lk in links.values())
+
+
+def needs_checksums(links: dict) -> bool:
+    """True when any direction corrupts or duplicates packets: the end hosts then compute
+    checksums themselves (tx offload off: a duplicate sent again from the router carries what
+    the sender wrote, which with offload is only the pseudo-header's part) and check them (rx
+    offload off: a corrupted packet is dropped, not taken as good)
+    (`testbed.net.ns.disable_checksum_offload`)."""
+    return any(lk.corrupt or lk.duplicate for lk in links.values())

@@ -52,3 +52,14 @@ def disable_offloads(ns: str, ifname: str) -> None:
     if r.returncode != 0:
         raise NetworkError(f"turning segmentation offload off on {ifname}: "
                            f"{r.stderr.strip() or r.returncode}")
+
+
+def disable_checksum_offload(ns: str, ifname: str) -> None:
+    """`ethtool -K ifname tx off rx off` inside `ns`: the host computes its checksums (tx) and
+    checks what it receives (rx), so a packet the link corrupted is dropped (over veth both
+    are skipped with offload on: a corrupted packet would be taken as good)."""
+    r = ns_run(ns, ["ethtool", "-K", ifname, "tx", "off", "rx", "off"], capture_output=True,
+               text=True)
+    if r.returncode != 0:
+        raise NetworkError(f"turning checksum offload off on {ifname}: "
+                           f"{r.stderr.strip() or r.returncode}")

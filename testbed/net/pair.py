@@ -23,9 +23,10 @@ import dataclasses
 import secrets
 
 from testbed import lifecycle
-from testbed.net.linkmodel import needs_per_frame_packets
+from testbed.net.calibrate import calibrate as calibrate_link
+from testbed.net.linkmodel import needs_checksums, needs_per_frame_packets
 from testbed.net.netlink import call as _netlink
-from testbed.net.ns import disable_offloads, ns_path, sysctl
+from testbed.net.ns import disable_checksum_offload, disable_offloads, ns_path, sysctl
 from testbed.net.wan import Wan
 
 VETH_ADDRESSES = ("10.254.77.1", "10.254.77.2")     # veth_pair's two ends
@@ -140,13 +141,15 @@ class RoutedPair:
     src_ip: str
     wan: Wan
     names: tuple
+    calibration: dict | None = None     # testbed.net.calibrate: the fixed cost subtracted
 
 
 @contextlib.contextmanager
-def routed_pair(params, backend="userspace", registry=None, seed=0):
+def routed_pair(params, backend="userspace", registry=None, seed=0, calibrate=True):
     """Build src - router - dst namespaces with `Wan(params)` on the router; yield a
     `RoutedPair`. params: {"kv": Link, "request": Link}, emulated and checked
-    (`testbed.net.linkmodel.check_params`).
+    (`testbed.net.linkmodel.check_params`). `calibrate`: measure the path's fixed cost and
+    subtract it from the delay lines' delays (`testbed.net.calibrate`).
 
     With no `registry`, one is made and closed on exit (everything removed)."""
     with _registry(registry, "linktest") as reg:
@@ -171,8 +174,12 @@ def routed_pair(params, backend="userspace", registry=None, seed=0):
         if needs_per_frame_packets(params):
             for end in (src, dst):
                 disable_offloads(path[end], f"{end}0")
+        if needs_checksums(params):
+            for end in (src, dst):
+                disable_checksum_offload(path[end], f"{end}0")
         wan = Wan(path[router], {"kv": f"{router}b", "request": f"{router}a"}, params,
                   backend=backend, seed=seed, registry=reg)
         wan.start()
+        cal = calibrate_link(wan, path[src], path[dst], f"{d_net}.2") if calibrate else None
         yield RoutedPair(src=path[src], dst=path[dst], router=path[router], dst_ip=f"{d_net}.2",
-                         src_ip=f"{s_net}.2", wan=wan, names=names)
+                         src_ip=f"{s_net}.2", wan=wan, names=names, calibration=cal)

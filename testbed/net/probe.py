@@ -52,6 +52,7 @@ TCP_PORT, UDP_PORT, REQ_PORT = 47001, 47002, 47003
 MSS_PAYLOAD = 1448                # TCP payload of a 1500-byte MTU frame with timestamps
 PROBES, PROBE_INTERVAL_S = 200, 0.005
 DEVIATION_WARN = 0.10
+RTT_WARN, RTT_WARN_FLOOR_MS = 0.05, 0.05   # RTT p50 warns beyond max(0.05 ms, 5% of configured)
 GOODPUT_BASIS = ("TCP payload delivered (ACKed or SACKed) per second: slope of tcpi_delivered "
                  "x MSS sampled by the sender every 10 ms; at most 1448/1514 = 0.956 of the "
                  "layer-2 rate")
@@ -144,6 +145,15 @@ def measure_udp(src, dst, dst_ip, probes=PROBES, train=0, train_pps=1000.0):
     finally:
         server.close()
     return c, s
+
+
+def measure_rtt_ms(src, dst, dst_ip, probes=PROBES, q=0.5):
+    """The `q` quantile (default: the median) of the RTTs (ms) of `probes` UDP echoes
+    src -> dst, as `measure_link` times them."""
+    c, _ = measure_udp(src, dst, dst_ip, probes)
+    if not c["rtt_ns"]:
+        raise NetworkError(f"no UDP echo came back from {dst_ip} (is the link up?)")
+    return _percentile([x / 1e6 for x in c["rtt_ns"]], q)
 
 
 def measure_goodput(src, dst, dst_ip, duration_s):
@@ -253,7 +263,15 @@ def _expected(configured):
             "rtt_ms": 1e3 * (fwd.get("delay", 0.0) + rev.get("delay", 0.0)),
             "jitter_ms": 1e3 * fwd.get("jitter", 0.0),
             "loss": fwd.get("loss", 0.0),
-            "loss_burst": fwd.get("loss_burst") if fwd.get("loss", 0.0) > 0 else None}
+            "loss_burst": fwd.get("loss_burst") if fwd.get("loss", 0.0) > 0 else None,
+            **{k: fwd.get(k, 0.0) for k in ("corrupt", "duplicate")},
+            "reorder_share": _reorder_share(fwd.get("reorder_prob", 0.0),
+                                            fwd.get("reorder_gap", 1))}
+
+
+def _reorder_share(p, gap):
+    """Share of packets netem's reorder P gap G sends ahead: one per G - 1 + 1/P packets."""
+    return p / (1 + (gap - 1) * p) if p > 0 else 0.0
 
 
 def measure_link(src_ns_path, dst_ns_path, dst_ip, configured, duration_s=2.0,
@@ -272,7 +290,8 @@ def measure_link(src_ns_path, dst_ns_path, dst_ip, configured, duration_s=2.0,
     """
     exp = _expected(configured)
     want_loss = exp["loss"] > 0
-    train = loss_packets if want_loss else 0
+    steady = exp["corrupt"] > 0 or exp["duplicate"] > 0 or exp["reorder_share"] > 0
+    train = loss_packets if want_loss or steady else 0
     # the train stays under half the link rate so only the configured loss drops it
     train_pps = max(200.0, min(20000.0, 0.5 * configured["rate"] / (8 * (TRAIN_PAYLOAD + 70))))
     c, s = measure_udp(src_ns_path, dst_ns_path, dst_ip, probes, train, train_pps)
@@ -285,9 +304,10 @@ def measure_link(src_ns_path, dst_ns_path, dst_ip, configured, duration_s=2.0,
         "rtt_p50_ms": _percentile(rtt_ms, 0.5),
         "rtt_p99_ms": _percentile(rtt_ms, 0.99),
         "jitter_ms": statistics.pstdev(owd_ms) if len(owd_ms) > 1 else float("nan"),
-        "loss": (1 - s["got"]["t"] / train) if want_loss else None,
-        "loss_burst": _mean_burst(train, s["got"]["t"], s.get("loss_runs", 0)) if want_loss
+        "loss": (1 - s["train_unique"] / train) if want_loss else None,
+        "loss_burst": _mean_burst(train, s["train_unique"], s.get("loss_runs", 0)) if want_loss
         else None,
+        **_steady_measured(exp, s, train, probes),
         "reordered": s["reordered"]["p"] + s["reordered"]["t"],
         "reorder_examples": [{"kind": "probe" if k == "p" else "train", "seq": q,
                               "after_seq": top, "late_us": round(ns / 1e3, 1)}
@@ -298,9 +318,24 @@ def measure_link(src_ns_path, dst_ns_path, dst_ip, configured, duration_s=2.0,
     }
     deviation, warnings = compare(exp, measured)
     return {"configured": {**{k: configured.get(k) for k in
-                              ("rate", "delay", "jitter", "loss", "loss_burst", "queue")},
+                              ("rate", "delay", "jitter", "loss", "loss_burst", "queue",
+                               "corrupt", "duplicate", "reorder_prob", "reorder_gap")},
                            "expected": exp},
             "measured": measured, "deviation": deviation, "warnings": warnings}
+
+
+def _steady_measured(exp, s, train, probes):
+    """Corruption (the receiver's UDP checksum drops per datagram sent to it), duplication
+    (train packets received twice) and the reorder share (train packets that arrived ahead of
+    one sent before them), measured when configured; None otherwise."""
+    out = dict.fromkeys(("corrupt", "duplicate", "reorder_share"))
+    if exp["corrupt"] > 0 and train:
+        out["corrupt"] = s["csum_errors"] / (train + probes)
+    if exp["duplicate"] > 0 and s["train_unique"]:
+        out["duplicate"] = (s["got"]["t"] - s["train_unique"]) / s["train_unique"]
+    if exp["reorder_share"] > 0 and s["train_unique"]:
+        out["reorder_share"] = s["train_early"] / s["train_unique"]
+    return out
 
 
 def _mean_burst(sent, got, runs):
@@ -313,27 +348,37 @@ def _mean_burst(sent, got, runs):
 def compare(exp, measured):
     """Relative deviations measured vs expected, and a warning for each above 10%.
 
-    Goodput is compared with the TCP payload share (0.956) of the rate; RTT with an
-    absolute floor (0.3 ms is 10% of 3 ms) so that a 0 ms link is not "infinitely" off."""
+    Goodput is compared with the TCP payload share (0.956) of the rate. The RTT deviation is
+    relative to the configured RTT itself and warns beyond max(0.05 ms, 5%) of it; a 0 ms link
+    has no relative deviation (its RTT is the hosts' own stack, docs/link.md)."""
     dev, warn = {}, []
     payload_rate = exp["goodput_bps"] * 1448 / 1514
     dev["goodput"] = measured["goodput_bps"] / payload_rate - 1
-    dev["rtt_p50"] = (measured["rtt_p50_ms"] - exp["rtt_ms"]) / max(exp["rtt_ms"], 3.0)
+    if exp["rtt_ms"] > 0:
+        dev["rtt_p50"] = measured["rtt_p50_ms"] / exp["rtt_ms"] - 1
     if exp["jitter_ms"] > 0:
         dev["jitter"] = measured["jitter_ms"] / exp["jitter_ms"] - 1
     if exp["loss"] > 0 and measured["loss"] is not None:
         dev["loss"] = measured["loss"] / exp["loss"] - 1
+    for k in ("corrupt", "duplicate", "reorder_share"):
+        if exp.get(k) and measured.get(k) is not None:
+            dev[k] = measured[k] / exp[k] - 1
     if exp.get("loss_burst") and measured.get("loss_burst"):
         dev["loss_burst"] = measured["loss_burst"] / exp["loss_burst"] - 1
     limit = dict.fromkeys(dev, DEVIATION_WARN)
+    if "rtt_p50" in dev:
+        limit["rtt_p50"] = max(RTT_WARN, RTT_WARN_FLOOR_MS / exp["rtt_ms"])
     if "loss" in dev and measured.get("loss_packets"):
         # a loss count is binomial: three standard errors of the count, at least 10%
         limit["loss"] = max(DEVIATION_WARN, 3 / math.sqrt(measured["loss_packets"] * exp["loss"]))
+    for k in ("corrupt", "duplicate", "reorder_share"):
+        if k in dev and measured.get("loss_packets"):    # counts too: binomial, as loss
+            limit[k] = max(DEVIATION_WARN, 3 / math.sqrt(measured["loss_packets"] * exp[k]))
     for k, v in dev.items():
         if k == "goodput" and exp["loss"] > 0:
             continue        # under random loss TCP goodput is the congestion control's, no target
         if abs(v) > limit[k]:
             warn.append(f"{k} deviates {v:+.0%} from configured")
-    if measured["reordered"]:
+    if measured["reordered"] and not exp.get("reorder_share"):
         warn.append(f"{measured['reordered']} packets arrived out of order")
     return {k: round(v, 4) for k, v in dev.items()}, warn

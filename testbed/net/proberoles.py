@@ -38,6 +38,7 @@ def _udp_server(port, timeout_s):
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
     s.bind(("0.0.0.0", port))
+    csum0 = _udp_csum_errors()
     print("ready", flush=True)
     got = {"p": 0, "t": 0}
     reordered = {"p": 0, "t": 0}
@@ -76,8 +77,33 @@ def _udp_server(port, timeout_s):
             owd_ns.append(now - sent)
             s.sendto(data[:HDR.size] + struct.pack("!q", now), addr)
     print(json.dumps({"got": got, "reordered": reordered, "owd_ns": owd_ns,
-                      "reorder_examples": examples, "loss_runs": _loss_runs(train_seqs)}),
+                      "reorder_examples": examples, "loss_runs": _loss_runs(train_seqs),
+                      "train_unique": len(set(train_seqs)),
+                      "train_early": _early(train_seqs),
+                      "csum_errors": _udp_csum_errors() - csum0}),
           flush=True)
+
+
+def _udp_csum_errors():
+    """This namespace's UDP InCsumErrors (datagrams the kernel dropped for a bad checksum)."""
+    with open("/proc/net/snmp") as f:
+        rows = [ln.split() for ln in f if ln.startswith("Udp:")]
+    return int(dict(zip(rows[0][1:], rows[1][1:])).get("InCsumErrors", 0))
+
+
+def _early(seqs):
+    """Packets (first arrivals) that arrived before one sent earlier than them: those a
+    reorder sent ahead (netem's reorder), not those left behind."""
+    first, seen = [], set()
+    for q in seqs:
+        if q not in seen:
+            seen.add(q)
+            first.append(q)
+    early, low = 0, float("inf")
+    for q in reversed(first):
+        early += q > low
+        low = min(low, q)
+    return early
 
 
 def _loss_runs(seqs):

@@ -14,7 +14,8 @@ import platform
 
 from testbed import units
 from testbed.errors import ConfigError
-from testbed.net.linkmodel import gilbert, queue_limit
+from testbed.net.linkmodel import STEADY_KEYS, gilbert, queue_limit
+from testbed.net.linkmodel import reorder_gap as _gap
 from testbed.net.wan import probe_backend
 from testbed.schema import boolean, choice, list_of, optional, section, spec, string
 
@@ -45,7 +46,19 @@ def _burst(value):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DirectionSpec:
+class SteadyFaults:
+    """The steady faults of a direction, a change or the whole WAN (unset: none, gap 1)."""
+
+    corrupt: float = spec(optional(units.probability), None,
+                          "probability a packet gets a bit flipped (receiver's checksum drops it)")
+    duplicate: float = spec(optional(units.probability), None, "probability a packet is sent twice")
+    reorder_prob: float = spec(optional(units.probability), None,
+                               "probability a packet is sent ahead of those held (netem's reorder)")
+    reorder_gap: int = spec(optional(_gap), None, "netem's gap: packets delayed between reorders")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DirectionSpec(SteadyFaults):
     """Per-direction overrides; unset keys fall back to the `network.wan` values."""
 
     rate: float = spec(optional(units.rate_bps), None, "link rate, e.g. 100Gbit")
@@ -63,7 +76,7 @@ class DirectionSpec:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ChangeSpec:
+class ChangeSpec(SteadyFaults):
     """One scheduled change of the live link (failure injection, degradation)."""
 
     at: float = spec(units.duration_s, doc="when, real-world time after the first arrival, e.g. 30s")
@@ -78,8 +91,10 @@ class ChangeSpec:
         if self.rate is not None and self.rate <= 0:
             raise ValueError("rate 0 does not cut the link: write `up: false` to take it down "
                              "(and `up: true` later to restore it)")
-        if all(getattr(self, k) is None for k in ("rate", "delay", "jitter", "loss", "up")):
-            raise ValueError("a change needs at least one of rate, delay, jitter, loss, up")
+        if all(getattr(self, k) is None for k in ("rate", "delay", "jitter", "loss", "up",
+                                                  *STEADY_KEYS)):
+            raise ValueError("a change needs at least one of rate, delay, jitter, loss, up, "
+                             + ", ".join(STEADY_KEYS))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -93,7 +108,7 @@ class RateTraceSpec:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class WanSpec:
+class WanSpec(SteadyFaults):
     rate: float = spec(units.rate_bps, 100e9, "link rate in each direction (real-world), e.g. 100Gbit")
     delay: float = spec(units.duration_s, 0.0, "one-way propagation delay (real-world), e.g. 5ms")
     jitter: float = spec(units.duration_s, 0.0, "delay variation, standard deviation, e.g. 1ms")
@@ -128,9 +143,11 @@ class WanSpec:
         """Resolved link parameters of one direction ('kv' or 'request') as a dict."""
         over = getattr(self, name)
         out = {}
-        for key in ("rate", "delay", "jitter", "loss", "loss_burst", "queue", "up"):
+        for key in ("rate", "delay", "jitter", "loss", "loss_burst", "queue", "up", *STEADY_KEYS):
             v = getattr(over, key)
             out[key] = getattr(self, key) if v is None else v
+        out["reorder_gap"] = out["reorder_gap"] or 1
+        out.update({k: out[k] or 0.0 for k in STEADY_KEYS[:3]})
         out["jitter_dist"] = self.jitter_dist
         out["reorder"] = self.reorder
         return out

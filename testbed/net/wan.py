@@ -39,9 +39,9 @@ from testbed.net import netlink
 from testbed.net.delayline import DelayLine
 from testbed.net.firewall import Firewall
 from testbed.net.linkevents import LinkEvents
-from testbed.net.linkmodel import (DIRECTIONS, SETTABLE, Link, burst_loss, htb_burst_bytes,
-                                   htb_quantum_bytes, needs_delayline, queue_limit,
-                                   queue_packets)
+from testbed.net.linkmodel import (DIRECTIONS, SETTABLE, STEADY_FAULTS, Link, burst_loss,
+                                   htb_burst_bytes, htb_quantum_bytes, needs_delayline,
+                                   queue_limit, queue_packets)
 
 HTB_HANDLE, CLASS_HANDLE, LEAF_HANDLE = 0x10000, 0x10010, 0x100000   # 1:  1:10  10:
 TC_H_ROOT = 0xFFFFFFFF
@@ -254,7 +254,7 @@ class Wan:
             netlink.call(f"{command} netem 10: on {name}", self._ns.tc, command, "netem",
                          index=idx, handle=LEAF_HANDLE, parent=CLASS_HANDLE,
                          delay=int(lk.delay_s * 1e6), jitter=int(lk.jitter_s * 1e6),
-                         loss=loss, limit=limit, **({"gap": 0} if lk.reorder else {}))
+                         loss=loss, limit=limit, **self._netem_faults(lk))
         else:
             kind, limit = queue_limit(lk.queue, lk.rate_bps, self._rtt_s())
             if command != "add":   # bfifo <-> pfifo needs a new qdisc, not a change
@@ -262,6 +262,18 @@ class Wan:
             netlink.call(f"{command} {kind} 10: limit {limit} on {name}", self._ns.tc,
                          command, kind, index=idx, handle=LEAF_HANDLE, parent=CLASS_HANDLE,
                          limit=limit)
+
+    @staticmethod
+    def _netem_faults(lk):
+        """netem's duplicate, corrupt and reorder (percent), as `tc ... netem` takes them."""
+        out = {"duplicate": lk.duplicate * 100} if lk.duplicate else {}
+        if lk.corrupt:
+            out["prob_corrupt"] = lk.corrupt * 100
+        if lk.reorder_prob:
+            out.update(prob_reorder=lk.reorder_prob * 100, gap=lk.reorder_gap)
+        elif lk.reorder:
+            out["gap"] = 0
+        return out
 
     def _check_backend_supports(self, d, link):
         if self.backend == "netem" and burst_loss(link):
@@ -351,7 +363,8 @@ class Wan:
         if d in self._arrival:
             if changed & {"loss", "loss_burst", "up"}:
                 self._firewall.sync(d, link.up, self._iptables_loss(link))
-            if changed & {"delay", "jitter", "loss", "loss_burst"} and (
+            if changed & {"delay", "jitter", "loss", "loss_burst", *STEADY_FAULTS,
+                          "reorder_gap"} and (
                     needs_delayline(link) or d in self._delaylines):
                 self._ensure_delayline(d)
 
@@ -371,6 +384,19 @@ class Wan:
                     or (not own and self.other_delay_resizes and "delay" in changed)):
                 out.append(e)
         return out
+
+    def delaylines(self):
+        """The directions with a running delay line (those `subtract_fixed_cost` acts on)."""
+        return sorted(self._delaylines)
+
+    def subtract_fixed_cost(self, offsets):
+        """Hold each direction's packets for its delay less `offsets[d]` seconds (the path's
+        fixed cost, measured by `testbed.net.calibrate`), from now on and in later changes."""
+        with self._lock:
+            for d, off in offsets.items():
+                dl = self._delaylines[d]
+                dl.offset_s = max(0.0, off)
+                dl.configure(self.links[d])
 
     # -- counters
 
