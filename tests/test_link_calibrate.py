@@ -26,6 +26,14 @@ def test_rtt_deviation_is_relative_to_the_configured_rtt_with_a_005_ms_floor():
     assert "rtt_p50" not in dev and not warn
 
 
+def test_an_uncalibrated_path_warns_at_10_percent_or_03_ms():
+    """Ray's host shaping subtracts no fixed cost: its RTT keeps the other keys' 10%."""
+    assert not compare(_exp(10.0), _measured(10.9), calibrated=False)[1]
+    assert compare(_exp(10.0), _measured(11.1), calibrated=False)[1]
+    assert not compare(_exp(1.0), _measured(1.25), calibrated=False)[1]   # under 0.3 ms
+    assert compare(_exp(1.0), _measured(1.35), calibrated=False)[1]
+
+
 def test_shortfall_names_the_largest_scale_time():
     links = {d: check_params({"rate": 1e9, "delay": 0.000125}, d) for d in ("kv", "request")}
     cal = {"fixed_cost_ms": {"kv": 0.25, "request": 0.25}, "short": ["kv", "request"]}

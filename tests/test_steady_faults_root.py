@@ -46,8 +46,10 @@ def test_corrupted_packets_do_not_reach_the_receiver():
         counters = link.wan.delayline_counters()["kv"]
     missing = 10_000 - s["train_unique"]
     assert missing > 100, s                         # 2% of 10,000, loosely
-    assert missing <= s["csum_errors"] <= missing + 20, (missing, s["csum_errors"])
-    assert s["csum_errors"] <= counters["corrupted"], counters
+    # every packet the delay line corrupted is one the receiver's checksum dropped (a busy CPU
+    # may drop a few more on the way, so missing is only an upper bound)
+    assert 0.95 * counters["corrupted"] <= s["csum_errors"] <= counters["corrupted"], counters
+    assert s["csum_errors"] <= missing, (missing, s["csum_errors"])
 
 
 def test_one_way_partition_leaves_the_other_direction_up():

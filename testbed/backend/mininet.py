@@ -64,7 +64,8 @@ class MininetBackend:
         os.environ[CC_ENV] = congestion_control      # the probe's TCP sender
         return measure_link(paths["probe_remote"], paths["probe_local"],
                             self.net.ip("probe_local"),
-                            configured=self.deployment.links["kv"].params())
+                            configured=self.deployment.links["kv"].params(),
+                            calibrated=self.net.calibration is not None)
 
     def tcp_counters(self):
         """Each host's kernel TCP counters now (`testbed.fidelity.host_tcp_counters`)."""

@@ -93,7 +93,7 @@ def _on_this_machine(args, d):
         os.environ[CC_ENV] = args.cc     # the probe's TCP sender uses it
     with routed_pair({"kv": d, "request": d}, backend=args.shaping) as link:
         result = measure_link(link.src, link.dst, link.dst_ip, d.params(),
-                              duration_s=args.duration)
+                              duration_s=args.duration, calibrated=link.calibration is not None)
         backend, reason = link.wan.backend, link.wan.backend_reason
     cc = args.cc or open("/proc/sys/net/ipv4/tcp_congestion_control").read().strip()
     return {"backend": backend, "backend_reason": reason, "congestion_control": cc,
