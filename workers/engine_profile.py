@@ -66,18 +66,23 @@ class ProfilePrefillEngine(PrefillEngine):
         now = time.monotonic()
         ready_at = now if arrived is None else min(now, max(arrived, self.free_at))
         start = time.time() - (now - ready_at)
-        sent, model_s = 0, 0.0
-        for i in range(n):
-            # Each piece's compute at the clock factor in force when it starts.
-            model_s += t_compute / n * self.clock_factor
-            ready_at += t_compute / n * self.clock_factor
-            delay = ready_at - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            piece = size // n + (1 if i < size % n else 0)
-            emit(i, _payload(piece), i == n - 1)
-            sent += piece
-        self.free_at = ready_at
+        sent, model_s, done = 0, 0.0, False
+        try:
+            for i in range(n):
+                # Each piece's compute at the clock factor in force when it starts.
+                model_s += t_compute / n * self.clock_factor
+                ready_at += t_compute / n * self.clock_factor
+                delay = ready_at - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                piece = size // n + (1 if i < size % n else 0)
+                emit(i, _payload(piece), i == n - 1)
+                sent += piece
+            done = True
+        finally:
+            # A cancelled (or failed) prefill computed until now, not to its scheduled end;
+            # left unset, the next queued request would start back-dated into that time.
+            self.free_at = ready_at if done else min(ready_at, time.monotonic())
         return {"kv_bytes": sent, "start": start, "model_s": model_s}
 
 
