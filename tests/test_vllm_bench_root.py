@@ -34,7 +34,10 @@ def test_vllm_bench_serve_drives_the_front_door_and_agrees_with_the_records(tmp_
     # host time and so counts scale.time (20) times over in real-world ms: measured 19.4 ms
     # emulated (388 ms real-world, 15.5% of a 2.5 s p50) on a loaded 2-core machine.
     assert 0 <= cmp["ttft_diff_emulated_ms_median"] <= 40, (cmp, ours_p50)
-    assert abs(vb["reported"]["median_ttft_ms"] - ours_p50) <= 0.25 * ours_p50, vb
+    # bench's own median (real-world ms) against ours: the same 40 ms of host time, x 20 (a
+    # relative bound failed in a clean-clone run: 670 ms over 2,629 ms, 33.5 ms emulated)
+    assert summary["scale"]["time"] == 20
+    assert abs(vb["reported"]["median_ttft_ms"] - ours_p50) <= 40 * summary["scale"]["time"], vb
     assert cmp["tpot_diff_ms_median"] is not None
     assert summary["frontdoor"]["client_minus_testbed_ttft_ms"] == cmp["ttft_diff_ms_median"]
     assert leftovers(out) == []
