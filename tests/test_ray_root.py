@@ -336,17 +336,15 @@ def test_linktest_through_the_agents_meets_linktest_tolerances(ray_hosts, tmp_pa
     # the jitter of the lossy link is a standard deviation, which one burst of this machine's
     # own latency inflates (+27% once in a clean-clone run, the clean link's 0.11 ms at
     # another moment); such a burst only adds spread, so up to three tries, the best kept
-    def added_jitter(o):    # the spread beyond the clean link's (the machine's), in quadrature
-        return max(0.0, o["measured"]["jitter_ms"] ** 2
-                   - clean["measured"]["jitter_ms"] ** 2) ** 0.5
-
+    # (subtracting the clean link's spread in quadrature did not work: measured at another
+    # moment, it was 0.11 ms once and 0.78 ms the next time)
     lossy_tries = []
     for _ in range(3):
         lossy_tries.append(_linktest(hosts, head, "--rate", "50Mbit", "--delay", "5ms",
                                      "--jitter", "1ms", "--loss", "2%"))
-        if abs(added_jitter(lossy_tries[-1]) - 1.0) <= probe.DEVIATION_WARN:
+        if abs(lossy_tries[-1]["deviation"]["jitter"]) <= probe.DEVIATION_WARN:
             break
-    lossy = min(lossy_tries, key=lambda o: abs(added_jitter(o) - 1.0))
+    lossy = min(lossy_tries, key=lambda o: abs(o["deviation"]["jitter"]))
     for out, loss in ((clean, 0.0), (lossy, 0.02)):
         assert out["hosts"]["src"] == f"{FABRIC['prfaas']}.2", out["hosts"]
         assert out["hosts"]["dst"] == f"{FABRIC['local']}.2", out["hosts"]
@@ -363,13 +361,11 @@ def test_linktest_through_the_agents_meets_linktest_tolerances(ray_hosts, tmp_pa
     assert m["loss_packets"] > 0 and 0 < m["loss"], m
     assert {"jitter", "loss"} <= set(lossy["deviation"]), lossy["deviation"]
     # side by side: both links have 5 ms each way, so their medians agree within linktest's
-    # tolerance; the jitter the lossy link adds is its spread beyond the clean one's (the
-    # machine's), in quadrature
+    # tolerance; the jitter is the best try's, within it
     rtt = {k: o["measured"]["rtt_p50_ms"] for k, o in (("clean", clean), ("lossy", lossy))}
     assert abs(rtt["lossy"] - rtt["clean"]) <= probe.DEVIATION_WARN * 10.0, rtt
-    jit = {k: o["measured"]["jitter_ms"] for k, o in (("clean", clean), ("lossy", lossy))}
-    assert abs(added_jitter(lossy) - 1.0) <= probe.DEVIATION_WARN, (jit, [
-        o["deviation"] for o in lossy_tries])
+    assert abs(lossy["deviation"]["jitter"]) <= probe.DEVIATION_WARN, [
+        o["deviation"] for o in lossy_tries]
     assert {a["segmentation_offload"] for a in clean["agents"].values()} == {"on"}
     assert {a["segmentation_offload"] for a in lossy["agents"].values()} == {"off"}
     # undone: offload as before, no qdisc, rule, address or state file of the agents
