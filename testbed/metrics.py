@@ -393,7 +393,11 @@ def egress(ts: pd.DataFrame | None, t0: float, t1: float, scale: Scale) -> dict:
            "request_bytes_measured": 0}
     if ts is None or not len(ts) or not np.isfinite(t0):
         return out
-    before = ts[ts.time <= t0]
+    # A row's time is when its counter read began; a read stalled by a busy CPU (180 ms seen)
+    # returns counts from up to `read_s` later, so the start row must have finished reading
+    # by t0, or it already holds bytes sent after it (a whole KV cache, once).
+    read_done = ts.time + ts.read_s if "read_s" in ts else ts.time
+    before = ts[read_done <= t0]
     start = before.iloc[-1] if len(before) else ts.iloc[0]
     end_t = t1 if np.isfinite(t1) else ts.time.iloc[-1]
     after = ts[ts.time >= end_t]

@@ -60,6 +60,17 @@ def test_flagged_samples_leave_the_egress_statistics():
     assert e["egress_peak_gbps"] <= 1.0
 
 
+def test_a_stalled_counter_read_before_the_window_does_not_start_it():
+    """A sample stamped before t0 whose read finished after it (a busy CPU) holds bytes sent
+    after t0; the window starts at the last read done by t0, so they are counted."""
+    ts = pd.DataFrame({"time": [0.0, 0.5, 0.95, 1.5, 2.0], "read_s": [0.001, 0.001, 0.2, 0.001,
+                                                                      0.001],
+                       "kv_tx_bytes": [0, 0, 1000, 3000, 3000], "request_tx_bytes": 0,
+                       "kv_rate_bps": 0.0, "kv_egress_gbps": 0.0, "request_egress_gbps": 0.0})
+    e = metrics.egress(ts, 1.0, 1.9, Scale())
+    assert e["wan_bytes_measured"] == 3000, e
+
+
 def test_a_rate_step_down_is_judged_by_the_faster_end():
     rates = [1.0 * GBIT] * 10
     ts = _timeseries(rates)
