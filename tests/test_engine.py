@@ -47,13 +47,7 @@ def test_torch_decode_engine_implements_its_protocol():
 def test_a_slowed_decode_engine_stays_slow_after_a_request_frees_its_memory(tmp_path):
     """The `slow` fault sets clock_factor on the engine (workers/control.py); a request finishing
     (free) once reset it to 1, so a slowed decode instance recovered at its first completion."""
-    from conftest import SMALL_EXPERIMENT
-    from testbed import config, deploy
-
-    p = tmp_path / "exp.yaml"
-    p.write_text(SMALL_EXPERIMENT)
-    (exp,) = config.load_experiment(p)
-    rt = deploy.compile(exp).runtime
+    rt = _small_runtime(tmp_path)
     eng = ProfileDecodeEngine(rt, rt.instance("ld0"))
     assert eng.clock_factor == 1.0
     eng.clock_factor = 3.0
@@ -63,20 +57,26 @@ def test_a_slowed_decode_engine_stays_slow_after_a_request_frees_its_memory(tmp_
     assert eng.clock_factor == 3.0 and eng.reserved == 0.0
 
 
+def _small_runtime(tmp_path):
+    """The compiled runtime of conftest's SMALL_EXPERIMENT (rp0 a PrfaaS prefill, ld0 decode)."""
+    from conftest import SMALL_EXPERIMENT
+    from testbed import config, deploy
+
+    p = tmp_path / "exp.yaml"
+    p.write_text(SMALL_EXPERIMENT)
+    (exp,) = config.load_experiment(p)
+    return deploy.compile(exp).runtime
+
+
 def test_workers_find_engine_capabilities_by_protocol(tmp_path):
     """The decode worker paces and admits by memory for a PacedDecodeEngine, hands frames to an
     AssemblingDecodeEngine; the prefill worker reads `frames_checksummed` (no getattr probing)."""
     import logging
 
-    from conftest import SMALL_EXPERIMENT
-    from testbed import config, deploy
     from workers.decode import DecodeService
     from workers.prefill import PrefillService, TorchPrefill
 
-    p = tmp_path / "exp.yaml"
-    p.write_text(SMALL_EXPERIMENT)
-    (exp,) = config.load_experiment(p)
-    rt = deploy.compile(exp).runtime
+    rt = _small_runtime(tmp_path)
     eng = ProfileDecodeEngine(rt, rt.instance("ld0"))
     assert isinstance(eng, engine.DecodeEngine)
     svc = DecodeService(rt, "ld0", eng, logging.getLogger("t"))
@@ -93,14 +93,9 @@ def test_a_profile_prefill_instance_keeps_its_schedule_across_queued_requests(tm
     import asyncio
     import time
 
-    from conftest import SMALL_EXPERIMENT
-    from testbed import config, deploy
     from testbed.proto import testbed_pb2 as pb
 
-    p = tmp_path / "exp.yaml"
-    p.write_text(SMALL_EXPERIMENT)
-    (exp,) = config.load_experiment(p)
-    rt = deploy.compile(exp).runtime
+    rt = _small_runtime(tmp_path)
     eng = ProfilePrefillEngine(rt, rt.instance("rp0"))
     req = pb.Request(id=1, input_len=1024, output_len=16)
     t = eng.compute_s(1024)
@@ -126,14 +121,9 @@ def test_a_cancelled_prefill_hands_no_compute_time_to_the_next(tmp_path):
     import asyncio
     import time
 
-    from conftest import SMALL_EXPERIMENT
-    from testbed import config, deploy
     from testbed.proto import testbed_pb2 as pb
 
-    p = tmp_path / "exp.yaml"
-    p.write_text(SMALL_EXPERIMENT)
-    (exp,) = config.load_experiment(p)
-    rt = deploy.compile(exp).runtime
+    rt = _small_runtime(tmp_path)
     eng = ProfilePrefillEngine(rt, rt.instance("rp0"))
     req = pb.Request(id=1, input_len=4096, output_len=16)
     t = eng.compute_s(4096)
