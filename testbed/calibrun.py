@@ -35,6 +35,7 @@ import time
 
 from testbed.calibfit import Measurements, Sample
 from workers import vllm_api
+from workers import vllm_server
 from workers.vllm_server import ServerFailed, ServerSpec, VllmServer  # noqa: F401 (ServerFailed: re-exported)
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -160,16 +161,7 @@ class Running:
         self.url = url.rstrip("/")
 
     async def wait_healthy(self, timeout_s, session):
-        deadline = time.monotonic() + timeout_s
-        while True:
-            with contextlib.suppress(Exception):
-                async with session.get(f"{self.url}/health") as r:
-                    if r.status == 200:
-                        return time.monotonic() - (deadline - timeout_s)
-            if time.monotonic() > deadline:
-                raise ServerFailed(f"no healthy vLLM server at {self.url} within "
-                                   f"{timeout_s:.0f}s (GET /health)")
-            await asyncio.sleep(1.0)
+        return await vllm_server.wait_healthy(session, self.url, timeout_s)
 
 
 async def _session_run(server, url, plan, m, progress, budget_s, seed):

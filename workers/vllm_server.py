@@ -120,6 +120,24 @@ class ServerFailed(RuntimeError):
     """The server exited, or did not answer /health in time."""
 
 
+async def wait_healthy(session, url, timeout_s, exited=lambda: None, late=None):
+    """Poll GET url/health every HEALTH_POLL_S until 200; the seconds it took. ServerFailed
+    with `exited()`'s message as soon as it returns one (the server process is gone), or with
+    `late` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        why = exited()
+        if why:
+            raise ServerFailed(why)
+        with contextlib.suppress(Exception):
+            async with session.get(f"{url}/health") as r:
+                if r.status == 200:
+                    return time.monotonic() - (deadline - timeout_s)
+        await asyncio.sleep(HEALTH_POLL_S)
+    raise ServerFailed(late or f"no healthy vLLM server at {url} within {timeout_s:.0f}s "
+                       f"(GET /health)")
+
+
 class VllmServer:
     """Start, await and stop one server; `proc` is its Popen once started."""
 
@@ -135,18 +153,14 @@ class VllmServer:
 
     async def wait_healthy(self, timeout_s, session):
         """Poll GET /health (bounded by `timeout_s`) until 200; ServerFailed otherwise."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        def exited():
             if self.proc.poll() is not None:
-                raise ServerFailed(f"vLLM server exited with {self.proc.returncode} before it "
-                                   f"was healthy; see {self.log_path}")
-            with contextlib.suppress(Exception):
-                async with session.get(f"{self.spec.url}/health") as r:
-                    if r.status == 200:
-                        return time.monotonic() - (deadline - timeout_s)
-            await asyncio.sleep(HEALTH_POLL_S)
-        raise ServerFailed(f"vLLM server not healthy after {timeout_s:.0f}s; see "
-                           f"{self.log_path}")
+                return (f"vLLM server exited with {self.proc.returncode} before it was "
+                        f"healthy; see {self.log_path}")
+            return None
+        return await wait_healthy(session, self.spec.url, timeout_s, exited,
+                                  f"vLLM server not healthy after {timeout_s:.0f}s; see "
+                                  f"{self.log_path}")
 
     def pids(self):
         """[(pid, start time)] of the server and every process below it, for the record."""
