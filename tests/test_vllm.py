@@ -7,6 +7,9 @@ a kv_consumer decode instance, NixlConnector over UCX TCP), started once for the
   so that it computes its KV instead of reusing the pulled blocks).
 - The KV bytes the connector reports grow by layers x kv_heads x head_dim x 2 x 4 B per prompt
   token (the model writer's shape), within 2%, as the slope over several prompt lengths.
+- The KV blocks the decode instance received are bitwise the blocks the prefill instance
+  computed (KVDumpNixlConnector, workers/vllm_plugin/tb_kvdump.py, dumps both ends), for
+  prompts of several lengths and for a prompt whose prefix the prefill instance had cached.
 - `testbed calibrate --url` measures the prefill server into a profile the profile engine loads.
 - The launcher's stop leaves none of the server's processes (EngineCore, workers) behind.
 
@@ -16,9 +19,12 @@ Skipped without the vLLM venv (`make vllm`; `make test` installs it).
 import asyncio
 import csv
 import json
+import pathlib
 import random
 import socket
+import time
 
+import numpy as np
 import pytest
 
 from test_vllm_unit import _running
@@ -51,10 +57,13 @@ def pair(tmp_path_factory):
     model_dir = vllmrun.ensure_default_model()     # the one the root tests' runs use too
     shape = json.loads((model_dir / "config.json").read_text())
     ports = _free_ports(4)
+    dump = d / "kv"
+    dump.mkdir()
     servers = [vs.VllmServer(vs.ServerSpec(
         python=vllmenv.find_python(), model_dir=str(model_dir), role=role, host="127.0.0.1",
-        port=ports[i], side_port=ports[i + 2], max_model_len=4096, kv_cache_space_gib=1),
-        d / f"{role}.log") for i, role in enumerate(("prefill", "decode"))]
+        port=ports[i], side_port=ports[i + 2], max_model_len=4096, kv_cache_space_gib=1,
+        kv_dump_dir=str(dump)), d / f"{role}.log")
+        for i, role in enumerate(("prefill", "decode"))]
     for s in servers:
         s.start()
     try:
@@ -103,6 +112,62 @@ def test_greedy_after_transfer_is_identical_and_kv_bytes_match_the_shape(pair):
     want = shape["num_hidden_layers"] * shape["num_key_value_heads"] * head_dim * 2 * 4
     assert want == 4096         # the writer's default shape, float32
     assert abs(slope / want - 1) < 0.02, (slope, want, moved)
+
+
+async def _pull(pfx, dec, model, ids):
+    """Prefill on `pfx`, then the decode instance pulls the KV; the decode side runs under a
+    fresh `cache_salt`, so it pulls every block instead of hitting its own prefix cache."""
+    import aiohttp  # reason: as above
+    async with aiohttp.ClientSession() as session:
+        params = await api.prefill(session, pfx, model, ids)
+        await api.generate(session, dec, model, ids, 2, params,
+                           cache_salt=f"pull-{random.random()}")
+        return params
+
+
+def _dumps(dump, prefill_request_id, timeout_s=60):
+    """(prefill dump, decode dump) of one transfer, each (info, blocks): the decode's is
+    written when its pull lands, the prefill's when NIXL tells it the read is done."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        dec = [json.loads(p.read_text()) for p in dump.glob("decode-*.json")]
+        dec = [i for i in dec if i["remote_request_id"] == prefill_request_id]
+        pre = dump / f"prefill-{prefill_request_id}.json"
+        if dec and pre.exists():
+            pi = json.loads(pre.read_text())
+            return ((pi, np.load(pre.with_suffix(".npy"))),
+                    (dec[0], np.load(dump / f"decode-{dec[0]['request_id']}.npy")))
+        time.sleep(0.2)
+    raise AssertionError(f"no dump pair for {prefill_request_id} in {sorted(dump.iterdir())}")
+
+
+def test_the_kv_received_is_bitwise_the_kv_computed(pair):
+    """Three transfers, the third a prefix-cache hit on the prefill instance (its first 512
+    tokens, 4 whole blocks of 128, are the first transfer's): for each, every block the decode
+    instance received equals, bit for bit and layer by layer, the block the prefill instance
+    held for it, and the hit reused the first transfer's blocks."""
+    pfx, dec, model, shape, servers = pair
+    dump = pathlib.Path(servers[0].spec.kv_dump_dir)
+    rng = random.Random(11)
+    draw = lambda n: [rng.randrange(shape["vocab_size"] - 3) for _ in range(n)]  # noqa: E731
+    first = draw(1000)
+    seen = {}
+    for name, ids in (("1000", first), ("300", draw(300)), ("hit", first[:512] + draw(700))):
+        params = asyncio.run(_pull(pfx, dec, model, ids))
+        (pi, p), (di, d) = _dumps(dump, params["remote_request_id"])
+        n_blocks = -(-len(ids) // pi["block_size"])
+        assert pi["num_tokens"] == len(ids) and len(pi["block_ids"]) == n_blocks, (name, pi)
+        assert di["remote_block_ids"] == pi["block_ids"], (name, di, pi)
+        assert len(di["block_ids"]) == n_blocks and d.shape == p.shape, (name, d.shape, p.shape)
+        assert pi["dtype"] == "torch.float32" and p.shape[0] == shape["num_hidden_layers"]
+        assert np.abs(p).sum() > 0                      # real KV, not an empty cache
+        same = [bool(np.array_equal(p[:, b].view(np.uint32), d[:, b].view(np.uint32)))
+                for b in range(n_blocks)]
+        assert all(same), (name, same)
+        seen[name] = (pi, p)
+    (a, pa), (h, ph) = seen["1000"], seen["hit"]
+    assert h["block_ids"][:4] == a["block_ids"][:4], (a["block_ids"], h["block_ids"])
+    assert np.array_equal(ph[:, :4], pa[:, :4])
 
 
 def test_calibrate_measures_the_running_server_into_a_profile_it_runs(pair, tmp_path):

@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import pathlib
 import signal
 import subprocess
 import time
@@ -57,15 +58,25 @@ class ServerSpec:
     cpus: str = "nobind"            # VLLM_CPU_OMP_THREADS_BIND: a CPU list (0-1, 1) or nobind
     connector: str = "NixlConnector"
     seed: int = 0
+    kv_dump_dir: str | None = None  # verification: KVDumpNixlConnector dumps the KV blocks
 
     @property
     def url(self):
         return f"http://{self.host}:{self.port}"
 
 
+PLUGIN_DIR = str(pathlib.Path(__file__).resolve().parent / "vllm_plugin")
+DUMP_CONNECTOR = "KVDumpNixlConnector"      # workers/vllm_plugin/tb_kvdump.py
+
+
 def kv_transfer_config(spec):
-    return {"kv_connector": spec.connector, "kv_role": ROLES[spec.role],
+    conf = {"kv_connector": spec.connector, "kv_role": ROLES[spec.role],
             "kv_buffer_device": "cpu"}
+    if spec.kv_dump_dir:
+        if spec.connector != "NixlConnector":
+            raise ValueError(f"kv_dump_dir needs NixlConnector, not {spec.connector}")
+        conf.update(kv_connector=DUMP_CONNECTOR, kv_connector_module_path="tb_kvdump")
+    return conf
 
 
 def argv(spec):
@@ -91,7 +102,12 @@ def env(spec, base=None):
               "VLLM_CPU_KVCACHE_SPACE": str(int(kib) if float(kib).is_integer() else kib),
               "VLLM_CPU_OMP_THREADS_BIND": spec.cpus, "HF_HUB_OFFLINE": "1",
               "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+              # NIXL moves a hybrid's conv state only in this layout; vLLM sets it for the
+              # connectors it knows by name, not for a subclass (KVDumpNixlConnector)
+              "VLLM_SSM_CONV_STATE_LAYOUT": "DS",
               "VLLM_LOGGING_LEVEL": e.get("VLLM_LOGGING_LEVEL", "INFO")})
+    if spec.kv_dump_dir:       # the dumping connector's module, and where it writes
+        e.update(PYTHONPATH=PLUGIN_DIR, TESTBED_KV_DUMP_DIR=spec.kv_dump_dir)
     return e
 
 
