@@ -1,8 +1,7 @@
 """Run: one experiment file, every variant in turn, on a freshly built system each time.
 
 For each expanded run (`config.load_experiment`): compile its `testbed.deploy.Deployment` (once,
-every run before the first starts), write
-the resolved config, the request list, deployment.json and runtime.json (the workers' typed
+every run before the first starts), write the resolved config, the request list, deployment.json and runtime.json (the workers' typed
 `WorkerRuntime`), start the backend (`testbed.backend`: today Mininet, which builds the network
 and shapes the WAN), start the workers on their instances and wait (bounded) for each to report
 ready, probe the WAN as built (once per distinct WAN of the experiment, `measure.LinkProbes`:
@@ -14,8 +13,7 @@ the link schedule and faults start when its first request reaches the front door
 request's trace time), not when the tool is started.
 `Hold` (`testbed up`) runs no load generator: the front door is forwarded to the root
 namespace's loopback (testbed/net/forward.py) and the run lasts until Ctrl-C/SIGTERM. Analysis
-(`testbed.analysis`) and figures (`plot`) read only the run directory afterwards. Nothing here
-imports Mininet.
+and figures read only the run directory afterwards. Nothing here imports Mininet.
 """
 
 import contextlib
@@ -90,6 +88,7 @@ class Run:
         self.backend = None
         self.meta = {}
         self.procs = {}
+        self.vllm_pids = None        # vllmrun.PidRecord under model.engine vllm
 
     def execute(self):
         exp, d = self.exp, self.rd
@@ -222,7 +221,8 @@ class Run:
                 "--first-request-file", str(self.rd.first_request)])
         self._wait_ready(list(self.procs))
         if self.rt.vllm is not None:
-            vllmrun.record_pids(self.rd, registry)
+            self.vllm_pids = vllmrun.PidRecord(self.rd, registry)
+            self.vllm_pids.refresh(force=True)
         events("workers_ready", count=len(self.procs))
 
     def _wait_ready(self, names):
@@ -283,6 +283,8 @@ class Run:
             while client.poll() is None:
                 progress.poll()
                 self._check_workers(dead, events, progress.write)
+                if self.vllm_pids:       # also a server that a `restart` fault started
+                    self.vllm_pids.refresh()
                 if time.time() > bound:
                     events("client_timeout")
                     progress.write("warning: the run outlived its bound; stopping the client")

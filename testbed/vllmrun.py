@@ -3,17 +3,21 @@
 - `ensure_model(rt)`: the default model directory (`results/.vllm-model`) is written once, by
   `testbed.vllmenv.write_model`, before any worker starts (into a temporary directory renamed
   into place, so two runs never see half a model);
-- `record_pids(rd, registry)`: each worker writes `vllm/<name>.json` once its server is healthy
+- `PidRecord(rd, registry)`: each worker writes `vllm/<name>.json` once its server is healthy
   (the server's PID and its descendants: EngineCore, CPU workers); the runner puts them on its
-  lifecycle record, so teardown and `testbed clean` end them (PID and start time checked);
+  lifecycle record, so teardown and `testbed clean` end them (PID and start time checked),
+  when the workers are ready and again while the run goes (`refresh`), so a server that a
+  `restart` fault starts is on the record too;
 - `metadata(rd, rt)`: which connector ran and why, and per server its start-up time and the
   KV bytes its connector reports (metadata.json `vllm`).
 """
 
+import contextlib
 import json
 import pathlib
 import shutil
 import tempfile
+import time
 
 from testbed import vllmenv, vllmspec
 
@@ -48,15 +52,41 @@ def ensure_default_model():
 
 
 def _records(rd):
-    d = rd.vllm
-    return {p.stem: json.loads(p.read_text()) for p in sorted(d.glob("*.json"))} if d.is_dir() \
-        else {}
+    """{instance: its vllm/<name>.json}; a worker's half-written temporary (.<name>.json,
+    renamed into place) is not one."""
+    out = {}
+    for p in sorted(rd.vllm.glob("*.json")) if rd.vllm.is_dir() else ():
+        if not p.name.startswith("."):
+            with contextlib.suppress(OSError, ValueError):
+                out[p.stem] = json.loads(p.read_text())
+    return out
 
 
-def record_pids(rd, registry):
-    for name, r in _records(rd).items():
-        for pid, _start in r.get("pids", ()):
-            registry.add_process(pid, f"{name}: vLLM server process")
+class PidRecord:
+    """The vLLM server processes on the run's lifecycle record, each (PID, start time) once."""
+
+    REFRESH_S = 1.0
+
+    def __init__(self, rd, registry):
+        self.rd, self.registry = rd, registry
+        self.known = set()
+        self.next_s = 0.0
+
+    def refresh(self, force=False):
+        """Record the processes the workers' files name that are not on record yet (read at
+        most every REFRESH_S unless `force`); how many were added."""
+        now = time.monotonic()
+        if not force and now < self.next_s:
+            return 0
+        self.next_s = now + self.REFRESH_S
+        added = 0
+        for name, r in _records(self.rd).items():
+            for pid, start in r.get("pids", ()):
+                if (pid, start) not in self.known:
+                    self.known.add((pid, start))
+                    self.registry.add_process(pid, f"{name}: vLLM server process")
+                    added += 1
+        return added
 
 
 def metadata(rd, rt):

@@ -3,6 +3,7 @@ command line and environment, the prompts' token ids, and `VllmServer.stop` reac
 process below the server (a stand-in that forks as vLLM's API server does)."""
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -56,6 +57,45 @@ def test_server_command_line_and_environment():
     assert e["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "10.1.0.5"   # the pull crosses the WAN to it
     assert e["VLLM_CPU_KVCACHE_SPACE"] == "2" and e["VLLM_CPU_OMP_THREADS_BIND"] == "1"
     assert e["UCX_TLS"] == "tcp,self" and e["HF_HUB_OFFLINE"] == "1"
+
+
+def test_the_dumping_connector_is_nixl_plus_its_module_on_the_servers_path(tmp_path):
+    a = vs.argv(_spec(kv_dump_dir=str(tmp_path)))
+    cfg = json.loads(a[a.index("--kv-transfer-config") + 1])
+    assert cfg["kv_connector"] == "KVDumpNixlConnector" and cfg["kv_role"] == "kv_producer"
+    e = vs.env(_spec(kv_dump_dir=str(tmp_path)), base={"PATH": "/bin"})
+    module = pathlib.Path(e["PYTHONPATH"]) / f"{cfg['kv_connector_module_path']}.py"
+    assert module.is_file() and "class KVDumpNixlConnector(NixlConnector)" in module.read_text()
+    assert e["TESTBED_KV_DUMP_DIR"] == str(tmp_path)
+    with pytest.raises(ValueError):
+        vs.kv_transfer_config(_spec(kv_dump_dir=str(tmp_path), connector="Other"))
+
+
+def test_the_pid_record_takes_a_restarted_server_once(tmp_path):
+    """A `restart` fault's worker rewrites vllm/<name>.json with its new server's PIDs: the
+    next refresh puts those on the lifecycle record, and no PID twice."""
+    from testbed import vllmrun
+    from testbed.records import RunDir
+    rd = RunDir(tmp_path)
+    rd.vllm.mkdir()
+    reg = lifecycle.Registry("t0", state_dir=tmp_path / "state")
+    me = (os.getpid(), lifecycle.proc_start_time(os.getpid()))
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        rd.vllm_file("rp0").write_text(json.dumps({"pids": [me]}))
+        (rd.vllm / ".rp0.json").write_text("{half")       # a worker's temporary: not read
+        rec = vllmrun.PidRecord(rd, reg)
+        assert rec.refresh(force=True) == 1 and rec.refresh(force=True) == 0
+        new = (sleeper.pid, lifecycle.proc_start_time(sleeper.pid))
+        rd.vllm_file("rp0").write_text(json.dumps({"pids": [new]}))
+        assert rec.refresh() == 0            # read at most every REFRESH_S
+        assert rec.refresh(force=True) == 1
+        on_record = [(p["pid"], p["start"]) for p in reg.state["processes"]]
+        assert on_record == [me, new]
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        reg.path.unlink(missing_ok=True)
 
 
 def test_prompts_share_their_prefix_blocks_and_nothing_else():
