@@ -40,14 +40,14 @@ class ModelWriteError(RuntimeError):
     """The model writer failed (the message is its last line of output)."""
 
 
-def write_model(out, layers=4, seed=0):
-    """Write the testbed's small random Llama into `out` (workers/vllm_model.py under the vLLM
-    venv's Python, which has transformers); its shape as the writer's JSON line."""
+def write_model(out, layers=4, seed=0, arch="llama"):
+    """Write the testbed's small random model into `out` (workers/vllm_model.py under the
+    vLLM venv's Python, which has transformers); its shape as the writer's JSON line."""
     python = find_python()
     if python is None:
         raise ModelWriteError(INSTALL_HINT)
     r = subprocess.run([python, str(WRITER), str(out), "--num-hidden-layers", str(layers),
-                        "--seed", str(seed)], capture_output=True, text=True,
+                        "--seed", str(seed), "--arch", arch], capture_output=True, text=True,
                        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     if r.returncode != 0:
         raise ModelWriteError((r.stderr.strip().splitlines() or ["(no output)"])[-1])

@@ -69,6 +69,22 @@ async def generate(session, url, model, token_ids, max_tokens, params=None, **ex
     return list(out["choices"][0]["token_ids"])
 
 
+async def generate_with_margins(session, url, model, token_ids, max_tokens, params=None,
+                                **extra):
+    """(generated token ids, margins): margins[i] is the gap in log-probability between the
+    best and the second-best token at step i, so a caller can tell a near-tie (where a
+    bfloat16 rounding difference may flip greedy decoding) from a real difference."""
+    body = completion(token_ids, max_tokens, model=model, logprobs=2, **extra)
+    if params is not None:
+        body["kv_transfer_params"] = params
+    choice = (await _post(session, url, body))["choices"][0]
+    margins = []
+    for top in choice["logprobs"]["top_logprobs"]:
+        best = sorted(top.values(), reverse=True) + [float("-inf")]
+        margins.append(best[0] - best[1])
+    return list(choice["token_ids"]), margins
+
+
 async def decode_stream(session, url, model, token_ids, max_tokens, params):
     """Yield the generated token ids as the server streams them (one list per event)."""
     body = completion(token_ids, max_tokens, model=model, kv_transfer_params=params,

@@ -24,13 +24,16 @@ def register(subparsers):
                         "model.vllm.path; docs/vllm.md) and print its shape as JSON")
     p.add_argument("--layers", type=int, default=4, help="--write: hidden layers")
     p.add_argument("--seed", type=int, default=0, help="--write: weight seed")
+    p.add_argument("--arch", choices=("llama", "qwen3_next"), default="llama",
+                   help="--write: the dense Llama (float32), or qwen3_next, a Gated DeltaNet "
+                        "hybrid (3 linear-attention layers to 1 full, bfloat16)")
     p.set_defaults(func=run)
     return p
 
 
 def run(args):
     if args.write:
-        return write(args.write, args.layers, args.seed)
+        return write(args.write, args.layers, args.seed, args.arch)
     rows = catalog.table()
     if args.json:
         print(json.dumps({"lengths": list(catalog.LENGTHS), "models": rows}, indent=2))
@@ -39,10 +42,10 @@ def run(args):
     return 0
 
 
-def write(out, layers, seed):
-    """The testbed's small random Llama for vLLM (testbed.vllmenv.write_model)."""
+def write(out, layers, seed, arch="llama"):
+    """The testbed's small random model for vLLM (testbed.vllmenv.write_model)."""
     try:
-        print(vllmenv.write_model(out, layers, seed))
+        print(vllmenv.write_model(out, layers, seed, arch))
     except vllmenv.ModelWriteError as e:
         print(f"testbed models --write {out}: {e}", file=sys.stderr)
         return 2
