@@ -9,6 +9,9 @@ only (no pandas, numpy, yaml), so the workers import it as the orchestrator and 
   (workers/client.py) and the front door (workers/frontdoor.py) through `RecordLog`, read
   back typed by `read_records` (token times expanded, every stamp on the orchestrator's clock
   when the run recorded clock offsets). Analysis reads requests through these and nothing else.
+- `DecisionRecord`: a line of `decisions.jsonl`, one routing decision and the router's book it
+  read, written by the scheduler and the simulator through `RecordLog`, read by
+  `read_decisions` (the replay, testbed/sim/replay.py).
 - `EventLog` appends rows to `events.csv` (the runner and every worker); `read_events` is the
   one reader, and it puts each row a worker wrote on the orchestrator's clock.
 """
@@ -41,6 +44,7 @@ class RunDir:
     EVENTS = "events.csv"
     TIMESERIES = "timeseries.csv"       # kernel counters of the WAN router, 20 Hz
     SCHEDULER = "scheduler.csv"         # the adaptive threshold's decisions
+    DECISIONS = "decisions.jsonl"       # the router's decisions with the book each one read
     REQUESTS = "requests.parquet"       # analysis: one row per request (real-world)
     TOKENS = "tokens.parquet"           # analysis: one row per output token
     SUMMARY = "summary.json"            # analysis: the run's metrics (real-world)
@@ -97,6 +101,7 @@ class RunDir:
     events = property(lambda self: self.path / self.EVENTS)
     timeseries = property(lambda self: self.path / self.TIMESERIES)
     scheduler = property(lambda self: self.path / self.SCHEDULER)
+    decisions = property(lambda self: self.path / self.DECISIONS)
     requests = property(lambda self: self.path / self.REQUESTS)
     tokens = property(lambda self: self.path / self.TOKENS)
     summary = property(lambda self: self.path / self.SUMMARY)
@@ -323,7 +328,7 @@ class RecordLog:
         client's [first token index, arrival] pairs, are given) or a dict (`all_sent`, ...)."""
         if isinstance(obj, RequestRecord):
             obj = obj.line(chunks)
-        elif isinstance(obj, SentRecord):
+        elif isinstance(obj, (SentRecord, DecisionRecord)):
             obj = obj.line()
         self.f.write(json.dumps(obj, separators=(",", ":")) + "\n")
 
@@ -382,6 +387,43 @@ def client_finished(run_dir) -> bool:
         return False
     with open(path, errors="replace") as f:
         return any('"ev":"finished"' in line for line in f)
+
+
+# ---------------------------------------------------------------- decisions.jsonl
+
+@dataclasses.dataclass
+class DecisionRecord:
+    """One routing decision (`workers.policy.Router.route`) and the book it read. The book is
+    sparse so a line stays short on a large cluster: instances at zero are left out, and
+    `roles` names only the instances whose list differs from runtime.json's role (a converted
+    one, or "" while it drains and is in no list)."""
+
+    id: int
+    time: float                     # Unix seconds, the scheduler's clock (the sim's virtual)
+    uncached_len: int               # the length the policy compared with the threshold
+    policy: str
+    threshold: int                  # in force at the decision
+    outstanding_s: dict = dataclasses.field(default_factory=dict)   # prefill: predicted s
+    inflight: dict = dataclasses.field(default_factory=dict)        # decode: requests
+    down: list = dataclasses.field(default_factory=list)
+    roles: dict = dataclasses.field(default_factory=dict)
+    kind: str = ""                  # "remote" | "local"; "" when nothing was up
+    prefill: str = ""
+    decode: str = ""
+    error: str = ""                 # the LookupError when nothing was up
+
+    def line(self) -> dict:
+        # shallow: dataclasses.asdict deep-copies the book, 8x the cost of the whole line
+        return {"ev": "route", **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}
+
+    @classmethod
+    def from_line(cls, obj: dict) -> DecisionRecord:
+        return cls(**{k: v for k, v in obj.items() if k != "ev"})
+
+
+def read_decisions(path) -> list[DecisionRecord]:
+    """decisions.jsonl's records in the order they were made (a line cut by a crash skipped)."""
+    return [DecisionRecord.from_line(o) for o in jsonl(path) if o.get("ev") == "route"]
 
 
 # ---------------------------------------------------------------- events.csv

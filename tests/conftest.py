@@ -7,6 +7,9 @@ import textwrap
 
 import pytest
 
+from testbed.records import RunDir, read_decisions, read_records
+from testbed.sim.replay import replay
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 # The smallest valid experiment; unit tests edit it with str.replace and write it to tmp_path.
@@ -39,6 +42,26 @@ def assert_remote_kv_crossed_the_wan(df, summary):
     counted = summary["wan_bytes_measured"]
     assert sent <= counted <= 1.15 * sent, (sent, counted)
     return remote
+
+
+def assert_decisions_replay(run_dir):
+    """What every run directory shows, whatever the backend: each request sent has its first
+    routing decision in decisions.jsonl; the decision is what served the request by its own
+    record (when it was not moved); and the simulator's decision path, a fresh router of the
+    run set to each recorded book (testbed.sim.replay), decides every one the same. Returns
+    the records."""
+    d = RunDir(run_dir)
+    recs = read_decisions(d.decisions)
+    sent, done = read_records(d.records)
+    assert len(recs) == len(sent) > 0 and {r.id for r in recs} == set(sent)
+    for r in recs:
+        rec = done.get(r.id)
+        if rec is not None and rec.attempts == 1 and rec.route:
+            assert (rec.route, rec.prefill_instance, rec.decode_instance) == \
+                (r.kind, r.prefill, r.decode), r.id
+    result = replay(d)
+    assert result.decisions == len(recs) and result.mismatches == []
+    return recs
 
 
 def pytest_collection_modifyitems(config, items):

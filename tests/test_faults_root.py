@@ -14,6 +14,7 @@ import sys
 import pandas as pd
 import pytest
 
+from conftest import assert_decisions_replay
 from tests.test_run_root import leftovers
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
@@ -80,6 +81,9 @@ def test_kill_prefill_requests_move_to_the_survivor(tmp_path):
     after = df[df.send_time > float(down.time.iloc[0])]
     assert len(after) and (after.prefill_instance == "rp1").all()
     assert ev.kind.eq("worker_died").any()
+    # The scheduler's decisions, rp0 down in some, replayed by the simulator's path: the same.
+    decisions = assert_decisions_replay(out)
+    assert len(decisions) == 30 and any("rp0" in r.down for r in decisions)
 
 
 def test_restart_prefill_rejoins_and_serves_again(tmp_path):

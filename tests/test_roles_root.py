@@ -10,6 +10,7 @@ import time
 import pandas as pd
 import pytest
 
+from conftest import assert_decisions_replay
 from promserver import free_port
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
@@ -65,6 +66,11 @@ def test_a_prefill_instance_becomes_decode_and_no_request_is_lost(tmp_path):
     assert t_done > t_drain
     fields = dict(kv.split("=", 1) for kv in done.detail.iloc[0].split())
     assert float(fields["convert_s"]) >= 2.0 / 10 * 0.95        # the cost, emulated, measured
+    # The scheduler's decisions (decisions.jsonl), some on the converted lists, replayed through
+    # the simulator's decision path: the same; none sent it prefill work after the drain began.
+    decisions = assert_decisions_replay(out)
+    assert len(decisions) == 30 and any(r.roles.get(name) == "decode" for r in decisions)
+    assert all(r.time < t_drain for r in decisions if r.prefill == name)
     # The router stopped sending it prefill work when the drain began, and its prefills
     # (measured by the worker) all started before then ...
     mine = df[df.prefill_instance == name]

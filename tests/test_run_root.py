@@ -16,7 +16,7 @@ import time
 import pandas as pd
 import pytest
 
-from conftest import assert_remote_kv_crossed_the_wan
+from conftest import assert_decisions_replay, assert_remote_kv_crossed_the_wan
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -70,6 +70,9 @@ def test_tiny_run_measured_facts(tmp_path):
     assert set(clocks["instances"]) >= set(df.prefill_instance) | set(df.decode_instance)
     assert [c["offset_s"] for c in clocks["hosts"].values()] == [0.0]
     assert (out / "timeseries.csv").exists() and (out / "figures" / "ttft_cdf.png").exists()
+    # The scheduler's decisions, replayed through the simulator's decision path: the same.
+    decisions = assert_decisions_replay(out)
+    assert len(decisions) == 12 and {r.kind for r in decisions} == {"local", "remote"}
     assert leftovers(out) == []
 
 

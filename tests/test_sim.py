@@ -1,6 +1,6 @@
 """The simulation backend (testbed/sim): runs without root, writes a run directory analysis
 reads unchanged, its WAN model meets the closed forms of fair sharing, it routes exactly as
-the scheduler's Router does, and it is fast."""
+the scheduler's Router does (tests/test_replay.py replays its decisions), and it is fast."""
 
 import json
 import math
@@ -10,14 +10,14 @@ import time
 import pandas as pd
 import pytest
 
-from conftest import ROOT, SMALL_EXPERIMENT, assert_remote_kv_crossed_the_wan
+from conftest import (ROOT, SMALL_EXPERIMENT, assert_decisions_replay,
+                      assert_remote_kv_crossed_the_wan)
 from testbed import cli, config, deploy, rundir
 from testbed import profile as profiles
 from testbed.sim.loop import Loop
 from testbed.sim.run import SimRun
 from testbed.sim.wan import FRAME_BYTES, MSS_BYTES, LinkModel, Terms, mathis_rate_bps
 from testbed.net.linkmodel import Link
-from workers.policy import Router
 
 QUICKSTART = str(ROOT / "experiments" / "quickstart.yaml")
 
@@ -172,35 +172,6 @@ def test_a_link_that_goes_down_holds_its_flows_until_it_is_up():
     assert got[1] == pytest.approx(0.100 + 0.006, rel=1e-9)
 
 
-# ---------------------------------------------------------------- one decision code path
-
-def test_the_sim_routes_as_the_router_does_on_the_same_book(tmp_path):
-    """Every decision of a loaded sim run, replayed through a fresh Router set to the book the
-    sim's router had then, comes out the same."""
-    exp = sim_exp(QUICKSTART, "requests=200", "workload.arrival.rate=3/s")[2]   # prfaas
-    trace = []
-    SimRun(exp, tmp_path / "r", trace=trace).execute()
-    assert len(trace) == 200
-    rt = deploy.compile(exp).runtime
-    fresh = Router.of_runtime(rt, profiles.load(rt.profile))
-    insts = {i.name: i for i in fresh.remote + fresh.local + fresh.decode}
-    kinds = set()
-    busy = 0
-    for rid, uncached, (threshold, book), decision in trace:
-        fresh.threshold = threshold
-        for name, (outstanding, inflight, down) in book.items():
-            insts[name].outstanding_s, insts[name].inflight, insts[name].down = \
-                outstanding, inflight, down
-        kind, p, d = fresh.route(uncached)
-        assert (kind, p.name, d.name) == decision, rid
-        kinds.add(kind)
-        busy += any(o > 0 for o, _, _ in book.values())
-    assert kinds == {"local", "remote"} and busy > 50      # the book really varied
-    df = pd.read_parquet(tmp_path / "r" / "requests.parquet").set_index("id")
-    for rid, _, _, (kind, p, d) in trace:
-        assert (df.route[rid], df.prefill_instance[rid], df.decode_instance[rid]) == (kind, p, d)
-
-
 # ---------------------------------------------------------------- cost
 
 def test_simulation_speed(tmp_path, capsys):
@@ -245,16 +216,15 @@ def test_the_adaptive_threshold_is_the_emulations_law_on_the_simulated_link(tmp_
     it), and every request is routed with the threshold of its own evaluation's row."""
     exp = next(e for e in sim_exp(str(ROOT / "experiments" / "wan_degradation.yaml"))
                if e.label == "prfaas-adaptive")
-    trace = []
-    SimRun(exp, tmp_path / "a", trace=trace).execute()
+    SimRun(exp, tmp_path / "a").execute()
     rows = pd.read_csv(tmp_path / "a" / "scheduler.csv")
     per_request = rows[rows.trigger == "request"]
-    assert len(per_request) == len(trace) > 100
+    decisions = assert_decisions_replay(tmp_path / "a")     # each with its own threshold
+    assert len(per_request) == len(decisions) > 100
     assert (rows.trigger == "timer").any()
     assert per_request.threshold.nunique() > 1
     assert set(rows.reason) & {"raise:link", "raise:compute", "lower:idle"}
-    routed_with = [threshold for _, _, (threshold, _), _ in trace]
-    assert per_request.threshold.tolist() == routed_with
+    assert per_request.threshold.tolist() == [r.threshold for r in decisions]
 
 
 def test_roles_convert_instances_with_the_emulations_planner(tmp_path):
@@ -270,3 +240,7 @@ def test_roles_convert_instances_with_the_emulations_planner(tmp_path):
     events = (tmp_path / "d" / "events.csv").read_text()
     assert "replan," in events and "state=draining" in events
     assert summary["completed"] == summary["requests"]
+    # routed on the lists in force: decisions made while an instance was draining or after it
+    # converted (its list differs from the one it started in) replay the same
+    decisions = assert_decisions_replay(tmp_path / "d")
+    assert any(r.roles for r in decisions)

@@ -6,7 +6,7 @@ import types
 
 import pandas as pd
 
-from conftest import ROOT
+from conftest import ROOT, assert_decisions_replay
 from testbed import cli, rundir
 from workers.policy import Instance
 from workers.redispatch import HealthBook, after_prefill_failure, reroute_decode
@@ -88,6 +88,9 @@ def test_gray_failure_runs_in_the_sim(tmp_path):
         during = df[(df.send_time > max(downs.values())) & (df.send_time < t_end)]
         short = during[during.input_len <= 32_000]
         assert len(short) and not short.prefill_instance.str.startswith("rp").any()
+        # the decisions made while PrfaaS was down replay the same
+        decisions = assert_decisions_replay(runs[name])
+        assert any({"rp0", "rp1"} <= set(r.down) for r in decisions), name
     assert "UNAVAILABLE" in next(f["reason"] for t, k, f in _events(runs["kill-restart-200s"])
                                  if k == "health")
 

@@ -9,9 +9,16 @@ and skipped; if a whole cluster is down the other one takes the request (failove
 path, which the paper leaves to deployments), except that with `max_local` requests longer
 than it keep going to PrfaaS and wait for it (local prefill of very long prompts can take longer
 than an outage).
+
+Each first routing of a request is recorded (`Router.route_recorded`: a
+`testbed.records.DecisionRecord` with the book the decision read, in the run's decisions.jsonl),
+by the emulation's scheduler and by the simulator alike; `Router.set_book` puts a router back in
+a recorded state, so a decision can be replayed (testbed/sim/replay.py).
 """
 
 import dataclasses
+
+from testbed.records import DecisionRecord
 
 
 @dataclasses.dataclass
@@ -36,6 +43,8 @@ class Router:
         self.local = [i for i in instances if i.role == "prefill" and i.dc == "local"]
         self.decode = [i for i in instances if i.role == "decode"]
         self.predict_s = predict_s          # (instance, uncached_len) -> predicted prefill seconds
+        self.named = {i.name: i for i in instances}
+        self.home = {i.name: i.role for i in instances}     # the role each started in
 
     @classmethod
     def of_runtime(cls, rt, profile):
@@ -79,3 +88,45 @@ class Router:
         d = min(decoders, key=lambda i: (i.inflight, i.name))
         kind = "remote" if p.dc == "prfaas" else "local"
         return kind, p, d
+
+    def book(self, rid, time, uncached):
+        """The record of a decision about to be made on `uncached` tokens: the book it reads
+        (threshold, the lists, outstanding work, in-flight decodes, which are down), sparse."""
+        prefill = self.remote + self.local
+        listed = {i.name: "prefill" for i in prefill} | {i.name: "decode" for i in self.decode}
+        return DecisionRecord(
+            id=rid, time=time, uncached_len=uncached, policy=self.policy,
+            threshold=self.threshold,
+            outstanding_s={i.name: i.outstanding_s for i in prefill if i.outstanding_s},
+            inflight={i.name: i.inflight for i in self.decode if i.inflight},
+            down=[i.name for i in prefill + self.decode if i.down],
+            roles={n: listed.get(n, "") for n, r in self.home.items() if listed.get(n, "") != r})
+
+    def route_recorded(self, rid, uncached, time, write):
+        """`route`, with its `DecisionRecord` handed to `write` (the run's decisions.jsonl),
+        whether it chose or raised LookupError."""
+        rec = self.book(rid, time, uncached)
+        try:
+            out = self.route(uncached)
+        except LookupError as e:
+            rec.error = str(e)
+            write(rec)
+            raise
+        rec.kind, rec.prefill, rec.decode = out[0], out[1].name, out[2].name
+        write(rec)
+        return out
+
+    def set_book(self, rec):
+        """Put this router in the state a `DecisionRecord` recorded (the replay): threshold,
+        which instance is in which list, their outstanding work, in-flight decodes and health."""
+        self.threshold = rec.threshold
+        role = {**self.home, **rec.roles}
+        for i in self.named.values():
+            i.outstanding_s = rec.outstanding_s.get(i.name, 0.0)
+            i.inflight = rec.inflight.get(i.name, 0)
+            i.down = i.name in rec.down
+        self.remote = [i for i in self.named.values() if role[i.name] == "prefill"
+                       and i.dc == "prfaas"]
+        self.local = [i for i in self.named.values() if role[i.name] == "prefill"
+                      and i.dc == "local"]
+        self.decode = [i for i in self.named.values() if role[i.name] == "decode"]

@@ -9,6 +9,11 @@ scheduler relays them too. The last chunk carries the route, the prefill worker'
 re-dispatches. With failover on, a failed
 instance's requests are re-dispatched or fail fast (workers/recovery.py); any failure that cannot
 be recovered ends the request `failed` with the reason; no request vanishes.
+
+Each request's first routing is a line of the run's decisions.jsonl (`Router.route_recorded`:
+the book the router read and what it chose), written as the simulator writes it, so the two
+backends' decisions can be replayed against each other (testbed/sim/replay.py). With the
+prefix cache the placement decides instead (workers/placement.py) and nothing is recorded yet.
 """
 
 import asyncio
@@ -19,6 +24,7 @@ import grpc
 from testbed import profile as profiles
 from testbed.proto import testbed_pb2 as pb
 from testbed.proto import testbed_pb2_grpc as pbg
+from testbed.records import RecordLog, RunDir
 from workers import common
 from workers.adaptive import ThresholdController
 from workers.placement import CachePlacer
@@ -43,6 +49,9 @@ class SchedulerService(pbg.SchedulerServicer):
         self.health = Health(self, rt, log)     # instance states, failover (workers/recovery.py)
         self.placer = None          # workers.placement.CachePlacer when the cache is on
         self.on_request = []        # callables(request): workers/adaptive.py, workers/roles.py
+        # One buffered line per request; closed (flushed) at shutdown.
+        self.decisions = None if rt.cache.enabled else RecordLog(RunDir(rt.dir).decisions,
+                                                                 buffering=1 << 16)
         if rt.cache.enabled:
             self.placer = CachePlacer(rt, self.router, lambda inst, l, cached: scale.emulated_s(
                 prof.t_prefill_cached(inst.accelerator, max(l, 1), cached)), log)
@@ -61,8 +70,13 @@ class SchedulerService(pbg.SchedulerServicer):
         cache, the placement policy (workers/placement.py) looks up both pools, may move a prefix
         and fills the request's cached_len / decode_cached_len."""
         if self.placer is None:
-            return (*self.route(req), {})
+            return (*self.router.route_recorded(req.id, req.input_len - req.cached_len,
+                                                time.time(), self.decisions.write), {})
         return await self.placer.place(req)
+
+    def close(self):
+        if self.decisions is not None:
+            self.decisions.close()
 
     def predict_s(self, p, req):
         """Estimated prefill seconds of `req` on `p` (added to its outstanding work)."""
@@ -114,7 +128,7 @@ async def main():
     common.mark_ready(rt, args.name)
     log.info("scheduler up on %s, policy %s", inst.addr, rt.scheduler.policy)
     await common.serve_until_signalled(
-        server, lambda: [t.cancel() for t in tasks])
+        server, lambda: [t.cancel() for t in tasks] + [service.close()])
 
 
 if __name__ == "__main__":

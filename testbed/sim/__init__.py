@@ -12,6 +12,8 @@
 
 `faults`: instance faults, health checks and re-dispatch (workers/redispatch.py's
   decisions).
+`replay`: a run's recorded routing decisions (decisions.jsonl, either backend's) made again by
+  the router as the simulator builds it; the ones that differ.
 
 Nothing here needs root, namespaces or processes. `unsupported(exp)` (here, cheap to import)
 says what a deployment asks that the simulator does not model yet; the runner refuses it

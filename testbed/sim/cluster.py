@@ -10,7 +10,9 @@ workers/recovery.Flight do without failures:
    law, fed the sampled KV egress counter as the emulation's scheduler reads timeseries.csv);
 2. `workers.policy.Router.route` picks the prefill and decode instances from its own book
    (outstanding prefill seconds, decode requests in flight), the decode instance's count goes
-   up, and the predicted prefill seconds are added to the prefill instance's book;
+   up, and the predicted prefill seconds are added to the prefill instance's book; the
+   decision and the book it read are a line of decisions.jsonl (`Router.route_recorded`, as
+   the emulation's scheduler writes it);
 3. the Prefill call reaches a PrfaaS instance after the request direction's one-way delay (a
    local one at once); it queues FIFO and computes (`engine.PrefillInstance`), handing its KV
    pieces to one flow on the WAN's KV direction (PrfaaS) or the datacenter's fabric (local);
@@ -82,11 +84,13 @@ class Request:
 
 class SimCluster:
     def __init__(self, dep, loop, records, events, run_dir, base_unix, terms=Terms(),
-                 tokens=True):
+                 tokens=True, decisions=None):
         """`records`: requests.jsonl (a `testbed.records.RecordLog`); `events(kind, **fields)`: events.csv;
         `base_unix`: the Unix time arrival 0 is given in the run directory; `tokens`: write every
-        token's time (off: first and last only, for very large runs)."""
+        token's time (off: first and last only, for very large runs); `decisions`:
+        decisions.jsonl (a `RecordLog`; None: not written), each routing decision with its book."""
         self.dep, self.loop, self.records, self.events = dep, loop, records, events
+        self.decisions = decisions
         self.base, self.tokens = base_unix, tokens
         rt = self.rt = dep.runtime
         self.router = Router.of_runtime(rt, profiles.load(rt.profile))
@@ -109,7 +113,6 @@ class SimCluster:
         self.completed = 0
         self.samples = None
         self.last_sample = None
-        self.trace = None       # a list: each routing decision with the book it was made on
         self.decider = self.sched_csv = None
         if rt.scheduler.adaptive is not None:
             self.decider = ThresholdDecider(self.router, rt.scheduler.adaptive)
@@ -260,14 +263,11 @@ class SimCluster:
             self._adapt("request")
         if self.planner is not None:
             self.planner.on_request(self.unix(now), r.input_len, r.output_len)
-        book = self._book() if self.trace is not None else None
         try:
-            r.kind, r.p, r.d = self.router.route(r.input_len)
+            r.kind, r.p, r.d = self._route(r, now)
         except LookupError as e:
             self._fail(r, f"scheduler: {e}")
             return
-        if book is not None:
-            self.trace.append((r.id, r.input_len, book, (r.kind, r.p.name, r.d.name)))
         self.active += 1
         r.d.inflight += 1
         r.opened = now
@@ -317,12 +317,12 @@ class SimCluster:
         self._end(r)
         self._fail(r, error)
 
-    def _book(self):
-        """The router's state a decision is made on: threshold and every instance's
-        (outstanding_s, inflight, down)."""
-        ro = self.router
-        return ro.threshold, {i.name: (i.outstanding_s, i.inflight, i.down)
-                              for i in ro.remote + ro.local + ro.decode}
+    def _route(self, r, now):
+        """A request's first routing, recorded in decisions.jsonl as the scheduler records it."""
+        if self.decisions is None:
+            return self.router.route(r.input_len)
+        return self.router.route_recorded(r.id, r.input_len, self.unix(now),
+                                          self.decisions.write)
 
     def link_of(self, r):
         return self.links["kv"] if r.p.dc == "prfaas" else self.fabric[r.p.dc]

@@ -1,8 +1,8 @@
 """One expanded run in virtual time: the sim backend's counterpart of testbed/run.py's `Run`.
 
     Experiment -> deploy.compile -> runinputs (config.yaml, deployment.json, runtime.json,
-    workload.parquet) -> cluster in the event loop -> requests.jsonl, events.csv,
-    timeseries.csv, scheduler.csv, metadata.json (`backend: sim`) -> analysis.analyse
+    workload.parquet) -> cluster in the event loop -> requests.jsonl, decisions.jsonl,
+    events.csv, timeseries.csv, scheduler.csv, metadata.json (`backend: sim`) -> analysis.analyse
 
 The run directory holds the same files, in the same form, as an emulated run's, so `testbed
 analyse`, `plot` and `report` read it unchanged. Times in it are Unix times: arrival 0 is the
@@ -30,18 +30,17 @@ TOKENS_UP_TO = 50_000
 
 
 class SimRun:
-    def __init__(self, exp, run_dir, terms=Terms(), tokens=None, trace=None,
-                 controllers_since_s=0.0, deployment=None):
+    def __init__(self, exp, run_dir, terms=Terms(), tokens=None, controllers_since_s=0.0,
+                 deployment=None):
         """`terms`: the link model's terms (testbed.sim.wan.Terms); `tokens`: write per-token
-        times (default: up to TOKENS_UP_TO requests); `trace`: a list that receives every
-        routing decision with the router's book it was made on (`SimCluster.trace`);
-        `controllers_since_s`: emulated seconds the periodic controllers (adaptive threshold,
+        times and every routing decision (decisions.jsonl; default: up to TOKENS_UP_TO
+        requests); `controllers_since_s`: emulated seconds the periodic controllers (adaptive threshold,
         re-plan) ran before arrival 0 (default 0: they start with it); `deployment`: the run's
         compiled `Deployment` (testbed/run.py compiles every run once), compiled here when not
         given."""
         self.controllers_since_s = controllers_since_s
         self.exp, self.dir = exp, RunDir(run_dir)
-        self.terms, self.tokens, self.trace = terms, tokens, trace
+        self.terms, self.tokens = terms, tokens
         self.deployment = deployment if deployment is not None else deploy.compile(exp)
 
     def execute(self):
@@ -55,8 +54,8 @@ class SimRun:
         clock = lambda: base + loop.now()           # noqa: E731  virtual Unix time
         events = EventLog(d.events, clock=clock)
         records = RecordLog(d.records, buffering=1 << 20)   # cannot crash half-way: one block
-        cluster = SimCluster(dep, loop, records, events, d, base, self.terms, tokens)
-        cluster.trace = self.trace
+        decisions = RecordLog(d.decisions, buffering=1 << 20) if tokens else None
+        cluster = SimCluster(dep, loop, records, events, d, base, self.terms, tokens, decisions)
         meta.update(run_id=secrets.token_hex(2), client_start_at=base, wan_counters={},
                     teardown_errors=[], dead_workers=[], link_schedule_errors=[],
                     shaping={"backend": "sim", "backend_reason": "flow-level model "
@@ -78,6 +77,8 @@ class SimRun:
         finally:
             records.close()
             events.close()
+            if decisions is not None:
+                decisions.close()
         wall = time.monotonic() - wall0
         meta["end_time"] = clock()
         meta["sim"] = {"wall_s": round(wall, 3), "cpu_s": round(time.process_time() - cpu0, 3),
@@ -85,7 +86,8 @@ class SimRun:
                        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                                             / 1024, 1),
                        "requests_per_wall_s": round(len(workload) / wall, 1) if wall else None,
-                       "per_token_records": tokens, "terms": dataclasses.asdict(self.terms),
+                       "per_token_records": tokens, "decisions": decisions is not None,
+                       "terms": dataclasses.asdict(self.terms),
                        "controllers_since_s": self.controllers_since_s,
                        "not_finished": cluster.active}
         meta["phases_s"] = {"simulate": round(wall, 3)}
