@@ -433,7 +433,8 @@ def _vllm(exp):
     return VllmRuntime(python=vllmenv.find_python() or "", model_dir=str(
         pathlib.Path(path).expanduser().resolve()), dtype=v.dtype, max_model_len=v.max_model_len,
         max_num_seqs=v.max_num_seqs, kv_cache_space_gib=v.kv_cache_space_gib, cpus=v.cpus,
-        connector=v.connector, start_timeout_s=v.start_timeout)
+        connector=v.connector, nixl_progress_delay_us=v.nixl_progress_delay_us,
+        start_timeout_s=v.start_timeout)
 
 
 def _runtime(exp, prof, scale, instances):

@@ -145,6 +145,7 @@ class VllmRuntime:
     kv_cache_space_gib: float = 1.0
     cpus: str = "nobind"
     connector: str = "NixlConnector"
+    nixl_progress_delay_us: int = 1000
     start_timeout_s: float = 600.0
     http_port: int = 8100           # on the instance's own IP
     side_port: int = 5600           # the connector's side channel (NIXL handshake)

@@ -24,7 +24,9 @@ from testbed import vllmenv, vllmspec
 WHY = {"NixlConnector": "vLLM's NixlConnector runs over UCX's TCP transport on CPU (UCX_TLS="
                         "tcp,self), pulled by the decode instance from the prefill instance's "
                         "IP, so the KV crosses the shaped WAN; on GPU hosts the same connector "
-                        "uses RDMA where UCX finds it"}
+                        "uses RDMA where UCX finds it; the testbed's subclass (workers/vllm_plugin/"
+                        "tb_nixl.py) only paces NIXL's progress thread "
+                        "(nixl_progress_delay_us)"}
 
 
 def ensure_model(rt):
@@ -93,5 +95,6 @@ def metadata(rd, rt):
     servers = {name: {k: r.get(k) for k in ("url", "started_s", "connector_bytes",
                                             "warm_failed")} for name, r in _records(rd).items()}
     return {"connector": rt.vllm.connector, "why": WHY[rt.vllm.connector],
+            "nixl_progress_delay_us": rt.vllm.nixl_progress_delay_us,
             "model_dir": rt.vllm.model_dir, "dtype": rt.vllm.dtype, "servers": servers,
             "connector_bytes": sum(s["connector_bytes"] or 0 for s in servers.values())}

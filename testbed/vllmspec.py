@@ -30,6 +30,11 @@ class VllmSpec:
                      "VLLM_CPU_OMP_THREADS_BIND of each instance: nobind, or a CPU list (0-1)")
     connector: str = spec(choice(*CONNECTORS), "NixlConnector",
                           "the KV connector (NIXL over UCX TCP on CPU; RDMA where there is any)")
+    nixl_progress_delay_us: int = spec(
+        integer(0, 1_000_000), 1000,
+        "pause of NIXL's UCX progress thread between polls, us (the testbed's NixlConnector, "
+        "workers/vllm_plugin/tb_nixl.py); 0: NIXL's own, which polls without pause and holds "
+        "a core per idle instance")
     start_timeout: float = spec(at_most(positive(units.duration_s), 3600, "1h"), 600.0,
                                 "bound on every server's start-up (load, compile, /health) "
                                 "plus the KV-connector handshakes warmed before the workload")

@@ -46,17 +46,23 @@ def _spec(**kw):
 
 
 def test_server_command_line_and_environment():
-    a = vs.argv(_spec(role="decode", dtype="bfloat16"))
+    a = vs.argv(_spec(role="decode", dtype="bfloat16", nixl_progress_delay_us=0))
     cfg = json.loads(a[a.index("--kv-transfer-config") + 1])
     assert cfg == {"kv_connector": "NixlConnector", "kv_role": "kv_consumer",
                    "kv_buffer_device": "cpu"}
     assert a[a.index("--dtype") + 1] == "bfloat16" and "--enforce-eager" in a
+    a = vs.argv(_spec(role="decode"))      # by default the progress thread is paced
+    cfg = json.loads(a[a.index("--kv-transfer-config") + 1])
+    assert (cfg["kv_connector"], cfg["kv_connector_module_path"]) == vs.PACED
     e = vs.env(_spec(kv_cache_space_gib=2, cpus="1"),
                base={"PYTHONPATH": "/repo", "OMP_NUM_THREADS": "1", "PATH": "/bin"})
-    assert "PYTHONPATH" not in e and "OMP_NUM_THREADS" not in e
+    assert e["PYTHONPATH"] == vs.PLUGIN_DIR and "OMP_NUM_THREADS" not in e
+    assert e["TESTBED_NIXL_PROGRESS_DELAY_US"] == "1000"
     assert e["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "10.1.0.5"   # the pull crosses the WAN to it
     assert e["VLLM_CPU_KVCACHE_SPACE"] == "2" and e["VLLM_CPU_OMP_THREADS_BIND"] == "1"
     assert e["UCX_TLS"] == "tcp,self" and e["HF_HUB_OFFLINE"] == "1"
+    e = vs.env(_spec(nixl_progress_delay_us=0), base={"PYTHONPATH": "/repo"})
+    assert "PYTHONPATH" not in e and "TESTBED_NIXL_PROGRESS_DELAY_US" not in e
 
 
 def test_the_dumping_connector_is_nixl_plus_its_module_on_the_servers_path(tmp_path):
@@ -65,8 +71,9 @@ def test_the_dumping_connector_is_nixl_plus_its_module_on_the_servers_path(tmp_p
     assert cfg["kv_connector"] == "KVDumpNixlConnector" and cfg["kv_role"] == "kv_producer"
     e = vs.env(_spec(kv_dump_dir=str(tmp_path)), base={"PATH": "/bin"})
     module = pathlib.Path(e["PYTHONPATH"]) / f"{cfg['kv_connector_module_path']}.py"
-    assert module.is_file() and "class KVDumpNixlConnector(NixlConnector)" in module.read_text()
+    assert module.is_file()
     assert e["TESTBED_KV_DUMP_DIR"] == str(tmp_path)
+    assert "class KVDumpNixlConnector(TestbedNixlConnector)" in module.read_text()
     with pytest.raises(ValueError):
         vs.kv_transfer_config(_spec(kv_dump_dir=str(tmp_path), connector="Other"))
 

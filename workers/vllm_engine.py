@@ -43,7 +43,8 @@ def spec_for(rt, inst, role):
                          port=v.http_port, side_port=v.side_port, dtype=v.dtype,
                          max_model_len=v.max_model_len, max_num_seqs=v.max_num_seqs,
                          kv_cache_space_gib=v.kv_cache_space_gib, cpus=v.cpus,
-                         connector=v.connector, seed=rt.seed)
+                         connector=v.connector, seed=rt.seed,
+                         nixl_progress_delay_us=v.nixl_progress_delay_us)
 
 
 def vocab_size(model_dir):

@@ -59,6 +59,7 @@ class ServerSpec:
     connector: str = "NixlConnector"
     seed: int = 0
     kv_dump_dir: str | None = None  # verification: KVDumpNixlConnector dumps the KV blocks
+    nixl_progress_delay_us: int = 1000  # 0: NIXL's own progress thread, polling without pause
 
     @property
     def url(self):
@@ -66,16 +67,27 @@ class ServerSpec:
 
 
 PLUGIN_DIR = str(pathlib.Path(__file__).resolve().parent / "vllm_plugin")
-DUMP_CONNECTOR = "KVDumpNixlConnector"      # workers/vllm_plugin/tb_kvdump.py
+# NixlConnector subclasses of the testbed's (workers/vllm_plugin/): the progress thread paced,
+# and, for verification, the KV blocks dumped on both ends: (class, module)
+PACED = ("TestbedNixlConnector", "tb_nixl")
+DUMP = ("KVDumpNixlConnector", "tb_kvdump")
+
+
+def plugin(spec):
+    """(class, module) of the testbed's connector this server loads, or None (vLLM's own)."""
+    if spec.kv_dump_dir:
+        return DUMP
+    return PACED if spec.nixl_progress_delay_us > 0 else None
 
 
 def kv_transfer_config(spec):
     conf = {"kv_connector": spec.connector, "kv_role": ROLES[spec.role],
             "kv_buffer_device": "cpu"}
-    if spec.kv_dump_dir:
+    if plugin(spec) is not None:
         if spec.connector != "NixlConnector":
-            raise ValueError(f"kv_dump_dir needs NixlConnector, not {spec.connector}")
-        conf.update(kv_connector=DUMP_CONNECTOR, kv_connector_module_path="tb_kvdump")
+            raise ValueError(f"the testbed's connectors extend NixlConnector, not "
+                             f"{spec.connector}")
+        conf.update(kv_connector=plugin(spec)[0], kv_connector_module_path=plugin(spec)[1])
     return conf
 
 
@@ -103,11 +115,14 @@ def env(spec, base=None):
               "VLLM_CPU_OMP_THREADS_BIND": spec.cpus, "HF_HUB_OFFLINE": "1",
               "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
               # NIXL moves a hybrid's conv state only in this layout; vLLM sets it for the
-              # connectors it knows by name, not for a subclass (KVDumpNixlConnector)
+              # connectors it knows by name, not for the testbed's subclasses
               "VLLM_SSM_CONV_STATE_LAYOUT": "DS",
               "VLLM_LOGGING_LEVEL": e.get("VLLM_LOGGING_LEVEL", "INFO")})
-    if spec.kv_dump_dir:       # the dumping connector's module, and where it writes
-        e.update(PYTHONPATH=PLUGIN_DIR, TESTBED_KV_DUMP_DIR=spec.kv_dump_dir)
+    if plugin(spec) is not None:    # the testbed's connector module and its settings
+        e.update(PYTHONPATH=PLUGIN_DIR,
+                 TESTBED_NIXL_PROGRESS_DELAY_US=str(spec.nixl_progress_delay_us))
+    if spec.kv_dump_dir:
+        e["TESTBED_KV_DUMP_DIR"] = spec.kv_dump_dir
     return e
 
 

@@ -1,10 +1,10 @@
-"""KVDumpNixlConnector: vLLM's NixlConnector, plus a copy of the KV blocks on both ends.
+"""KVDumpNixlConnector: the testbed's NixlConnector, plus a copy of the KV blocks on both ends.
 
 Loaded inside a vLLM server (`kv_connector_module_path: tb_kvdump`, this folder on the
 server's PYTHONPATH: `workers.vllm_server` does both when a ServerSpec has `kv_dump_dir`), so
 it imports vLLM and nothing of the testbed. It moves the KV exactly as NixlConnector does (it
-is that class, unchanged), and writes what lay in the paged KV cache at the two moments that
-matter:
+is that class, through tb_nixl.TestbedNixlConnector), and writes what lay in the paged KV
+cache at the two moments that matter:
 
 - on the prefill instance (`kv_producer`), when the decode instance has finished reading the
   request's blocks (NIXL's `finished_sending`): the blocks it computed, which the scheduler
@@ -29,7 +29,7 @@ import re
 import numpy as np
 import torch
 
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnector
+from tb_nixl import TestbedNixlConnector
 
 DIR_ENV = "TESTBED_KV_DUMP_DIR"
 
@@ -45,7 +45,7 @@ def _group0(block_ids):
     return [int(b) for b in block_ids]
 
 
-class KVDumpNixlConnector(NixlConnector):
+class KVDumpNixlConnector(TestbedNixlConnector):
     """NixlConnector (pull mode) that dumps each transferred request's blocks on both ends."""
 
     def __init__(self, vllm_config, role, kv_cache_config=None):
