@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 
+import nixl._api as nixl_api
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnector
 
 DELAY_ENV = "TESTBED_NIXL_PROGRESS_DELAY_US"
@@ -33,8 +34,7 @@ def progress_delay_us():
 
 def _apply(delay_us):
     """Every NIXL agent created from now on in this process polls every `delay_us`."""
-    import nixl._api as api  # reason: NIXL, present wherever NixlConnector is
-    bind = api.nixlBind
+    bind = nixl_api.nixlBind
     create = getattr(bind.nixlAgent, "__wrapped_by_testbed__", bind.nixlAgent)
 
     def agent(name, config):
