@@ -19,6 +19,11 @@ stamps:
 | first_step | -> first token stamped | the first step's modelled length (`first_step_s`) |
 | delivery | -> first token at the client | nothing |
 
+With a real engine (`model.engine: vllm`) the engine's legs (prefill_queue, prefill,
+decode_admission, first_step) have no model: they are the engine's own time at real speed,
+the system under study, so none of them is an excess. The legs the testbed adds or shapes
+(send, route, kv_transfer, delivery) keep their allowances.
+
 The excess of a leg is what it measured beyond that (never below 0): timers and wake-ups that
 fired late, an event loop that was busy, a transfer slower than the link allows. Queueing the
 emulated system also has (a busy prefill instance, a full batch, a shared link) is not an
@@ -36,6 +41,8 @@ from testbed import fidelity
 
 LEGS = ("send", "route", "prefill_queue", "prefill", "kv_transfer", "decode_admission",
         "first_step", "delivery")
+ENGINE_LEGS = ("prefill_queue", "prefill", "decode_admission", "first_step")
+REAL_ENGINES = ("vllm",)    # computed at real speed: their own legs are no excess
 WARN_SHARE = 0.05           # warn when the p90 excess exceeds this share of the TTFT p90
 NAMED_SHARE = 0.10          # a leg is named in the warning from this share of the mean excess
 
@@ -118,6 +125,9 @@ def decompose(df, run, ts, links):
         "first_step": legs["first_step"] - step,
         "delivery": legs["delivery"],
     }
+    if run.experiment.model.engine in REAL_ENGINES:
+        for leg in ENGINE_LEGS:
+            excess[leg] = pd.Series(0.0, index=df.index)
     for leg in LEGS:
         df[f"leg_{leg}_ms"] = ms(legs[leg])
         df[f"excess_{leg}_ms"] = ms(excess[leg].clip(lower=0.0))
@@ -156,5 +166,7 @@ def summarize(df, factor):
                     f"{100 * out['share_p90']:.0f}% of the TTFT p90 ({_p(ttft, 90):.0f} ms), "
                     f"at scale.time {factor:g}; mean excess by leg: {legs}; without it "
                     f"the TTFT p50/p90 would be {out['ttft_corrected_p50']:.0f}/"
-                    f"{out['ttft_corrected_p90']:.0f} ms: lower scale.time")
+                    f"{out['ttft_corrected_p90']:.0f} ms: "
+                    + ("lower scale.time" if factor > 1 else "at real speed the processes "
+                       "wait for CPU: fewer instances per machine"))
     return out, warn

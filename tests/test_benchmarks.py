@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from testbed import loadgen
+from testbed import loadgen, vllmenv
 from testbed.config import load_experiment
 from testbed.errors import ConfigError
 
@@ -41,6 +41,7 @@ NEEDS = {
     "ray_vs_mininet.py": {"root", "ray"},
     "tcp_timers.py": {"root"},
     "ttft_excess.py": {"root"},
+    "vllm_calibration.py": {"root", "vllm"},
     "worker_rss.py": {"root"},
 }
 
@@ -52,6 +53,9 @@ COVERED = {
                        "tolerances",
     "ray_vs_mininet.py": "tests/test_ray_root.py::test_tiny_run_on_ray_namespace_hosts and "
                          "tests/test_run_root.py::test_tiny_run_measured_facts",
+    "vllm_calibration.py": "tests/test_vllm.py::test_calibrate_measures_the_running_server_into_"
+                           "a_profile_it_runs and tests/test_vllm_root.py (minutes of vLLM "
+                           "start-ups)",
 }
 
 
@@ -66,6 +70,7 @@ MISSING = {
     "py-spy": lambda: _pyspy() is None and "py-spy is not installed (the [profile] extra)",
     "torch": lambda: importlib.util.find_spec("torch") is None and
     "torch is not installed (the [torch] extra)",
+    "vllm": lambda: vllmenv.find_python() is None and "vLLM is not installed (`make vllm`)",
 }
 
 

@@ -87,3 +87,18 @@ def test_runs_without_the_stamps_have_no_decomposition(run):
     df = _decompose(run, [row])
     assert df.excess_ms.isna().all()
     assert excess.summarize(df, 10) == (None, [])
+
+
+def test_a_real_engines_own_legs_are_no_excess(run):
+    """engine vllm: a prefill or first step longer than any model is the engine's own time;
+    a late delivery is still the testbed's."""
+    import dataclasses
+    exp = run.experiment
+    vllm = RunInfo.of(dataclasses.replace(exp, model=dataclasses.replace(exp.model,
+                                                                         engine="vllm")))
+    links = deploy.compile(exp).links
+    late = {"prefill": 0.5, "first_step": 0.3, "delivery": 0.03}
+    df = _decompose(vllm, [_request(0, links, 0.0, late=late)])
+    assert df.excess_prefill_ms[0] == 0 and df.excess_first_step_ms[0] == 0
+    assert df.excess_delivery_ms[0] == pytest.approx(300.0, abs=0.1)
+    assert df.leg_prefill_ms[0] == pytest.approx((0.1 + 0.5) * 1e4)
