@@ -112,7 +112,9 @@ async def main():
     args, rt, inst, log = common.startup("PrfaaS testbed scheduler")
     service = SchedulerService(rt, log)
     server = await common.start_grpc(inst, pbg.add_SchedulerServicer_to_server, service)
-    await common.connect_all(service.channels, log)     # before the first request
+    # before the first request; a vLLM worker serves gRPC once its server is healthy
+    await common.connect_all(service.channels, log, common.WARM_TIMEOUT_S if rt.vllm is None
+                             else rt.vllm.start_timeout_s)
     tasks = []
     if rt.scheduler.failover:
         tasks.append(asyncio.create_task(service.health.loop()))
