@@ -45,7 +45,8 @@ def calibrate(model, out, smoke):
     profile = out / "calibrated" / "cpu-llama.yaml"
     profile.parent.mkdir(parents=True, exist_ok=True)
     subprocess.run(cli("calibrate", "--engine", "vllm", "--model", str(model), "--out",
-                       str(profile), "--max-model-len", "4096",
+                       str(profile), "--max-model-len", "4096", "--lengths",
+                       "256,512,1024,2048,3072",
                        *(SHORT_PLAN if smoke else [])), cwd=ROOT, check=True)
     return profile
 

@@ -94,4 +94,9 @@ def test_calibrate_refuses_bad_input_with_one_line(tmp_path, capsys):
     assert len(err.splitlines()) == 1 and "config.json" in err
     assert cli.main(["calibrate", "--model", str(tmp_path), "--out", str(tmp_path / "p.txt")]) == 2
     assert ".yaml" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("{}")
+    # a prompt as long as the model's window leaves no room for the one token a prefill makes
+    assert cli.main(["calibrate", "--model", str(tmp_path), "--out", str(tmp_path / "p.yaml"),
+                     "--lengths", "256,512,4096", "--max-model-len", "4096"]) == 2
+    assert "4097 tokens" in capsys.readouterr().err
     assert not (tmp_path / "p.yaml").exists()

@@ -71,9 +71,11 @@ def _plan(args):
         return None, "--lengths, --batches, --contexts: expected comma-separated integers"
     if len(set(lengths)) < 3:
         return None, "--lengths: at least 3 distinct prompt lengths (a degree-2 fit)"
-    longest = max(lengths + tuple(c + args.steps for c in contexts))
+    # a prefill completion generates 1 token, a decode stream `steps`: both must fit
+    longest = max(tuple(l + 1 for l in lengths) + tuple(c + args.steps for c in contexts))
     if longest > args.max_model_len:
-        return None, f"--lengths/--contexts: {longest} tokens exceed --max-model-len"
+        return None, (f"--lengths/--contexts: {longest} tokens (prompt and generated) exceed "
+                      f"--max-model-len {args.max_model_len}")
     if max(batches) > args.max_num_seqs or min(batches + lengths + contexts) < 1:
         return None, "--batches: each from 1 to --max-num-seqs; lengths and contexts >= 1"
     return {"prefill_lengths": lengths, "repeats": max(1, args.repeats), "cached": True,
