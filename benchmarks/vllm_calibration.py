@@ -41,12 +41,14 @@ def cli(*args):
     return [sys.executable, "-m", "testbed.cli", *args]
 
 
-def calibrate(model, out, smoke):
+def calibrate(model, out, smoke, cpus):
+    """The profile of one server, bound as each instance of the runs will be (`auto`: one
+    CPU each, so the calibration measures one CPU too)."""
     profile = out / "calibrated" / "cpu-llama.yaml"
     profile.parent.mkdir(parents=True, exist_ok=True)
     subprocess.run(cli("calibrate", "--engine", "vllm", "--model", str(model), "--out",
                        str(profile), "--max-model-len", "4096", "--lengths",
-                       "256,512,1024,2048,3072",
+                       "256,512,1024,2048,3072", "--cpus", "0" if cpus == "auto" else cpus,
                        *(SHORT_PLAN if smoke else [])), cwd=ROOT, check=True)
     return profile
 
@@ -69,6 +71,9 @@ def main():
     ap.add_argument("--requests", type=int, default=20)
     ap.add_argument("--profile-scale", type=float, default=1.0,
                     help="scale.time of the profile engine's runs")
+    ap.add_argument("--cpus", choices=("nobind", "auto"), default="auto",
+                    help="model.vllm.cpus of the runs (auto: each server one CPU, calibrated "
+                         "on one CPU); nobind: every server on every CPU")
     ap.add_argument("--out", type=pathlib.Path)
     ap.add_argument("--smoke", action="store_true", help="short plan, one seed, 4 requests")
     args = ap.parse_args()
@@ -76,11 +81,11 @@ def main():
     n = 4 if args.smoke else args.requests
     out = args.out or pathlib.Path(tempfile.mkdtemp(prefix="vllm-calibration-"))
     model = vllmrun.ensure_default_model()
-    profile = calibrate(model, out, args.smoke)
+    profile = calibrate(model, out, args.smoke, args.cpus)
     print(f"calibrated profile: {profile}", flush=True)
     rows = {}
     for seed in seeds:
-        base = [f"seed={seed}", f"requests={n}"]
+        base = [f"seed={seed}", f"requests={n}", f"model.vllm.cpus={args.cpus}"]
         rows[("vllm", seed)] = run(out / f"vllm-s{seed}", base)
         rows[("profile", seed)] = run(out / f"profile-s{seed}", base + [
             "model.engine=profile", f"model.profile={profile}",

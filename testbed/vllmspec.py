@@ -27,7 +27,8 @@ class VllmSpec:
     kv_cache_space_gib: float = spec(at_most(positive(units.number), 1024, "1024"), 1.0,
                                      "VLLM_CPU_KVCACHE_SPACE of each instance, GiB")
     cpus: str = spec(string, "nobind",
-                     "VLLM_CPU_OMP_THREADS_BIND of each instance: nobind, or a CPU list (0-1)")
+                     "VLLM_CPU_OMP_THREADS_BIND of each instance: nobind, a CPU list (0-1), "
+                     "or auto: each instance one CPU of the machine's, round-robin")
     connector: str = spec(choice(*CONNECTORS), "NixlConnector",
                           "the KV connector (NIXL over UCX TCP on CPU; RDMA where there is any)")
     nixl_progress_delay_us: int = spec(

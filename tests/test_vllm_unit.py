@@ -105,6 +105,15 @@ def test_the_pid_record_takes_a_restarted_server_once(tmp_path):
         reg.path.unlink(missing_ok=True)
 
 
+def test_cpus_auto_gives_each_instance_its_own_cpu_round_robin():
+    rt = types.SimpleNamespace(vllm=types.SimpleNamespace(cpus="auto"), of_role=lambda *r: [
+        types.SimpleNamespace(name=n) for n in ("rp0", "lp0", "ld0")])
+    assert [vllm_engine.cpus_for(rt, n, {0, 1}) for n in ("rp0", "lp0", "ld0")] == \
+        ["0", "1", "0"]
+    rt.vllm.cpus = "1"
+    assert vllm_engine.cpus_for(rt, "ld0", {0, 1}) == "1"
+
+
 def test_prompts_share_their_prefix_blocks_and_nothing_else():
     a = types.SimpleNamespace(id=1, input_len=300, prefix_blocks=[7, 8])
     b = types.SimpleNamespace(id=2, input_len=250, prefix_blocks=[7, 9])

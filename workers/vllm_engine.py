@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import pathlib
 import random
 import time
@@ -37,12 +38,24 @@ from workers.engine import PrefillEngine
 WARM_BACKOFF_S = (1.0, 2.0, 4.0, 8.0)
 
 
+def cpus_for(rt, name, allowed=None):
+    """VLLM_CPU_OMP_THREADS_BIND of instance `name`: `model.vllm.cpus` as given, or, for
+    `auto`, one CPU of this machine's each, round-robin over the vLLM instances in the
+    deployment's order, so that two engines' OpenMP threads never share a core (oversubscribed,
+    their barriers wait for a descheduled thread)."""
+    if rt.vllm.cpus != "auto":
+        return rt.vllm.cpus
+    cpus = sorted(allowed if allowed is not None else os.sched_getaffinity(0))
+    names = [i.name for i in rt.of_role("prefill", "decode")]
+    return str(cpus[names.index(name) % len(cpus)])
+
+
 def spec_for(rt, inst, role):
     v = rt.vllm
     return vs.ServerSpec(python=v.python, model_dir=v.model_dir, role=role, host=inst.ip,
                          port=v.http_port, side_port=v.side_port, dtype=v.dtype,
                          max_model_len=v.max_model_len, max_num_seqs=v.max_num_seqs,
-                         kv_cache_space_gib=v.kv_cache_space_gib, cpus=v.cpus,
+                         kv_cache_space_gib=v.kv_cache_space_gib, cpus=cpus_for(rt, inst.name),
                          connector=v.connector, seed=rt.seed,
                          nixl_progress_delay_us=v.nixl_progress_delay_us)
 
