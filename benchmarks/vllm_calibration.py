@@ -9,8 +9,8 @@
    (`model.engine=profile`, `model.profile=<the calibrated file>`, accelerator cpu), at
    `--profile-scale` (the profile engine emulates the engine at any scale.time; 1 by default).
 
-Prints per seed and engine the TTFT p50 / p90, the mean TPOT and the request throughput, then the profile
-engine's figures over vLLM's (median over seeds and the spread). The issue asks within 10% on
+Prints per seed and engine the TTFT p50 / p90, the mean TPOT and the request throughput, then
+the profile engine's figures over vLLM's (median over seeds and the spread). The issue asks within 10% on
 TTFT p50 and p90 and within 5% on throughput over 3 seeds. Needs root and `make vllm`:
 
     sudo .venv/bin/python benchmarks/vllm_calibration.py --seeds 1,2,3 --out /tmp/vcal
@@ -30,6 +30,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from testbed import rundir, vllmrun  # noqa: E402
+from testbed.profiling import cost  # noqa: E402
 
 EXPERIMENT = ROOT / "benchmarks" / "vllm_calibration.yaml"
 SHORT_PLAN = ["--lengths", "128,512,1024", "--batches", "1,2", "--contexts", "128,512",
@@ -54,9 +55,7 @@ def calibrate(model, out, smoke, cpus):
 
 
 def run(out, sets):
-    subprocess.run(cli("run", str(EXPERIMENT), "--out", str(out), "--no-progress",
-                       "--no-probe", *(a for s in sets for a in ("--set", s))),
-                   cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    cost.timed_run(EXPERIMENT, out, sets, ROOT, probe=False)
     s = rundir.summary(out)
     return {**{m: s.get(m) for m in METRICS}, "completed": s.get("completed", 0)}
 

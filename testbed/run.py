@@ -1,9 +1,9 @@
 """Run: one experiment file, every variant in turn, on a freshly built system each time.
 
 For each expanded run (`config.load_experiment`): compile its `testbed.deploy.Deployment` (once,
-every run before the first starts), write the resolved config, the request list, deployment.json and runtime.json (the workers' typed
-`WorkerRuntime`), start the backend (`testbed.backend`: today Mininet, which builds the network
-and shapes the WAN), start the workers on their instances and wait (bounded) for each to report
+every run before the first starts), write the resolved config, the request list,
+deployment.json and runtime.json (the workers' typed `WorkerRuntime`), start the backend
+(`testbed.backend`: today Mininet, which builds the network and shapes the WAN), start the workers on their instances and wait (bounded) for each to report
 ready, probe the WAN as built (once per distinct WAN of the experiment, `measure.LinkProbes`:
 a variant with the same WAN records the first one's probe, marked shared), sample the kernel
 counters, start the open-loop client, the link schedule and the faults from the same instant,

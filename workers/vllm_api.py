@@ -60,13 +60,18 @@ async def prefill(session, url, model, token_ids, request_id=None):
     return params
 
 
-async def generate(session, url, model, token_ids, max_tokens, params=None, **extra):
-    """All generated token ids at once (non-streaming; colocated when `params` is None)."""
+async def _choice(session, url, model, token_ids, max_tokens, params, **extra):
+    """The one choice of a non-streaming completion (colocated when `params` is None)."""
     body = completion(token_ids, max_tokens, model=model, **extra)
     if params is not None:
         body["kv_transfer_params"] = params
-    out = await _post(session, url, body)
-    return list(out["choices"][0]["token_ids"])
+    return (await _post(session, url, body))["choices"][0]
+
+
+async def generate(session, url, model, token_ids, max_tokens, params=None, **extra):
+    """All generated token ids at once (non-streaming; colocated when `params` is None)."""
+    choice = await _choice(session, url, model, token_ids, max_tokens, params, **extra)
+    return list(choice["token_ids"])
 
 
 async def generate_with_margins(session, url, model, token_ids, max_tokens, params=None,
@@ -74,10 +79,8 @@ async def generate_with_margins(session, url, model, token_ids, max_tokens, para
     """(generated token ids, margins): margins[i] is the gap in log-probability between the
     best and the second-best token at step i, so a caller can tell a near-tie (where a
     bfloat16 rounding difference may flip greedy decoding) from a real difference."""
-    body = completion(token_ids, max_tokens, model=model, logprobs=2, **extra)
-    if params is not None:
-        body["kv_transfer_params"] = params
-    choice = (await _post(session, url, body))["choices"][0]
+    choice = await _choice(session, url, model, token_ids, max_tokens, params, logprobs=2,
+                           **extra)
     margins = []
     for top in choice["logprobs"]["top_logprobs"]:
         best = sorted(top.values(), reverse=True) + [float("-inf")]

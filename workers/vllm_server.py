@@ -83,11 +83,12 @@ def plugin(spec):
 def kv_transfer_config(spec):
     conf = {"kv_connector": spec.connector, "kv_role": ROLES[spec.role],
             "kv_buffer_device": "cpu"}
-    if plugin(spec) is not None:
+    ours = plugin(spec)
+    if ours is not None:
         if spec.connector != "NixlConnector":
             raise ValueError(f"the testbed's connectors extend NixlConnector, not "
                              f"{spec.connector}")
-        conf.update(kv_connector=plugin(spec)[0], kv_connector_module_path=plugin(spec)[1])
+        conf.update(kv_connector=ours[0], kv_connector_module_path=ours[1])
     return conf
 
 
