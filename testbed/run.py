@@ -11,8 +11,10 @@ show progress, then tear everything down in reverse order, also on Ctrl-C or whe
 dies. With an external client (`workload.client: command | aiperf`) arrival 0 is the tool's:
 the link schedule and faults start when its first request reaches the front door (minus that
 request's trace time), not when the tool is started.
-`Hold` (`testbed up`) runs no load generator: the front door is forwarded to the root
-namespace's loopback (testbed/net/forward.py) and the run lasts until Ctrl-C/SIGTERM. Analysis
+`Hold` (`testbed up`) forwards the front door to the root namespace's loopback
+(testbed/net/forward.py) and the run lasts until Ctrl-C/SIGTERM; it runs no load generator
+unless `load` (`up --load`: the built-in client replays the workload once, beside whatever
+drives the front door; the front door's request ids then start after the workload's). Analysis
 and figures read only the run directory afterwards. Nothing here imports Mininet.
 """
 
@@ -62,10 +64,12 @@ def default_out(exp_name):
 
 @dataclasses.dataclass(frozen=True)
 class Hold:
-    """`testbed up`: no load generator; the front door forwarded to 127.0.0.1:`port` (0: a free
-    port) until Ctrl-C/SIGTERM. `announce(info)` is called once it is up (the addresses)."""
+    """`testbed up`: the front door forwarded to 127.0.0.1:`port` (0: a free port) until
+    Ctrl-C/SIGTERM. `announce(info)` is called once it is up (the addresses). `load`: the
+    built-in client replays the experiment's workload once (arrival 0 when it is up)."""
     port: int = 0
     announce: object = print
+    load: bool = False
 
 
 class Run:
@@ -125,6 +129,7 @@ class Run:
         simulator); returns the request list."""
         workload = runinputs.write_inputs(self.exp, self.deployment, self.rd)
         self.meta = runinputs.base_metadata(self.exp, self.deployment, workload)
+        self.workload_ids = int(workload.id.max()) + 1 if len(workload) else 0
         return workload
 
     def _build_and_drive(self, workload, events):
@@ -215,10 +220,12 @@ class Run:
             self._spawn(inst.name, inst.module)
         self._spawn("scheduler", self.rt.instance("scheduler").module)
         if self.exp.workload.client != "builtin":     # an external client's front door
+            first_id = self.workload_ids if self.hold is not None and self.hold.load else 0
             self._spawn("frontdoor", "workers.frontdoor", host="client", extra=[
                 "--out", str(self.rd.records),
                 "--http-log", str(self.rd.frontdoor),
-                "--first-request-file", str(self.rd.first_request)])
+                "--first-request-file", str(self.rd.first_request),
+                "--first-id", str(first_id)])
         self._wait_ready(list(self.procs))
         if self.rt.vllm is not None:
             self.vllm_pids = vllmrun.PidRecord(self.rd, registry)
@@ -252,22 +259,25 @@ class Run:
         self._spawn(name, self.rt.instance(name).module)
         events("worker_restarted", name=name, pid=self.procs[name].pid)
 
+    def _start_client(self):
+        """Start the built-in client and, once it is ready, its arrival 0 (returned): the
+        client's start-up time (seconds on a loaded machine) never shifts the arrivals
+        against link changes and faults."""
+        start_file = self.rd.start_at
+        self._spawn("client", self.rt.instance("client").module,
+                    ["--workload", str(self.rd.workload), "--out", str(self.rd.records),
+                     "--start-file", str(start_file)])
+        self._wait_ready(["client"])
+        start_at = time.time() + 0.1
+        tmp = start_file.with_suffix(".tmp")     # read on the client host's clock
+        tmp.write_text(f"{start_at + self._client_clock_offset():.6f}")
+        tmp.rename(start_file)
+        return start_at
+
     def _drive(self, workload, events):
         records = self.rd.records
-        builtin = self.exp.workload.client == "builtin"
-        if builtin:
-            start_file = self.rd.start_at
-            self._spawn("client", self.rt.instance("client").module,
-                        ["--workload", str(self.rd.workload), "--out", str(records),
-                         "--start-file", str(start_file)])
-            self._wait_ready(["client"])
-        # Arrival 0 is chosen once the client is ready, so the client's start-up time (seconds
-        # on a loaded machine) never shifts the arrivals against link changes and faults.
-        if builtin:
-            start_at = time.time() + 0.1
-            tmp = start_file.with_suffix(".tmp")     # read on the client host's clock
-            tmp.write_text(f"{start_at + self._client_clock_offset():.6f}")
-            tmp.rename(start_file)
+        if self.exp.workload.client == "builtin":
+            start_at = self._start_client()
         else:       # command or aiperf through the front door (ready with the workers)
             start_at = self._external_arrival_zero(workload, events)
         self.meta["client_start_at"] = start_at
@@ -369,22 +379,29 @@ class Run:
         fd_ip, fd_port = self.rt.instance("client").ip, self.rt.frontdoor.port
         fwd = self.backend.forward("client", fd_port, self.hold.port)
         host, port = fwd.address
-        start_at = time.time()
+        start_at = self._start_client() if self.hold.load else time.time()
         self.meta["client_start_at"] = start_at
         self.meta["forward"] = {"listen": f"{host}:{port}", "target": f"{fd_ip}:{fd_port}"}
         info = {"url": f"http://{host}:{port}", "frontdoor_url": loadgen.url(self.rt),
                 "model": self.rt.frontdoor.model, "run_dir": str(self.dir),
                 "trace": str(loadrun.write_trace(self.dir, workload,
                                                  self.deployment.scale)),
-                "started_at": start_at}
+                "started_at": start_at, "load": len(workload) if self.hold.load else 0}
         self.rd.up.write_text(json.dumps(info, indent=1))
         schedule, injector = self._start_schedules(start_at, events, _warn)
         events("up", listen=f"{host}:{port}")
-        dead = set()
+        if self.hold.load:
+            events("client_started", requests=len(workload))
+        dead, client = set(), self.procs.get("client")
         try:
             self.hold.announce(info)
             while True:
                 self._check_workers(dead, events, _warn)
+                if client is not None and client.poll() is not None:
+                    events("client_finished", code=client.returncode)
+                    print(f"load: the built-in client replayed {len(workload)} requests "
+                          f"(exit {client.returncode}); still serving until Ctrl-C", flush=True)
+                    client = None
                 time.sleep(0.2)
         except KeyboardInterrupt:
             events("hold_ended")
@@ -470,7 +487,7 @@ def _check_runs(runs, path, hold, out):
         raise ConfigError("client none (no load generator) is what `testbed up` runs; "
                           "`testbed run` needs a client", path=str(path), key="workload.client")
     if out:
-        check_out(out)
+        rundir.check_out(out)
     if any(exp.backend.kind == "mininet" for exp in runs) and os.geteuid() != 0:
         raise PrivilegeError("testbed run builds network namespaces and needs root: use sudo")
     for exp in runs:
@@ -479,22 +496,3 @@ def _check_runs(runs, path, hold, out):
                                            "clients; the simulator runs in virtual time")
             if why:
                 raise ConfigError(f"backend sim: {why}", path=str(path), key="backend.kind")
-
-
-def check_out(out):
-    """`--out` must not exist yet or be an empty directory: a run never appends to old records."""
-    p = pathlib.Path(out)
-    if not p.exists() and not p.is_symlink():
-        return
-    if not p.is_dir():
-        raise ConfigError("--out exists and is not a directory; give a new or empty directory",
-                          path=str(out))
-    try:
-        n = sum(1 for _ in p.iterdir())
-    except OSError as e:
-        raise ConfigError(f"--out cannot be read ({e.strerror}); give a new or empty directory",
-                          path=str(out)) from None
-    if n:
-        raise ConfigError(f"--out is not empty ({n} entries); give a new or empty directory "
-                          "(a run never adds to an earlier run's records)", path=str(out))
-

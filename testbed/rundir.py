@@ -38,6 +38,24 @@ SCHEMA = 1      # major version; bump when a file's meaning changes incompatibly
 
 # ---------------------------------------------------------------- writing (by the run)
 
+def check_out(out):
+    """`--out` must not exist yet or be an empty directory: a run never appends to old records."""
+    p = pathlib.Path(out)
+    if not p.exists() and not p.is_symlink():
+        return
+    if not p.is_dir():
+        raise ConfigError("--out exists and is not a directory; give a new or empty directory",
+                          path=str(out))
+    try:
+        n = sum(1 for _ in p.iterdir())
+    except OSError as e:
+        raise ConfigError(f"--out cannot be read ({e.strerror}); give a new or empty directory",
+                          path=str(out)) from None
+    if n:
+        raise ConfigError(f"--out is not empty ({n} entries); give a new or empty directory "
+                          "(a run never adds to an earlier run's records)", path=str(out))
+
+
 def write_metadata(run_dir, meta: dict) -> pathlib.Path:
     """metadata.json with this layout's schema version; returns its path."""
     path = RunDir(run_dir).metadata

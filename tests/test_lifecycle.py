@@ -16,7 +16,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from testbed import analysis, config, lifecycle, ownership
+from testbed import analysis, config, lifecycle, ownership, rundir
 from testbed.net.schedule import LinkSchedule
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -187,10 +187,9 @@ def test_out_must_be_new_or_empty(tmp_path):
         assert len(r.stderr.strip().splitlines()) == 1 and what in r.stderr and str(out) in r.stderr
     assert (old / "requests.jsonl").read_text() == "{}\n" and sorted(os.listdir(old)) == \
         ["requests.jsonl"]
-    from testbed import run
-    run.check_out(tmp_path / "new")                  # absent: fine
+    rundir.check_out(tmp_path / "new")                  # absent: fine
     (tmp_path / "empty").mkdir()
-    run.check_out(tmp_path / "empty")                # empty: fine
+    rundir.check_out(tmp_path / "empty")                # empty: fine
 
 
 def test_outputs_are_handed_to_the_sudo_user(tmp_path, monkeypatch):

@@ -10,10 +10,12 @@ queries Prometheus's HTTP API and compares with what the run's own analysis wrot
 - the dashboard's egress query (dashboards/grafana.json, as written) against timeseries.csv's
   real-world egress over the window each sample covers (within 5%).
 
-A second test does the same for a live `testbed up --metrics PORT` (the long-lived deployment),
-driven through its forwarded OpenAI front door from the root namespace: the TTFT histogram as
-above, the E2EL histogram's _sum / _count, and the offload-share gauge against the records,
-then Ctrl-C and nothing left (the run, the forward, the exporter and its port).
+A second test does the same for a live `testbed up --load --metrics PORT` (the long-lived
+deployment), driven by the built-in client (`--load`: the same 61 requests) and, at the same
+time, through its forwarded OpenAI front door from the root namespace: the TTFT histogram and
+the dashboard's egress query as above, the E2EL histogram's _sum / _count, and the
+offload-share gauge against the records, then Ctrl-C and nothing left (the run, the forward,
+the exporter and its port).
 
 Prometheus is stopped by the test (SIGTERM to the PID it started, SIGKILL if it lingers).
 """
@@ -33,6 +35,7 @@ from promserver import prometheus, query, scalar  # noqa: F401  (prometheus: a f
 from test_run_root import ROOT, TINY, leftovers, tb_cmd
 from test_up_root import UP_TIMEOUT_S, _stream_completion, _wait_for_line, end_up, held_up
 from testbed.live.state import EGRESS_WINDOW_S, RunState
+from testbed.records import read_records
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -109,7 +112,16 @@ def test_prometheus_scrapes_a_live_run(tmp_path, prometheus):
 
     variant = summary["label"]
     mean_s, q50, (lo, median_s, hi) = _assert_ttft_histogram(api, variant, summary)
-    # egress: the dashboard's query, sample by sample, against timeseries.csv
+    compared, n = _assert_dashboard_egress(api, out, variant, summary)
+    print(f"egress samples compared: {compared} of {n}; TTFT mean {mean_s * 1e3:.1f} ms"
+          f" vs {summary['mean_ttft_ms']:.1f}; median {median_s * 1e3:.1f} ms in ({lo}, {hi}] s,"
+          f" histogram_quantile {q50 * 1e3:.1f} ms; exporter CPU {live['cpu_s']} s")
+
+
+def _assert_dashboard_egress(api, out, variant, summary):
+    """The dashboard's egress query, sample by sample, against timeseries.csv's real-world
+    egress over the window each sample covers (within 5%), on at least 3 samples taken while KV
+    crossed the WAN. (samples compared, samples stored)."""
     ts = pd.read_csv(out / "timeseries.csv")
     expr = _dashboard_expr("WAN egress vs link rate (real-world)").replace(
         '=~"$experiment"', '="tiny"').replace('=~"$variant"', f'="{variant}"')
@@ -124,14 +136,14 @@ def test_prometheus_scrapes_a_live_run(tmp_path, prometheus):
             continue
         assert v == pytest.approx(want, rel=0.05), (t, ends[t], v, want)
         compared += 1
-    print(f"egress samples compared: {compared} of {len(values)}; TTFT mean {mean_s * 1e3:.1f} ms"
-          f" vs {summary['mean_ttft_ms']:.1f}; median {median_s * 1e3:.1f} ms in ({lo}, {hi}] s,"
-          f" histogram_quantile {q50 * 1e3:.1f} ms; exporter CPU {live['cpu_s']} s")
     assert compared >= 3, f"only {compared} egress samples while KV crossed the WAN"
+    return compared, len(values)
 
 
-# `testbed up`: requests through the front door (local and, over tiny's 4Ki threshold, remote
-# prefill), three at a time; an odd number, so the median is one request's TTFT.
+# `testbed up --load`: the built-in client's 60 requests and, beside them, requests through the
+# front door (local and, over tiny's 4Ki threshold, remote prefill), three at a time; 69 in all,
+# an odd number, so the median is one request's TTFT.
+UP_OVERRIDES = ["requests=60", "scale.time=2"]
 UP_PROMPTS = [600, 900, 1500, 2500, 3500, 5000, 7000, 9000, 12000]
 SCRAPED_TIMEOUT_S = 60       # Prometheus scrapes every 2 s; the exporter polls every 1 s
 
@@ -148,12 +160,14 @@ def _wait_scraped(api, variant, n):
         time.sleep(0.5)
 
 
-def test_prometheus_scrapes_a_live_up_through_the_front_door(tmp_path, prometheus):
-    """`testbed up --metrics`, driven through the forwarded front door from this namespace while
-    Prometheus scrapes; then Ctrl-C, and what Prometheus stored against the run's analysis."""
+def test_prometheus_scrapes_a_live_up_driven_by_the_builtin_client(tmp_path, prometheus):
+    """`testbed up --load --metrics`, driven by the built-in client and through the forwarded
+    front door from this namespace while Prometheus scrapes; then Ctrl-C, and what Prometheus
+    stored against the run's analysis."""
     api, port = prometheus
     out = tmp_path / "run"
-    with held_up(out, "--metrics", str(port)) as (proc, q):
+    sets = [a for o in UP_OVERRIDES for a in ("--set", o)]
+    with held_up(out, "--load", "--metrics", str(port), *sets) as (proc, q):
         url = _wait_for_line(q, r"forwarded:\s+(http://127\.0\.0\.1:\d+)/v1", UP_TIMEOUT_S)[1]
         model = _wait_for_line(q, r"model:\s+(\S+)", 5)[1]
         _wait_for_line(q, r"^up: ", 5)
@@ -164,7 +178,10 @@ def test_prometheus_scrapes_a_live_up_through_the_front_door(tmp_path, prometheu
             streams = list(pool.map(lambda a: _stream_completion(url, model, *a),
                                     [(n, f"u{i}") for i, n in enumerate(UP_PROMPTS)]))
         assert all(s[-1] == "[DONE]" for s in streams)
-        _wait_scraped(api, variant, len(UP_PROMPTS))
+        _wait_for_line(q, r"^load: the built-in client replayed 60 requests \(exit 0\)",
+                       UP_TIMEOUT_S)
+        n = 60 + len(UP_PROMPTS)
+        _wait_scraped(api, variant, n)
         end_up(proc)
     # Torn down: the run, the forward, the exporter and its port.
     assert leftovers(out) == []
@@ -176,8 +193,11 @@ def test_prometheus_scrapes_a_live_up_through_the_front_door(tmp_path, prometheu
             socket.create_connection(("127.0.0.1", p), timeout=2)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["label"] == variant
-    assert summary["completed"] == summary["requests"] == len(UP_PROMPTS)
+    assert summary["completed"] == summary["requests"] == n
+    sent, _ = read_records(out / "requests.jsonl")
+    assert len(sent) == n       # the front door's ids follow the workload's: none overwritten
     mean_s, q50, (lo, median_s, hi) = _assert_ttft_histogram(api, variant, summary)
+    compared, stored = _assert_dashboard_egress(api, out, variant, summary)
     # E2EL: _sum / _count against the analysis too.
     e2el_s = (scalar(api, _last("vllm:e2e_request_latency_seconds_sum", variant))
               / scalar(api, _last("vllm:e2e_request_latency_seconds_count", variant)))
@@ -189,4 +209,4 @@ def test_prometheus_scrapes_a_live_up_through_the_front_door(tmp_path, prometheu
     print(f"up: TTFT mean {mean_s * 1e3:.1f} ms vs {summary['mean_ttft_ms']:.1f}; median "
           f"{median_s * 1e3:.1f} ms in ({lo}, {hi}] s, histogram_quantile {q50 * 1e3:.1f} ms; "
           f"E2EL {e2el_s * 1e3:.1f} vs {summary['mean_e2el_ms']:.1f} ms; offload share {share}; "
-          f"exporter CPU {live['cpu_s']} s")
+          f"egress samples compared {compared} of {stored}; exporter CPU {live['cpu_s']} s")

@@ -447,6 +447,7 @@ async def main_async(args):
         args.name, [i for i in rt.instances.values() if i.may_decode], log).start()
     door = FrontDoor(tokens.DirectStub(pbg.SchedulerStub(channel), streams), fd.model, fd.max_context, args.out,
                      args.http_log, rt.request_timeout_s,
+                     first_id=args.first_id,
                      first_request_path=args.first_request_file and pathlib.Path(
                          args.first_request_file))
     host = rt.instance(args.host).ip
@@ -475,6 +476,9 @@ def main():
     p.add_argument("--host", default="client", help="the instance whose address it serves on")
     p.add_argument("--out", required=True, help="requests.jsonl to append to")
     p.add_argument("--http-log", required=True, help="frontdoor.jsonl to append to")
+    p.add_argument("--first-id", type=int, default=0,
+                   help="the first request id it gives (after the built-in client's, when "
+                        "both drive one deployment: `testbed up --load`)")
     p.add_argument("--first-request-file",
                    help="written (Unix time) when the first completion request arrives")
     args = p.parse_args()

@@ -4,7 +4,10 @@ The network, the workers, the scheduler and the OpenAI front door start as for `
 but no load generator: the front door listens on the client host's address inside the emulated
 local datacenter, and a relay (testbed/net/forward.py) forwards 127.0.0.1:PORT of the machine
 (root namespace, loopback only; `--port`, default a free port) to it, so any tool on the machine
-can drive the deployment. The link schedule and the faults start when the deployment is up.
+can drive the deployment. With `--load` the built-in client also replays the experiment's
+workload once, from the moment the deployment is up (a background load, or a known one to watch
+on a dashboard), and the deployment stays up after it. The link schedule and the faults start
+when the deployment is up (with `--load`: at the workload's arrival 0).
 Ctrl-C or SIGTERM tears everything down as `run` does (the relay first); the requests that
 arrived are analysed from the run directory (`testbed analyse DIR` works on it later too). The
 addresses are printed on standard output as soon as the deployment is up, and written to
@@ -27,6 +30,9 @@ def register(sub):
     p.add_argument("--port", type=int, default=0,
                    help="loopback port of the forward (default: a free one)")
     p.add_argument("--no-probe", action="store_true", help="skip the WAN probe at start")
+    p.add_argument("--load", action="store_true",
+                   help="also replay the experiment's workload once with the built-in client "
+                        "(arrival 0 when it is up), then keep serving until Ctrl-C")
     p.add_argument("--metrics", type=int, metavar="PORT",
                    help="serve Prometheus metrics on 127.0.0.1:PORT while it runs (docs/live.md)")
     p.set_defaults(func=main)
@@ -38,6 +44,8 @@ def announce(info):
     print(f"model:      {info['model']}")
     print(f"trace:      {info['trace']} (the workload as a mooncake trace, emulated ms)")
     print(f"run dir:    {info['run_dir']}")
+    if info["load"]:
+        print(f"load:       the built-in client replays {info['load']} requests now")
     print("up: link schedule and faults started now; Ctrl-C or SIGTERM tears it down",
           flush=True)
 
@@ -48,7 +56,8 @@ def main(args):
     lifecycle.sigterm_unwinds()
     top, summaries = run.execute(args.file, args.overrides, out=args.out,
                                  probe=not args.no_probe, progress=False,
-                                 hold=run.Hold(port=args.port, announce=announce),
+                                 hold=run.Hold(port=args.port, announce=announce,
+                                               load=args.load),
                                  metrics_port=args.metrics)
     served = [s for s in summaries if s.get("requests")]
     if served:
