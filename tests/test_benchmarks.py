@@ -33,6 +33,7 @@ NEEDS = {
     "emulation_speed.py": {"root"},
     "kv_transfer.py": {"root", "torch"},
     "link_fidelity.py": {"root"},
+    "live_cost.py": {"root"},
     "loss_recovery.py": {"root"},
     "model_step.py": {"torch"},
     "prefix_prefill.py": {"torch"},
