@@ -197,6 +197,8 @@ def analyse(run_dir, exp, df, scale: Scale):
     # prefill attempts beyond a request's first (each re-dispatch prefills it again)
     out["kv_retries"] = sum(k == "kv_retry" for _, k, _ in events)
     out["kv_reprefills"] = len(_redispatches(df))
+    # decode streams opened again at their KV deadline while the prefill still ran (failover)
+    out["kv_deadline_waits"] = sum(k == "kv_wait" for _, k, _ in events)
     if not exp.faults:
         return out
     t0 = meta.get("client_start_at", df.send_time.min())

@@ -164,3 +164,20 @@ def test_blackhole_and_reject_leave_nothing_hung(tmp_path):
     # success came back after the last fault: the requests sent after it all completed
     end = _injected(ev, 1) + 1.5 / 5      # emulated seconds (scale.time 5)
     assert (df[df.send_time > end + 1].status == "ok").all()
+
+
+def test_a_kv_deadline_in_the_prefill_queue_waits_again_and_loses_nothing(tmp_path):
+    """Every prefill on lp0, 6 requests of 4,000 tokens at once (1.17 s of prefill each), a 3 s
+    KV deadline: the later requests' decode streams reach the deadline while their prefill is
+    still queued. With failover the scheduler opens each again on the same instance (`kv_wait`
+    rows), the KV goes on into it, and every request completes on its first prefill attempt
+    (tests/test_sim_faults.py: the same case in the simulator, and without failover)."""
+    out, df, s, ev = run(tmp_path, "[]", FAILOVER, "scheduler.policy=homogeneous",
+                         "workload.input={dist: fixed, tokens: 4000}",
+                         "workload.arrival={process: poisson, rate: 50/s}",
+                         "run.kv_deadline=3s", requests=6)
+    assert (df.status == "ok").all(), df.error.tolist()
+    waited = set(ev[ev.kind == "kv_wait"].detail.str.extract(r"id=(\d+)")[0].astype(int))
+    queued = df[df.prefill_queue_ms > 3000 * 1.02]      # measured: queued past the deadline
+    assert len(queued) and set(queued.id) <= waited, (df.prefill_queue_ms.tolist(), waited)
+    assert (df.attempts == 1).all() and s["kv_deadline_waits"] >= len(queued)

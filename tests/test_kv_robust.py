@@ -116,6 +116,32 @@ def test_a_gap_fails_the_transfer_naming_the_missing_frame():
     assert slot.kv_done.is_set() and "frame 1" in slot.kv_error
 
 
+def test_a_call_ended_at_its_kv_deadline_keeps_what_came_for_the_next_call():
+    """The scheduler may open a decode stream again at its KV deadline (the prefill still
+    runs): what arrived before stays, and the transfer goes on into the next call's slot."""
+    intake = KvIntake("ld0", None, False, 30.0, LOG)
+    wire = control.wire_id(8, 0)
+    first = intake.claim(8)
+    intake.on_frame(wire, 0, 0, b"a" * 10, 1.0, 1.0)
+    first.kv_late = True                  # the call's deadline passed: DecodeService keeps it
+    intake.keep(8, first)
+    kept = intake.slots[8]
+    assert kept is not first and not kept.claimed and kept.kv_bytes == 10
+    intake.on_frame(wire, 1, 0, b"b" * 10, 2.0, 2.0)       # between the two calls
+    again = intake.claim(8)
+    assert again is kept and not again.kv_late
+    intake.on_frame(wire, 2, kvwire.FLAG_LAST, b"c" * 10, 3.0, 3.0)
+    assert again.kv_done.is_set() and not again.kv_error
+    assert again.kv_bytes == 30 and again.kv_first == 1.0 and again.kv_last == 3.0
+    # a newer attempt (the scheduler prefilled it again) supersedes what was kept
+    late = intake.claim(9)
+    intake.on_frame(control.wire_id(9, 0), 0, 0, b"x" * 5, 1.0, 1.0)
+    intake.keep(9, late)
+    intake.on_frame(control.wire_id(9, 1), 0, kvwire.FLAG_LAST, b"y" * 7, 2.0, 2.0)
+    slot = intake.claim(9)
+    assert slot.kv_done.is_set() and slot.kv_bytes == 7 and slot.attempt == 1
+
+
 def test_a_reset_connection_is_retried_and_the_transfer_starts_over():
     async def main():
         holder = {}

@@ -9,9 +9,11 @@ import pandas as pd
 from conftest import ROOT, assert_decisions_replay
 from testbed import cli, rundir
 from workers.policy import Instance
-from workers.redispatch import HealthBook, after_prefill_failure, reroute_decode
+from workers.redispatch import (MAX_ATTEMPTS, HealthBook, after_kv_timeout, after_prefill_failure,
+                                reroute_decode)
 
 GRAY = str(ROOT / "experiments" / "gray_failure.yaml")
+TINY = str(ROOT / "tests" / "data" / "tiny.yaml")
 WAN_FAILURE = str(ROOT / "experiments" / "wan_failure.yaml")
 
 
@@ -55,6 +57,57 @@ def test_the_redispatch_decisions():
     assert reroute_decode(f, lambda: ("local", p, d2), "gone") == (None, (p, d2))
     f.failover = False
     assert after_prefill_failure(f, lambda: ("local", p, d), "boom") == ("fail", "boom")
+
+
+def test_the_kv_deadline_decisions():
+    p, p2, d, d2 = (Instance(n, r, "local", "h20", "x") for n, r in
+                    (("lp0", "prefill"), ("lp1", "prefill"), ("ld0", "decode"),
+                     ("ld1", "decode")))
+    f = types.SimpleNamespace(failover=True, attempt=0, tokens=0, p=p, d=d, kv_waits=0)
+    # the prefill still runs on an up instance: the KV is late, not lost
+    assert after_kv_timeout(f, lambda: ("local", p2, d2), "late", True) == ("wait", None)
+    # it ended (or its instance is down) and no KV came: prefill again where the policy says,
+    # the same decode instance allowed
+    assert after_kv_timeout(f, lambda: ("local", p2, d), "late", False) == ("prefill", (p2, d))
+    p.down = True
+    assert after_kv_timeout(f, lambda: ("local", p2, d2), "late", True) == ("prefill", (p2, d2))
+    p2.down = True
+    assert after_kv_timeout(f, lambda: ("local", p2, d2), "late", True)[0] == "fail"
+    p.down = p2.down = False
+    f.kv_waits = MAX_ATTEMPTS - 1      # waits and attempts together are bounded
+    what, why = after_kv_timeout(f, lambda: ("local", p2, d2), "late", True)
+    assert what == "fail" and why.startswith("late; ")
+    f.kv_waits, f.failover = 0, False
+    assert after_kv_timeout(f, lambda: ("local", p2, d2), "late", True) == ("fail", "late")
+
+
+# Every prefill on the one local instance, 6 requests of 4,000 tokens at once: the later ones
+# wait in its queue longer than a 3 s KV deadline (1.17 s of prefill each, real-world), and
+# less than the 4 deadlines (waits and attempts) a request may spend.
+QUEUED = ["scheduler.policy=homogeneous", "requests=6", "workload.input={dist: fixed, tokens: "
+          "4000}", "workload.arrival={process: poisson, rate: 50/s}", "run.kv_deadline=3s"]
+DEADLINE_MS = 3000
+
+
+def test_a_kv_deadline_in_the_prefill_queue_waits_again_in_the_sim(tmp_path):
+    """Without failover the requests queued past the KV deadline fail; with it the decode
+    stream waits again while their prefill is queued (`kv_wait` rows) and all complete."""
+    dfs = {}
+    for name, failover in (("off", "{enabled: false}"), ("on", "{enabled: true}")):
+        sets = [a for kv in QUEUED + [f"scheduler.failover={failover}"] for a in ("--set", kv)]
+        assert cli.main(["run", TINY, "--backend", "sim", "--out", str(tmp_path / name),
+                         "--no-progress", *sets]) == 0
+        dfs[name] = pd.read_parquet(tmp_path / name / "requests.parquet")
+    off, on = dfs["off"], dfs["on"]
+    late = off[off.status != "ok"]
+    assert len(late) and late.error.str.contains("KV not complete").all()
+    assert (on.status == "ok").all() and len(on) == 6
+    waits = [f for _, k, f in _events(tmp_path / "on") if k == "kv_wait"]
+    waited = {int(f["id"]) for f in waits}
+    assert set(late.id) <= waited, (sorted(late.id), sorted(waited))
+    # measured: the requests that waited are the ones whose prefill queue passed the deadline
+    queued = on[on.prefill_queue_ms > DEADLINE_MS * 1.02]
+    assert len(queued) and set(queued.id) <= waited and (on.attempts == 1).all()
 
 
 def test_gray_failure_runs_in_the_sim(tmp_path):

@@ -109,8 +109,17 @@ class DecodeService(pbg.DecodeServicer):
             if not slot.finished and slot in self.batch:
                 self.clock.kick()       # cancelled while batched: the batch changes now
             slot.finished = True
-            self.kv.done(req.id, slot)
-            self.engine.release(req.id)
+            self._end_call(req.id, slot)
+
+    def _end_call(self, rid, slot):
+        """A `Decode` call ended: its slot and engine state go, except at the KV deadline with
+        failover on, where what arrived is kept for the scheduler's next call
+        (`KvIntake.keep`)."""
+        if slot.kv_late and self.rt.scheduler.failover:
+            self.kv.keep(rid, slot)
+        else:
+            self.kv.done(rid, slot)
+            self.engine.release(rid)
 
     async def _kv_ready(self, req, dreq, slot, prefix):
         """Wait (bounded by the KV deadline) for the request's KV and its cached prefix, then
@@ -123,6 +132,7 @@ class DecodeService(pbg.DecodeServicer):
                 self.cache.spawn(self.cache.safely(
                     self.cache.put_received(req, slot.cache_tokens), 0))
         except asyncio.TimeoutError:
+            slot.kv_late = True
             got = f"{slot.kv_bytes} bytes" if slot.kv_bytes else "nothing"
             return (f"KV not complete after {dreq.kv_deadline_s:.3g}s (emulated); "
                     f"received {got}")
@@ -148,6 +158,7 @@ class DecodeService(pbg.DecodeServicer):
         c.kv_attempt = max(0, slot.attempt)
         c.first_step_s, c.decode_held = slot.first_step_s, slot.held
         c.cache_fetch_bytes, c.decode_cached_len = slot.cache_bytes, slot.cache_tokens
+        c.kv_late = slot.kv_late and status != "ok"
         return c
 
     async def Health(self, request, context):
@@ -311,8 +322,7 @@ class VllmDecodeService(DecodeService):
             slot.finished = True
             if slot in self.batch:
                 self.batch.remove(slot)
-            self.kv.done(req.id, slot)
-            self.engine.release(req.id)
+            self._end_call(req.id, slot)
 
     async def _pump(self, req, slot, params, ids):
         """Stream the tokens from vLLM; a failed KV pull is prefilled here instead (counted)."""

@@ -12,7 +12,10 @@ rows in events.csv; complete ones are duplicates). Within a transfer the frames'
 must follow each other: a frame that comes twice is discarded and counted (`duplicate_frames`),
 a gap fails the transfer with the missing frame's number, and frame 0 again (the sender's
 retry on a new connection) starts the transfer over. KV of a request whose `Decode` call never
-comes is freed after the KV deadline (`reap_orphans`).
+comes is freed after the KV deadline (`reap_orphans`). A `Decode` call that ends at its KV
+deadline leaves what arrived so far in an unclaimed slot (`keep`): the scheduler may open the
+call again while the prefill goes on (workers/redispatch.py, `after_kv_timeout`), and the
+transfer continues into it; if no call comes, it is freed as an orphan.
 """
 
 import asyncio
@@ -54,6 +57,9 @@ class Slot:
         self.marked = False          # the scheduler was told the first token went direct
         self.cache_bytes = 0
         self.cache_tokens = 0
+        self.kv_late = False         # the Decode call ended at its KV deadline
+
+    KV_STATE = ("kv_done", "kv_error", "kv_bytes", "kv_first", "kv_last", "attempt", "next_seq")
 
 
 class KvIntake:
@@ -122,6 +128,15 @@ class KvIntake:
             if self.assembling:
                 self.engine.release(slot.rid)
         slot.attempt, slot.next_seq = attempt, 0
+
+    def keep(self, rid, slot):
+        """`rid`'s `Decode` call ended at its KV deadline: the KV that arrived stays in a new,
+        unclaimed slot for the scheduler's next call (freed by `reap_orphans` if none comes)."""
+        if self.slots.get(rid) is not slot:
+            return
+        kept = self.slots[rid] = Slot(rid)
+        for k in Slot.KV_STATE:
+            setattr(kept, k, getattr(slot, k))
 
     def on_kv_error(self, err):
         self.log.warning("KV connection error: %s", err)

@@ -26,6 +26,11 @@ placed in while an instance there is up. With failover on it recovers:
 - decode instance down or its stream broken: a request that has no token yet (none relayed, no
   `direct` mark) is re-prefilled for another decode instance; one that has tokens (or has
   nowhere to go) fails at once with the reason, so nothing waits for the request timeout.
+- the decode instance's KV deadline passed (`kv_late` on its last chunk): while the prefill
+  attempt still runs on an up instance (queued, or its KV still crossing) the decode stream is
+  opened again on the same instance and the transfer goes on into it (a `kv_wait` row in
+  events.csv); otherwise the request is prefilled again (a new attempt) where the policy routes
+  it. Waits and attempts together are bounded (`redispatch.MAX_ATTEMPTS`).
 
 Every decision (a health check's verdict, where a request moves, when it fails) is
 workers/redispatch.py's, asyncio- and gRPC-free, which the simulator runs too; this module is
@@ -129,6 +134,7 @@ class Flight:
         self.kind = ""
         self.cache_route = {}       # the placement's Route fields (prefix cache)
         self.attempt = -1
+        self.kv_waits = 0           # KV deadlines waited out again (redispatch.after_kv_timeout)
         self.ptask = None
         self.replies = {}
         self.moves = []
@@ -288,6 +294,8 @@ class Flight:
                     error = self._on_prefill(ptask.result())
                 if error is None and self.next_chunk is not None and self.next_chunk in done:
                     chunk, error = self._on_chunk()
+                if error is None and chunk is not None and chunk.kv_late and chunk.done:
+                    error, chunk = self._on_kv_late(chunk.error), None
                 if error is None and chunk is not None:
                     if chunk.done:
                         yield await self._finish(chunk)
@@ -328,6 +336,27 @@ class Flight:
             self._start_prefill(arg)
             return None
         self.ptask = asyncio.create_task(self._prefill_when_up(self.d, r.error))
+        return None
+
+    def _on_kv_late(self, error):
+        """The decode instance's KV deadline passed (no token yet): wait again on it while the
+        prefill runs, or prefill again; the error that fails the request, else None."""
+        what, arg = redispatch.after_kv_timeout(self, self._route, error, not self.ptask.done())
+        if what == "fail":
+            return arg
+        d_old = self.d
+        self._stop_decode()
+        if what == "wait":
+            self.kv_waits += 1
+            self.svc.health.events("kv_wait", id=self.req.id, instance=d_old.name,
+                                   attempt=self.attempt, waits=self.kv_waits)
+            self._start_decode(d_old)
+            return None
+        p, d = arg
+        self._stop_prefill()
+        self._moved("decode", d_old, p, f"{error}; prefill again for {d.name}")
+        self._start_decode(d)
+        self._start_prefill(p)
         return None
 
     def _on_chunk(self):

@@ -11,8 +11,10 @@ emulation's scheduler) and testbed/sim/cluster.py (the simulator) both run.
 - The re-dispatch decisions of one request (a `FlightView`: the instances it is on, its
   attempt and the tokens known to have left the decode worker), the route through a callable:
   `place_prefill` (where a prefill moves, or None), `reroute_decode` (where a request without
-  tokens re-prefills for another decode instance, or the error that fails it) and
-  `after_prefill_failure` (what a failed prefill attempt leads to).
+  tokens re-prefills for another decode instance, or the error that fails it),
+  `after_prefill_failure` (what a failed prefill attempt leads to) and `after_kv_timeout`
+  (what a decode instance's KV deadline leads to: wait again while the prefill still runs, or
+  prefill again).
 
 The clock is injected (`clock()`: seconds), so the simulator hands in its virtual time.
 """
@@ -32,6 +34,7 @@ class FlightView(Protocol):
     tokens: int           # tokens known to have left the decode worker
     p: object             # the prefill Instance (workers.policy.Instance)
     d: object             # the decode Instance
+    kv_waits: int         # KV deadlines waited out again while the prefill still ran
 
 
 class HealthBook:
@@ -144,3 +147,25 @@ def on_instance_down(f: FlightView, inst, prefill_done):
     if f.failover and inst is f.p and not prefill_done:
         return "prefill"
     return None
+
+
+def after_kv_timeout(f: FlightView, route: Callable, error, prefill_running):
+    """What the decode instance's KV deadline (`error`: its KV not complete, no token made)
+    leads to: ("fail", error), ("wait", None) (the prefill attempt still runs on an up
+    instance, e.g. queued behind others: the KV is late, not lost, so the decode stream opens
+    again on the same instance and the attempt goes on) or ("prefill", (p, d)) (the attempt
+    ended, or its instance is down, and the KV never came: a new attempt on p for d, which may
+    be the same decode instance). Waits and attempts together are bounded by MAX_ATTEMPTS."""
+    if not f.failover or f.tokens:
+        return "fail", error
+    if f.attempt + f.kv_waits + 1 >= MAX_ATTEMPTS:
+        return "fail", f"{error}; {MAX_ATTEMPTS} KV deadlines"
+    if prefill_running and not f.p.down:
+        return "wait", None
+    try:
+        _, p, d = route()
+    except LookupError as e:
+        return "fail", f"{error}; {e}"
+    if p.down or d.down:
+        return "fail", f"{error}; no instance is up for another prefill"
+    return "prefill", (p, d)

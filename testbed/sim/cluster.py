@@ -17,7 +17,9 @@ workers/recovery.Flight do without failures:
    local one at once); it queues FIFO and computes (`engine.PrefillInstance`), handing its KV
    pieces to one flow on the WAN's KV direction (PrfaaS) or the datacenter's fabric (local);
 4. the decode instance takes the request once its last KV byte has arrived (or fails it past
-   the KV deadline, or when its KV is larger than the decode memory, as the worker does),
+   the KV deadline, or when its KV is larger than the decode memory, as the worker does; with
+   failover the deadline is a timer per decode stream, and the recovery's decision
+   `workers.redispatch.after_kv_timeout` waits again or prefills again, as Flight does),
    batches and steps it (`engine.DecodeInstance`); the
    prefill's reply reaches the scheduler after its last byte was sent plus the KV direction's
    delay, and the predicted seconds leave the book then;
@@ -53,6 +55,7 @@ from testbed.sim.wan import LinkModel, Terms
 from workers.adaptive import COLUMNS as SCHEDULER_COLUMNS
 from workers.adaptive import ThresholdDecider
 from workers.client import Tracker
+from workers import redispatch
 from workers.policy import Router
 from workers.roles import RolePlanner
 
@@ -71,7 +74,7 @@ class Request:
     __slots__ = ("id", "input_len", "output_len", "send", "kind", "p", "d", "predicted",
                  "queued", "start", "end", "kv_bytes", "send_start", "send_end",
                  "recv_start", "recv_end", "opened", "failover", "attempt", "tokens", "replied",
-                 "failed", "flow", "moves")
+                 "failed", "flow", "moves", "kv_waits", "kv_in")
 
     def __init__(self, w, send, failover=False):
         self.id, self.input_len, self.output_len = int(w.id), int(w.input_len), int(w.output_len)
@@ -80,6 +83,8 @@ class Request:
         self.failover, self.attempt, self.tokens = failover, 0, 0     # workers.redispatch's
         self.replied = self.failed = False      # FlightView: the attempt's reply, the end
         self.moves = []
+        self.kv_waits = 0           # FlightView: KV deadlines waited out again
+        self.kv_in = False          # the current decode stream has its KV (the deadline is off)
 
 
 class SimCluster:
@@ -273,7 +278,32 @@ class SimCluster:
         r.opened = now
         r.predicted = self.router.predict_s(r.p, r.input_len)
         r.p.outstanding_s += r.predicted
+        self._open_decode(r)
         self._call_prefill(r)
+
+    def _open_decode(self, r):
+        """The decode stream (re)opens now: with failover its KV deadline is a timer, decided
+        by the recovery when it fires (`_kv_deadline`)."""
+        r.opened, r.kv_in = self.loop.now(), False
+        if r.failover:
+            self.loop.at(r.opened + self.rt.kv_deadline_s, self._kv_deadline, r, r.opened)
+
+    def _kv_deadline(self, r, opened):
+        if r.failed or r.kv_in or r.opened != opened:
+            return
+        error = (f"{r.d.name}: KV not complete after {self.rt.kv_deadline_s:.3g}s (emulated)")
+        what, arg = redispatch.after_kv_timeout(r, lambda: self.router.route(r.input_len),
+                                                error, not r.replied)
+        if what == "fail":
+            self.fail_flight(r, arg)
+        elif what == "wait":
+            r.kv_waits += 1
+            self.events("kv_wait", id=r.id, instance=r.d.name, attempt=r.attempt,
+                        waits=r.kv_waits)
+            self._open_decode(r)
+        else:
+            p, d = arg
+            self.move_prefill(r, p, f"{error}; prefill again for {d.name}", d)
 
     def _call_prefill(self, r):
         if self.recovery is not None:
@@ -297,7 +327,8 @@ class SimCluster:
         if d is not None:
             r.d.inflight -= 1
             d.inflight += 1
-            r.d, r.opened = d, now
+            r.d = d
+            self._open_decode(r)
         r.p, r.kind = p, "remote" if p.dc == "prfaas" else "local"
         r.attempt += 1
         r.flow, r.replied = None, False
@@ -353,9 +384,22 @@ class SimCluster:
         r.recv_start, r.send_end, r.recv_end = first_arrival, last_sent, last_arrival
         reply_delay = self.links["kv"].one_way_s() if p.dc == "prfaas" else 0.0
         self.loop.at(last_sent + reply_delay, self._prefill_replied, r, attempt, p, predicted)
+        if r.failover:      # the deadline is the stream's timer: the KV counts when it is in
+            self.loop.at(last_arrival, self._kv_in, r, attempt, last_arrival)
+            return
         if last_arrival - r.opened > self.rt.kv_deadline_s:
             self.loop.at(r.opened + self.rt.kv_deadline_s, self._kv_late, r)
             return
+        self._decode(r, last_arrival)
+
+    def _kv_in(self, r, attempt, last_arrival):
+        if r.failed or r.attempt != attempt:
+            return
+        r.kv_in = True
+        self._decode(r, last_arrival)
+
+    def _decode(self, r, last_arrival):
+        """The request's KV is in: the decode instance refuses it or batches it."""
         dec = self.decode[r.d.name]
         need = dec.engine.kv_need(r.input_len, r.output_len)
         refusal = dec.engine.refusal(need)
