@@ -143,7 +143,7 @@ class VllmRuntime:
     max_model_len: int = 8192
     max_num_seqs: int = 8
     kv_cache_space_gib: float = 1.0
-    cpus: str = "nobind"
+    cpus: str = "auto"
     connector: str = "NixlConnector"
     nixl_progress_delay_us: int = 1000
     start_timeout_s: float = 600.0

@@ -92,7 +92,7 @@ class PidRecord:
 
 
 def metadata(rd, rt):
-    servers = {name: {k: r.get(k) for k in ("url", "started_s", "connector_bytes",
+    servers = {name: {k: r.get(k) for k in ("url", "started_s", "cpus", "connector_bytes",
                                             "warm_failed")} for name, r in _records(rd).items()}
     return {"connector": rt.vllm.connector, "why": WHY[rt.vllm.connector],
             "nixl_progress_delay_us": rt.vllm.nixl_progress_delay_us,

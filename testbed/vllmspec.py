@@ -26,9 +26,10 @@ class VllmSpec:
     max_num_seqs: int = spec(integer(1, 1024), 8, "--max-num-seqs (vLLM's batch size)")
     kv_cache_space_gib: float = spec(at_most(positive(units.number), 1024, "1024"), 1.0,
                                      "VLLM_CPU_KVCACHE_SPACE of each instance, GiB")
-    cpus: str = spec(string, "nobind",
-                     "VLLM_CPU_OMP_THREADS_BIND of each instance: nobind, a CPU list (0-1), "
-                     "or auto: each instance one CPU of the machine's, round-robin")
+    cpus: str = spec(string, "auto",
+                     "VLLM_CPU_OMP_THREADS_BIND of each instance: auto (each instance a CPU "
+                     "of its own; nobind when there are more instances than CPUs), nobind, or "
+                     "a CPU list (0-1)")
     connector: str = spec(choice(*CONNECTORS), "NixlConnector",
                           "the KV connector (NIXL over UCX TCP on CPU; RDMA where there is any)")
     nixl_progress_delay_us: int = spec(

@@ -42,6 +42,7 @@ NEEDS = {
     "ray_vs_mininet.py": {"root", "ray"},
     "tcp_timers.py": {"root"},
     "ttft_excess.py": {"root"},
+    "vllm_bench_up.py": {"root", "vllm"},
     "vllm_calibration.py": {"root", "vllm"},
     "worker_rss.py": {"root"},
 }
@@ -54,6 +55,9 @@ COVERED = {
                        "tolerances",
     "ray_vs_mininet.py": "tests/test_ray_root.py::test_tiny_run_on_ray_namespace_hosts and "
                          "tests/test_run_root.py::test_tiny_run_measured_facts",
+    "vllm_bench_up.py": "tests/test_vllm_root.py (bench serve through the front door) and "
+                        "tests/test_live_root.py (a live up through the forward); a vLLM "
+                        "start-up of minutes",
     "vllm_calibration.py": "tests/test_vllm.py::test_calibrate_measures_the_running_server_into_"
                            "a_profile_it_runs and tests/test_vllm_root.py (minutes of vLLM "
                            "start-ups)",

@@ -105,11 +105,14 @@ def test_the_pid_record_takes_a_restarted_server_once(tmp_path):
         reg.path.unlink(missing_ok=True)
 
 
-def test_cpus_auto_gives_each_instance_its_own_cpu_round_robin():
+def test_cpus_auto_gives_each_instance_its_own_cpu_or_binds_none():
     rt = types.SimpleNamespace(vllm=types.SimpleNamespace(cpus="auto"), of_role=lambda *r: [
         types.SimpleNamespace(name=n) for n in ("rp0", "lp0", "ld0")])
+    assert [vllm_engine.cpus_for(rt, n, {0, 1, 2}) for n in ("rp0", "lp0", "ld0")] == \
+        ["0", "1", "2"]
+    # more instances than CPUs: two bound to one CPU stalled a prefill 60 s; none is bound
     assert [vllm_engine.cpus_for(rt, n, {0, 1}) for n in ("rp0", "lp0", "ld0")] == \
-        ["0", "1", "0"]
+        ["nobind"] * 3
     rt.vllm.cpus = "1"
     assert vllm_engine.cpus_for(rt, "ld0", {0, 1}) == "1"
 

@@ -40,14 +40,17 @@ WARM_BACKOFF_S = (1.0, 2.0, 4.0, 8.0)
 
 def cpus_for(rt, name, allowed=None):
     """VLLM_CPU_OMP_THREADS_BIND of instance `name`: `model.vllm.cpus` as given, or, for
-    `auto`, one CPU of this machine's each, round-robin over the vLLM instances in the
-    deployment's order, so that two engines' OpenMP threads never share a core (oversubscribed,
-    their barriers wait for a descheduled thread)."""
+    `auto`, one CPU of this machine's each, in the deployment's order, so that two engines'
+    OpenMP threads never share a core (oversubscribed, their barriers wait for a descheduled
+    thread). With more vLLM instances than CPUs, `auto` binds none (nobind): two engines bound
+    to one CPU stalled a prefill for 60 s (docs/vllm.md, "Interference")."""
     if rt.vllm.cpus != "auto":
         return rt.vllm.cpus
     cpus = sorted(allowed if allowed is not None else os.sched_getaffinity(0))
     names = [i.name for i in rt.of_role("prefill", "decode")]
-    return str(cpus[names.index(name) % len(cpus)])
+    if len(names) > len(cpus):
+        return "nobind"
+    return str(cpus[names.index(name)])
 
 
 def spec_for(rt, inst, role):
@@ -111,7 +114,7 @@ class VllmInstance:
         self.pid_file.parent.mkdir(exist_ok=True)
         self.facts.update(extra)
         data = {"pids": self.server.pids(), "url": self.url, "started_s": self.started_s,
-                **self.facts}
+                "cpus": self.server.spec.cpus, **self.facts}
         tmp = self.pid_file.with_name(f".{self.pid_file.name}")
         tmp.write_text(json.dumps(data))
         tmp.replace(self.pid_file)
