@@ -294,8 +294,9 @@ class Flight:
                     error = self._on_prefill(ptask.result())
                 if error is None and self.next_chunk is not None and self.next_chunk in done:
                     chunk, error = self._on_chunk()
-                if error is None and chunk is not None and chunk.kv_late and chunk.done:
-                    error, chunk = self._on_kv_late(chunk.error), None
+                if error is None and chunk is not None and chunk.kv_late and chunk.done \
+                        and self._on_kv_late(chunk):
+                    chunk = None        # served again: waits on, or prefilled again
                 if error is None and chunk is not None:
                     if chunk.done:
                         yield await self._finish(chunk)
@@ -338,12 +339,15 @@ class Flight:
         self.ptask = asyncio.create_task(self._prefill_when_up(self.d, r.error))
         return None
 
-    def _on_kv_late(self, error):
-        """The decode instance's KV deadline passed (no token yet): wait again on it while the
-        prefill runs, or prefill again; the error that fails the request, else None."""
+    def _on_kv_late(self, chunk):
+        """The decode instance's KV deadline passed (`chunk`: its last, no token yet): wait
+        again on it while the prefill runs, or prefill again (True); or the request fails with
+        that chunk, its error saying why (False)."""
+        error = chunk.error
         what, arg = redispatch.after_kv_timeout(self, self._route, error, not self.ptask.done())
         if what == "fail":
-            return arg
+            chunk.error = arg
+            return False
         d_old = self.d
         self._stop_decode()
         if what == "wait":
@@ -351,13 +355,13 @@ class Flight:
             self.svc.health.events("kv_wait", id=self.req.id, instance=d_old.name,
                                    attempt=self.attempt, waits=self.kv_waits)
             self._start_decode(d_old)
-            return None
+            return True
         p, d = arg
         self._stop_prefill()
         self._moved("decode", d_old, p, f"{error}; prefill again for {d.name}")
         self._start_decode(d)
         self._start_prefill(p)
-        return None
+        return True
 
     def _on_chunk(self):
         """(the decode stream's next chunk, None) and the stream read on; (None, the error)
