@@ -9,7 +9,13 @@ role conversion. Its numbers are not part of the test suite's
 pass/fail.
 
     .venv/bin/python benchmarks/ttft_model.py RUN_DIR [RUN_DIR ...] [--max-load 0.8]
+    .venv/bin/python benchmarks/ttft_model.py --curve TOP [--max-load 0.8]
     .venv/bin/python benchmarks/ttft_model.py --smoke     # the fixture run in tests/data
+
+`--curve TOP`: a load sweep (`sweep: {load: [...]}`, experiments/load_curve.yaml) with
+replicates, one point per policy and load: the median over the replicates of the model and of
+the measurement, the error, and how many points at or below `--max-load` (a fraction of the
+policy's predicted Lambda_max, the sweep's own `load`) have p50 and p90 within 15%.
 """
 
 import argparse
@@ -72,13 +78,51 @@ def report(tops, max_load):
               f"p90 within 15% ({hits / total:.0%})")
 
 
+def curve_report(top, max_load):
+    """Per policy and load of a sweep: model and measured TTFT (medians over replicates)."""
+    points = {}
+    for d, p, s, faulted in rows(top):
+        if s.get("load") is None or faulted:
+            continue
+        key = (str(s["label"]).split(",load=")[0], float(s["load"]))
+        points.setdefault(key, []).append((p, s))
+    print("policy | load (of Lambda_max) | n | " + " | ".join(
+        f"{n} model/measured (err)" for _, n in KEYS))
+    hits = total = 0
+    for (series, load), runs in sorted(points.items()):
+        cells, errs = [], {}
+        for key, _ in KEYS:
+            pv = _median([p.get(key) for p, _ in runs])
+            mv = _median([s.get(key) for _, s in runs])
+            errs[key] = None if pv is None or not mv else pv / mv - 1
+            cells.append(f"{'-' if pv is None else f'{pv:.0f}'}/{mv:.0f} ({_err(pv, mv)})")
+        print(f"{series} | {load:g} | {len(runs)} | " + " | ".join(cells))
+        if load <= max_load + 1e-9 and errs["p90_ttft_ms"] is not None:
+            total += 1
+            hits += all(abs(errs[k]) <= 0.15 for k in ("median_ttft_ms", "p90_ttft_ms"))
+    if total:
+        print(f"at or below {max_load:g} Lambda_max: {hits} of {total} points have p50 and p90 "
+              f"within 15% ({hits / total:.0%})")
+
+
+def _median(values):
+    v = sorted(x for x in values if x is not None)
+    return None if not v else (v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] +
+                                                                  v[len(v) // 2]) / 2)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="*", type=pathlib.Path, help="run directories (or tops)")
     ap.add_argument("--max-load", type=float, default=0.8,
                     help="count runs whose busiest stage is below this utilisation")
     ap.add_argument("--smoke", action="store_true", help="the fixture run in tests/data")
+    ap.add_argument("--curve", type=pathlib.Path, metavar="TOP",
+                    help="a load sweep with replicates: one point per policy and load")
     args = ap.parse_args(argv)
+    if args.curve:
+        curve_report(args.curve, args.max_load)
+        return 0
     if args.smoke:      # the fixture holds raw records: analyse a copy first
         with tempfile.TemporaryDirectory() as tmp:
             top = pathlib.Path(tmp) / SMOKE_RUN.name
