@@ -114,7 +114,6 @@ def _panel(ax, table, key, name, factor):
         pol = g.policy.iloc[0]
         if key in ("p90_ttft_ms",) and pol in PAPER_TTFT_S:
             ax.axhline(PAPER_TTFT_S[pol][1], color=st["color"], linestyle="--", linewidth=0.5)
-    ax.set_xlabel("offered load (req/s, real-world)")
     ax.set_ylabel(name)
 
 
@@ -128,10 +127,16 @@ def load_curve(top, out_dir, save, width_in=7.0, stem="load_curve"):
     if frame.empty:
         return None
     table = load_table(frame)
-    fig, axes = plt.subplots(2, 2, figsize=(width_in, width_in * 0.72))
+    # One x label and one legend for the figure, outside the panels, so that nothing overlaps
+    # at a single column's width (3.3 in) either; a narrow figure is taller.
+    fig, axes = plt.subplots(2, 2, figsize=(width_in, width_in * (0.72 if width_in > 5 else 1.0)),
+                             sharex=True, layout="constrained")
     for ax, (key, name, factor) in zip(axes.flat, PANELS):
         _panel(ax, table, key, name, factor)
-    axes.flat[0].legend(loc="upper left", frameon=False)
+    fig.supxlabel("offered load (req/s, real-world)", fontsize="medium")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside upper center", ncol=len(labels), frameon=False,
+               fontsize="small" if width_in < 5 else "medium")
     return save(fig, out_dir, stem)
 
 
