@@ -30,7 +30,6 @@ import sys
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from testbed.commands import compare  # noqa: E402
 from testbed.live import promserver  # noqa: E402
 
 SMOKE_EXPERIMENT = REPO / "benchmarks" / "smoke.yaml"
@@ -80,8 +79,20 @@ def paired(sa, sb):
             for k in PAIRED}
 
 
-def variants(top):
-    return sorted({json.loads(p.read_text())["label"] for p in top.rglob("summary.json")})
+def summaries(top, variant=None):
+    """Every analysed run's summary at or below `top` (of `variant`, when given)."""
+    out = [json.loads(p.read_text()) for p in sorted(top.rglob("summary.json"))]
+    return [s for s in out if variant is None or str(s.get("variant") or s["label"]) == variant]
+
+
+def compare(top, variant, json_path):
+    """`testbed compare` of the two sides (printed); the metrics it finds distinguishable."""
+    subprocess.run([sys.executable, "-m", "testbed.cli", "compare",
+                    f"{top / 'without'}:{variant}", f"{top / 'with'}:{variant}",
+                    "--json", str(json_path)], cwd=REPO, check=True)
+    rows = json.loads(json_path.read_text())["metrics"]
+    return [r["metric"] for r in rows if r["difference"]["distinguishable"]
+            and r["difference"]["method"] != "single"]
 
 
 def main(argv=None):
@@ -100,15 +111,10 @@ def main(argv=None):
           f"(with/without {with_['tree_cpu_s'] / without['tree_cpu_s']:.3f})")
     print(f"the exporter: {live['cpu_s']:.2f} CPU-s, {100 * share:.1f}% of the run tree's CPU")
     distinguishable, paired_all = [], {}
-    for v in variants(top / "without"):
-        la, sa = compare.replicates(top / "without", v)
-        lb, sb = compare.replicates(top / "with", v)
-        rows = compare.contrast(sa, sb)
-        print(f"\n## {v}: A without the exporter, B with it\n")
-        print(compare.render(la, lb, sa, sb, rows))
-        distinguishable += [f"{v} {r['metric']}" for r in rows if r["difference"].distinguishable
-                            and r["difference"].method != "single"]
-        ratios = paired(sa, sb)
+    for v in sorted({str(s.get("variant") or s["label"]) for s in summaries(top / "without")}):
+        print(f"\n## {v}: A without the exporter, B with it\n", flush=True)
+        distinguishable += [f"{v} {m}" for m in compare(top, v, top / f"compare-{v}.json")]
+        ratios = paired(summaries(top / "without", v), summaries(top / "with", v))
         print("paired by seed, with / without: " + "; ".join(
             f"{k} " + " ".join(f"{x:.3f}" for x in xs) for k, xs in ratios.items()))
         paired_all[v] = ratios
