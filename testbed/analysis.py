@@ -46,6 +46,7 @@ def analyse(run_dir) -> dict:
     sent, done = read_records(rd.records, run.metadata.get("clocks"))
     events = read_events(rd.events, run.metadata.get("clocks"))
     df = metrics.build_requests(workload, sent, done, scale)
+    sent, done = set(sent), set(done)   # the ids: the records are in df now (memory)
     df["slo_ok"] = metrics.meets_slo(df, exp.slo.objectives_ms())
     ts = fidelity.flag_artifacts(rundir.timeseries(rd), scale)
     df = excess.decompose(df, run, ts, links(run))     # the TTFT's legs and their excess
@@ -58,8 +59,8 @@ def analyse(run_dir) -> dict:
     ids = set(int(i) for i in workload.id)
     summary["incomplete"] = bool(reasons)
     summary["incomplete_reason"] = "; ".join(reasons) or None
-    summary["not_finished"] = len((set(sent) - set(done)) & ids)
-    summary["not_sent"] = len(ids - set(sent) - set(done))
+    summary["not_finished"] = len((sent - done) & ids)
+    summary["not_sent"] = len(ids - sent - done)
     summary["workload"] = workload_stats(workload)
     if exp.scheduler.roles.enabled:
         summary["role_conversions"] = metrics.role_conversions(events, scale)

@@ -46,25 +46,11 @@ CACHE_COLUMNS = ("cached_len", "planned_cached_len", "decode_cached_len", "cache
 def build_requests(workload: pd.DataFrame, sent: dict, done: dict,
                    scale: Scale) -> pd.DataFrame:
     """One row per workload request, measured fields joined, durations in real-world ms."""
-    rows = []
-    for w in workload.itertuples(index=False):
-        rid = int(w.id)
-        row = {"id": rid, "arrival_s": float(w.arrival_s), "input_len": int(w.input_len),
-               "output_len": int(w.output_len)}
-        d, s = done.get(rid), sent.get(rid)
-        if d is not None:
-            row.update(d.columns())
-        elif s is not None:
-            row.update(send_time=s.send_time, status="failed",
-                       error="no reply recorded before the run ended")
-        else:
-            row.update(status="failed", error="never sent (the run ended first)")
-        if s is not None:
-            row["lateness_s"] = s.lateness_s
-        rows.append(row)
+    cols = _request_columns(workload, sent, done)
     # (no rows: `testbed up` that served nothing; the columns still exist)
-    df = pd.DataFrame(rows, columns=None if rows else [
+    df = pd.DataFrame(cols if len(workload) else None, columns=None if len(workload) else [
         "id", "arrival_s", "input_len", "output_len", "status"])
+    del cols
     for col in ("send_time", "first_token", "last_token", "prefill_queued", "prefill_start",
                 "prefill_end", "send_start", "send_end", "kv_recv_start", "kv_recv_end",
                 "decode_join", "lateness_s", "kv_bytes", "kv_bytes_sent", "n_tokens",
@@ -92,6 +78,38 @@ def build_requests(workload: pd.DataFrame, sent: dict, done: dict,
         for t in df.get("token_times", pd.Series([None] * len(df)))]
     df["lateness_ms"] = df.lateness_s * 1e3     # of the emulated schedule, not scaled
     return df
+
+
+def _request_columns(workload, sent, done) -> dict:
+    """The rows of `build_requests` as {column: values}, in the order of first appearance and
+    NaN where a row lacks the key, as pandas makes a table of the rows themselves, without a
+    dict a row held for all of them at once (a million requests: docs/sim.md, Cost)."""
+    cols, n = {}, 0
+    for w in workload.itertuples(index=False):
+        rid = int(w.id)
+        row = {"id": rid, "arrival_s": float(w.arrival_s), "input_len": int(w.input_len),
+               "output_len": int(w.output_len)}
+        d, s = done.get(rid), sent.get(rid)
+        if d is not None:
+            row.update(d.columns())
+        elif s is not None:
+            row.update(send_time=s.send_time, status="failed",
+                       error="no reply recorded before the run ended")
+        else:
+            row.update(status="failed", error="never sent (the run ended first)")
+        if s is not None:
+            row["lateness_s"] = s.lateness_s
+        for k, v in row.items():
+            col = cols.get(k)
+            if col is None:
+                col = cols[k] = []
+            if len(col) < n:
+                col.extend([np.nan] * (n - len(col)))
+            col.append(v)
+        n += 1
+    for col in cols.values():
+        col.extend([np.nan] * (n - len(col)))
+    return cols
 
 
 def tokens_table(df: pd.DataFrame, scale: Scale) -> pd.DataFrame:

@@ -22,6 +22,7 @@ import csv
 import dataclasses
 import json
 import pathlib
+import sys
 import threading
 import time
 
@@ -165,7 +166,7 @@ class RunDir:
 
 # ---------------------------------------------------------------- requests.jsonl
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)     # slots: a million of them are read at once
 class SentRecord:
     """A `sent` line: the client (or front door) handed request `id` to the scheduler."""
 
@@ -177,7 +178,7 @@ class SentRecord:
     output_len: int | None = None
 
     def line(self) -> dict:
-        out = {"ev": "sent", **dataclasses.asdict(self)}
+        out = {"ev": "sent", **{f: getattr(self, f) for f in self.__slots__}}   # fields, in order
         if self.input_len is None:
             del out["input_len"], out["output_len"]
         return out
@@ -190,7 +191,7 @@ DECODE_FIELDS = ("kv_recv_start", "kv_recv_end", "decode_join", "decode_held")
 SCHEDULER_FIELDS = ("sched_received", "sched_routed")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)     # slots: 1.3 KB a record read, not 4.4 (docs/sim.md)
 class RequestRecord:
     """A `done` line: one request's outcome and every stamp taken on its way (Unix seconds,
     each on the clock of the host that took it until `on_reference_clock`)."""
@@ -263,7 +264,9 @@ class RequestRecord:
         obj = tokentimes.expand(dict(obj))
         obj.pop("ev", None)
         known = {k: obj.pop(k) for k in list(obj) if k in _RECORD_FIELDS and k != "extra"}
-        return cls(**known, extra=obj)
+        # A million records share a few names: one copy of each
+        known.update((k, sys.intern(known[k])) for k in _SHARED if isinstance(known.get(k), str))
+        return cls(**known, extra=dict(obj))    # a copy: the emptied dict keeps its size
 
     def columns(self) -> dict:
         """The request's fields for a table row (requests.parquet), id left out."""
@@ -294,6 +297,7 @@ class RequestRecord:
 
 
 _RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(RequestRecord))
+_SHARED = ("status", "error", "route", "decode_instance", "prefill_instance", "cache_source")
 
 
 def _shift(record, fields, offset):

@@ -57,6 +57,30 @@ def test_missing_requests_are_kept_as_failed(exp):
     assert "no reply" in df.error[1] and "never sent" in df.error[2]
 
 
+def test_request_table_is_the_table_of_its_rows():
+    """build_requests collects columns, not row dicts (memory): the table is still the one
+    pandas makes of the rows, column order and NaN for a key a row lacks included."""
+    sent = {0: sent_record(0, 1.0), 2: sent_record(2, 3.0, lateness_s=0.5)}
+    d = {2: done(2, 3.0, 3.1, 3.2), 3: done(3, 4.0, 4.1, 4.2)}
+    d[3].extra = {"later": "x"}
+    df = metrics.build_requests(workload(5), sent, d, scale=Scale(10, 1e-3))
+    rows = [{"id": 0, "arrival_s": 0.0, "input_len": 1000, "output_len": 5, "send_time": 1.0,
+             "status": "failed", "error": "no reply recorded before the run ended",
+             "lateness_s": None}]
+    rows += [{"id": i, "arrival_s": float(i), "input_len": 1000, "output_len": 5,
+              "status": "failed", "error": "never sent (the run ended first)"} for i in (1, 4)]
+    rows.insert(2, {"id": 2, "arrival_s": 2.0, "input_len": 1000, "output_len": 5,
+                    **d[2].columns(), "lateness_s": 0.5})
+    rows.insert(3, {"id": 3, "arrival_s": 3.0, "input_len": 1000, "output_len": 5,
+                    **d[3].columns()})
+    want = pd.DataFrame(rows)
+    assert list(df.columns[:len(want.columns)]) == list(want.columns)
+    assert df.later.isna().tolist() == [True, True, True, False, True]
+    assert df.route.isna().tolist() == want.route.isna().tolist()
+    assert [type(x) for x in df.route] == [type(x) for x in want.route]
+    assert df.lateness_s.tolist()[2] == 0.5 and np.isnan(df.lateness_s[3])
+
+
 def test_summary(exp):
     d = {i: done(i, 10.0 + i, 10.0 + i + 0.1 * (i + 1), 10.0 + i + 1.0,
                  route="remote" if i % 2 else "local") for i in range(4)}

@@ -4,7 +4,8 @@
 `prfaas`: the paper's length threshold on the *incremental* (uncached) length: longer than
 `threshold` goes to PrfaaS, the rest to local prefill. Within a cluster the instance with the
 least outstanding work (predicted prefill seconds queued) is chosen; decode goes to the instance
-with the fewest requests in flight. An instance whose RPC failed as unreachable is marked down
+with the fewest requests in flight; ties go to the first name (`workers.pools.Least` finds the
+same instance a scan would, in O(log n) a request). An instance whose RPC failed as unreachable is marked down
 and skipped; if a whole cluster is down the other one takes the request (failover to the local
 path, which the paper leaves to deployments), except that with `max_local` requests longer
 than it keep going to PrfaaS and wait for it (local prefill of very long prompts can take longer
@@ -19,10 +20,19 @@ a recorded state, so a decision can be replayed (testbed/sim/replay.py).
 import dataclasses
 
 from testbed.records import DecisionRecord
+from workers.pools import Least, Watched
+
+
+def _load(i):
+    return i.outstanding_s
+
+
+def _inflight(i):
+    return i.inflight
 
 
 @dataclasses.dataclass
-class Instance:
+class Instance(Watched):
     name: str
     role: str            # "prefill" | "decode"
     dc: str              # "prfaas" | "local"
@@ -34,8 +44,23 @@ class Instance:
     down: bool = False
 
 
+def _pool(attr):
+    """A Router's list of instances (`remote`, `local`, `decode`): a `Pool` with its `Least`
+    index; assigning a list replaces the pool."""
+    def get(self):
+        return getattr(self, attr).pool
+
+    def put(self, items):
+        getattr(self, attr).pool = items
+    return property(get, put)
+
+
 class Router:
+    remote, local, decode = _pool("_remote_ix"), _pool("_local_ix"), _pool("_decode_ix")
+
     def __init__(self, policy, threshold, instances, predict_s, max_local=None):
+        self._remote_ix, self._local_ix = Least(_load), Least(_load)
+        self._decode_ix = Least(_inflight)
         self.policy = policy
         self.threshold = threshold
         self.max_local = max_local          # failover: longest request prefilled locally
@@ -74,20 +99,29 @@ class Router:
     def route_to(self, remote, uncached, cost=None):
         """Route to PrfaaS (`remote`) or local prefill, failing over as `route` does; within
         the cluster the instance of least `cost(instance)` (default: outstanding work)."""
-        first, second = (self.remote, self.local) if remote else (self.local, self.remote)
-        up = [i for i in first if not i.down] or [i for i in second if not i.down]
-        if remote and self.max_local is not None and uncached > self.max_local and \
-                not any(not i.down for i in self.remote) and self.remote:
-            up = self.remote        # too long for local prefill: wait for PrfaaS to come back
-        if not up:
+        p = self._prefill(remote, uncached, cost)
+        if p is None:
             raise LookupError("no prefill instance is up")
-        p = min(up, key=lambda i: (cost(i) if cost else i.outstanding_s, i.name))
-        decoders = [d for d in self.decode if not d.down]
-        if not decoders:
+        d = self._decode_ix.best()
+        if d is None:
             raise LookupError("no decode instance is up")
-        d = min(decoders, key=lambda i: (i.inflight, i.name))
         kind = "remote" if p.dc == "prfaas" else "local"
         return kind, p, d
+
+    def _prefill(self, remote, uncached, cost):
+        """The prefill instance `route_to` picks, or None: the first cluster's up instance of
+        least (cost, name), else the other's; the index answers unless `cost` is given."""
+        first, second = (self._remote_ix, self._local_ix) if remote else \
+            (self._local_ix, self._remote_ix)
+        p = first.best()
+        if p is None and remote and self.max_local is not None and uncached > self.max_local \
+                and self.remote:
+            up = self.remote        # too long for local prefill: wait for PrfaaS to come back
+        elif cost is not None:      # another order than the index's: scan the up instances
+            up = [i for i in first.pool if not i.down] or [i for i in second.pool if not i.down]
+        else:
+            return p if p is not None else second.best()
+        return min(up, key=lambda i: (cost(i) if cost else i.outstanding_s, i.name), default=None)
 
     def book(self, rid, time, uncached):
         """The record of a decision about to be made on `uncached` tokens: the book it reads

@@ -14,6 +14,7 @@ which model terms were on.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import resource
 import secrets
 import time
@@ -44,6 +45,11 @@ class SimRun:
         self.deployment = deployment if deployment is not None else deploy.compile(exp)
 
     def execute(self):
+        self._simulate()
+        gc.collect()        # the models' cycles, gone before analysis needs the memory
+        return analysis.analyse(self.dir)
+
+    def _simulate(self):
         exp, d, dep = self.exp, self.dir, self.deployment
         wall0, cpu0 = time.monotonic(), time.process_time()
         workload = runinputs.write_inputs(exp, dep, d)
@@ -92,4 +98,3 @@ class SimRun:
                        "not_finished": cluster.active}
         meta["phases_s"] = {"simulate": round(wall, 3)}
         rundir.write_metadata(d, meta)
-        return analysis.analyse(d)
