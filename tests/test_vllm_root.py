@@ -59,7 +59,9 @@ def test_vllm_bench_serve_agrees_with_the_records_on_real_engines(run):
     testbed's record of the same request plus under 5% of the p50, paired, at the median
     (measured: +5.3 ms on a 516 ms p50). The two p50s themselves are medians of 8 and move
     with the few requests whose HTTP path waited for a busy core (p90 of the paired
-    difference: 103 ms): measured 7.0% apart in that run, so 10% here (docs/vllm.md)."""
+    difference: 103 ms): measured 7.0%, 31% and 17% apart in three runs while the paired
+    median stayed within 5% every time, so they are printed, not asserted; the p50 check
+    is benchmarks/vllm_bench_up.py's, on 16 requests (+2.1% and +2.6%, docs/vllm.md)."""
     summary = json.loads((run / "summary.json").read_text())
     vb = summary["vllm_bench"]
     cmp = vb["compare"]
@@ -68,4 +70,5 @@ def test_vllm_bench_serve_agrees_with_the_records_on_real_engines(run):
     ours = pd.read_parquet(run / "requests.parquet").ttft_ms.median()
     theirs = vb["reported"]["median_ttft_ms"]
     assert 0 <= cmp["ttft_diff_ms_median"] <= 0.05 * ours, (cmp, ours)
-    assert abs(theirs / ours - 1) <= 0.10, (theirs, ours, cmp)
+    print(f"TTFT p50: bench serve {theirs:.1f} ms, records {ours:.1f} ms; paired median "
+          f"+{cmp['ttft_diff_ms_median']:.1f} ms")
