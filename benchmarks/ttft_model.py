@@ -21,6 +21,7 @@ policy's predicted Lambda_max, the sweep's own `load`) have p50 and p90 within 1
 import argparse
 import pathlib
 import shutil
+import statistics
 import sys
 import tempfile
 
@@ -106,9 +107,8 @@ def curve_report(top, max_load):
 
 
 def _median(values):
-    v = sorted(x for x in values if x is not None)
-    return None if not v else (v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] +
-                                                                  v[len(v) // 2]) / 2)
+    v = [x for x in values if x is not None]
+    return statistics.median(v) if v else None
 
 
 def main(argv=None):
