@@ -275,7 +275,6 @@ class SimCluster:
             return
         self.active += 1
         r.d.inflight += 1
-        r.opened = now
         r.predicted = self.router.predict_s(r.p, r.input_len)
         r.p.outstanding_s += r.predicted
         self._open_decode(r)
