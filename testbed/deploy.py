@@ -33,7 +33,8 @@ from testbed import profile as profiles
 from testbed.errors import ConfigError
 from testbed.experiment import cache_capacity
 from testbed.net import spec as netspec
-from testbed.net.linkmodel import DIRECTIONS, Link, check_params, needs_per_frame_packets
+from testbed.net.linkmodel import (DIRECTIONS, MIN_BURST_BYTES, Link, check_params,
+                                   default_police_burst, needs_per_frame_packets)
 from testbed.net.ratetrace import read_rate_trace
 from testbed.runtime import (KV_PORT, AdaptiveRuntime, CacheRuntime, DecodeRuntime,
                              InstanceRuntime, RolesRuntime, SchedulerRuntime, VllmRuntime,
@@ -166,8 +167,8 @@ def _compile(exp):
                                                                link_changes)
                             + _fault_actions(scale, faults), key=lambda s: s.at_s))
     per_frame = needs_per_frame_packets(links) or any(
-        c.loss or c.corrupt or c.duplicate for c in exp.network.wan.changes) or any(
-        o.spec.kind == "link" and (o.spec.corrupt or o.spec.duplicate)
+        c.loss or c.corrupt or c.duplicate or c.police for c in exp.network.wan.changes) or any(
+        o.spec.kind == "link" and (o.spec.corrupt or o.spec.duplicate or o.spec.police)
         for o in faults)
     return Deployment(
         name=exp.name, label=exp.run_label, seed=exp.seed, scale=scale,
@@ -239,7 +240,23 @@ def emulated_link(real, scale, direction) -> Link:
                          "jitter_dist": real["jitter_dist"], "reorder": real["reorder"],
                          "loss": real["loss"], "loss_burst": real["loss_burst"],
                          "queue": dict(q) if q else None, "up": real["up"],
-                         **{k: real[k] for k in netspec.STEADY_KEYS}}, direction)
+                         **_emulated_steady(real, scale)}, direction)
+
+
+def _emulated_steady(real, scale):
+    """The steady faults and path limits that are set in `real` (real-world), emulated: the
+    policer's rate as a rate, its bucket as bytes. A policer given without a bucket gets
+    `default_police_burst` of its real-world rate (10 ms of it), scaled, at least two frames."""
+    out = {k: real[k] for k in netspec.STEADY_KEYS if real.get(k) is not None}
+    if out.get("police"):
+        burst = out.get("police_burst")
+        out["police_burst"] = (int(scale.emulated_bytes(burst)) if burst else
+                               max(int(scale.emulated_bytes(default_police_burst(out["police"]))),
+                                   MIN_BURST_BYTES))
+        out["police"] = scale.emulated_rate(out["police"])
+    elif out.get("police_burst"):
+        out["police_burst"] = int(scale.emulated_bytes(out["police_burst"]))
+    return out
 
 
 def _real(d):
@@ -253,13 +270,14 @@ def _changes(spec, scale):
     """The shaper's keys of a change or link fault (`rate`, `delay`, `jitter`, `loss`, `up`
     that are set), emulated."""
     out = {}
-    for k in ("rate", "delay", "jitter", "loss", "up", *netspec.STEADY_KEYS):
+    for k in ("rate", "delay", "jitter", "loss", "up"):
         v = getattr(spec, k, None)
         if v is None:
             continue
         out[k] = (scale.emulated_rate(v) if k == "rate" else
                   scale.emulated_s(v) if k in ("delay", "jitter") else v)
-    return out
+    return {**out, **_emulated_steady({k: getattr(spec, k, None)
+                                       for k in netspec.STEADY_KEYS}, scale)}
 
 
 def _direction(d):

@@ -43,9 +43,9 @@ import random
 
 from testbed import units
 from testbed.errors import ConfigError
-from testbed.net.linkmodel import STEADY_KEYS
+from testbed.net.linkmodel import STEADY_KEYS, path_mtu
 from testbed.net.linkmodel import reorder_gap as _gap
-from testbed.schema import choice, integer, optional, positive, spec, string
+from testbed.schema import boolean, choice, integer, optional, positive, spec, string
 from testbed.workload import generate
 
 
@@ -97,6 +97,11 @@ class FaultSpec:
     reorder_prob: float = spec(optional(units.probability), None,
                                "link: probability a packet is sent ahead (netem's reorder)")
     reorder_gap: int = spec(optional(_gap), None, "link: netem's reorder gap")
+    mtu: int = spec(optional(path_mtu), None, "link: path MTU at the router while it lasts")
+    mtu_icmp: bool = spec(optional(boolean), None,
+                          "link: false drops above mtu without ICMP (PMTU blackhole)")
+    police: float = spec(optional(units.rate_bps), None, "link: policer rate while it lasts")
+    police_burst: int = spec(optional(units.size_bytes), None, "link: the policer's bucket")
 
     def check(self):
         k = self.kind

@@ -55,6 +55,12 @@ def register(sub):
     p.add_argument("--reorder", default=None, dest="reorder_prob",
                    help="probability a packet is sent ahead of those held (netem's reorder)")
     p.add_argument("--reorder-gap", default=None, help="netem's gap (default 1)")
+    p.add_argument("--mtu", default=None, help="path MTU at the router, bytes (552..1500)")
+    p.add_argument("--no-mtu-icmp", action="store_false", dest="mtu_icmp", default=None,
+                   help="drop above --mtu without ICMP fragmentation-needed (PMTU blackhole)")
+    p.add_argument("--police", default=None, help="token-bucket policer rate, e.g. 50Mbit")
+    p.add_argument("--police-burst", default=None,
+                   help="the policer's bucket, bytes (default 10 ms of its rate)")
     p.add_argument("--queue", default=None, help="drop-tail queue, bytes or '100p' (default BDP)")
     p.add_argument("--shaping", default="auto", choices=("auto", "netem", "userspace"),
                    help="the shaping backend (default auto: netem where the kernel has it)")
@@ -74,7 +80,8 @@ def main(args):
     d = direction_params(args.rate, args.delay, args.jitter, args.loss, args.queue,
                          loss_burst=args.loss_burst, corrupt=args.corrupt,
                          duplicate=args.duplicate, reorder_prob=args.reorder_prob,
-                         reorder_gap=args.reorder_gap)
+                         reorder_gap=args.reorder_gap, mtu=args.mtu, mtu_icmp=args.mtu_icmp,
+                         police=args.police, police_burst=args.police_burst)
     if args.backend == "ray":
         out = _on_ray(args, d)
     else:
@@ -95,6 +102,8 @@ def _on_this_machine(args, d):
         result = measure_link(link.src, link.dst, link.dst_ip, d.params(),
                               duration_s=args.duration, calibrated=link.calibration is not None)
         backend, reason = link.wan.backend, link.wan.backend_reason
+        if d.police:
+            result["measured"]["police_drops"] = link.wan.police_drops().get("kv", 0)
     cc = args.cc or open("/proc/sys/net/ipv4/tcp_congestion_control").read().strip()
     return {"backend": backend, "backend_reason": reason, "congestion_control": cc,
             "calibration": link.calibration, **result}
@@ -112,10 +121,27 @@ def _jsonable(x):
     return float(x) if isinstance(x, (int, float)) else str(x)
 
 
+def _path_rows(c, m, e):
+    """The path MTU and policer rows, when configured."""
+    rows = []
+    if e.get("mtu"):
+        rows.append(("path MTU (DF probe)", f"{e['mtu']} B", f"{m.get('mtu')} B", ""))
+        rows.append(("PMTU learned (ICMP)", f"{e['mtu']} B" if e["mtu_icmp"] else "none",
+                     f"{m.get('learned_mtu')} B", "1500 = no ICMP came"))
+    if e.get("police_bps"):
+        g = m["goodput_bps"]
+        rows.append(("policer", units.fmt_rate(e["police_bps"]) + f", {c['police_burst']} B",
+                     f"{m.get('police_drops', '-')} drops",
+                     "" if g is None else f"goodput {g / e['police_bps']:.3f} of its rate"))
+    return rows
+
+
 def format_result(out):
     c, m, e = out["configured"], out["measured"], out["configured"]["expected"]
+    g = m["goodput_bps"]
     rows = [("goodput (TCP payload)", units.fmt_rate(c["rate"]) + " link",
-             units.fmt_rate(m["goodput_bps"]), f"{m['goodput_bps'] / c['rate']:.3f} of rate"),
+             "-" if g is None else units.fmt_rate(g),
+             "not measured: PMTU blackhole" if g is None else f"{g / c['rate']:.3f} of rate"),
             ("RTT p50", f"{e['rtt_ms']:.2f} ms", f"{m['rtt_p50_ms']:.2f} ms", ""),
             ("RTT p99", "", f"{m['rtt_p99_ms']:.2f} ms", ""),
             ("jitter (one-way sd)", f"{e['jitter_ms']:.2f} ms", f"{m['jitter_ms']:.2f} ms", ""),
@@ -130,6 +156,7 @@ def format_result(out):
         if e.get(k):
             rows.append((what, f"{e[k]:.3%}", "-" if m.get(k) is None else f"{m[k]:.3%}",
                          f"{m['loss_packets']} packets"))
+    rows += _path_rows(c, m, e)
     lines = [f"backend: {out['backend']} ({out['backend_reason']}); TCP "
              f"{out['congestion_control']}"]
     if "hosts" in out:

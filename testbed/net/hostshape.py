@@ -57,7 +57,7 @@ import json
 import subprocess
 import sys
 
-from testbed.errors import NetworkError
+from testbed.errors import ConfigError, NetworkError
 from testbed.net import netlink
 from testbed.net.firewall import Firewall
 from testbed.net.linkmodel import (DIRECTIONS, Link, check_params, needs_delayline,
@@ -169,6 +169,14 @@ class HostWan(Wan):
         if self.registry is not None:
             self.registry.on_close(self.stop, f"wan shaping on {self.iface}")
         return self
+
+    def _check_backend_supports(self, d, link):
+        super()._check_backend_supports(d, link)
+        for key, on in (("mtu", link.mtu), ("police", link.police)):
+            if on:
+                raise ConfigError(f"{key} is the WAN router's (testbed.net.pathlimit); the Ray "
+                                  "backend shapes on the hosts and has no router: run it on "
+                                  "the mininet backend", key=f"network.wan.{d}.{key}")
 
     def _pick_backend(self):
         if self.requested_backend != "auto":

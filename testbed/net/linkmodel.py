@@ -30,10 +30,14 @@ MIN_BURST_BYTES = 2 * FRAME_BYTES
 # bursts at once (veth does not pace them), and a queue smaller than one burst drops all of it
 # (measured: 12 KiB at 1 Gbit/s, 0 ms gave 0.3% of the rate; 96 KiB gave 95%).
 MIN_QUEUE_BYTES = 96 * 1024
-SETTABLE = ("rate", "delay", "jitter", "loss", "loss_burst", "up", "queue", "corrupt",
-            "duplicate", "reorder_prob", "reorder_gap")
 STEADY_FAULTS = ("corrupt", "duplicate", "reorder_prob")   # probabilities (docs/link.md)
-STEADY_KEYS = (*STEADY_FAULTS, "reorder_gap")             # the YAML's and the shaper's keys
+# the router's path limits (testbed.net.pathlimit): a path MTU, with or without ICMP
+# "fragmentation needed", and a token-bucket policer (rate bit/s, burst bytes)
+PATH_KEYS = ("mtu", "mtu_icmp", "police", "police_burst")
+STEADY_KEYS = (*STEADY_FAULTS, "reorder_gap", *PATH_KEYS)  # the YAML's and the shaper's keys
+SETTABLE = ("rate", "delay", "jitter", "loss", "loss_burst", "up", "queue", *STEADY_KEYS)
+MTU_RANGE = (552, 1500)     # Linux's min_pmtu .. the hosts' own MTU (packets: not scaled)
+POLICE_BURST_S = 0.010      # default policer burst: 10 ms of its rate, at least two frames
 MAX_REORDER_GAP = 1_000_000
 
 
@@ -54,6 +58,10 @@ class Link:
     duplicate: float = 0.0
     reorder_prob: float = 0.0            # netem's reorder P gap G: sent at once, overtaking
     reorder_gap: int = 1
+    mtu: int = 0                         # path MTU at the router (0: the interfaces' own)
+    mtu_icmp: bool = True                # false: no ICMP "fragmentation needed" (PMTU blackhole)
+    police: float = 0.0                  # policer rate, bit/s (0: none)
+    police_burst: int = 0                # policer bucket, bytes
 
     def params(self) -> dict:
         """The shaper's keyword form (the keys of `Wan.set` and of scheduled changes)."""
@@ -62,7 +70,9 @@ class Link:
                 "queue": dict(self.queue) if self.queue else None, "up": self.up,
                 "jitter_dist": self.jitter_dist, "reorder": self.reorder,
                 "corrupt": self.corrupt, "duplicate": self.duplicate,
-                "reorder_prob": self.reorder_prob, "reorder_gap": self.reorder_gap}
+                "reorder_prob": self.reorder_prob, "reorder_gap": self.reorder_gap,
+                "mtu": self.mtu, "mtu_icmp": self.mtu_icmp, "police": self.police,
+                "police_burst": self.police_burst}
 
     def changed(self, direction: str, **changes) -> Link:
         """This link with `changes` (the shaper's keys) applied, checked like any other."""
@@ -79,7 +89,8 @@ def check_params(p: dict, direction: str = "wan") -> Link:
     """
     out = {"delay": 0.0, "jitter": 0.0, "loss": 0.0, "queue": None, "up": True,
            "jitter_dist": "normal", "reorder": False, "loss_burst": None, "corrupt": 0.0,
-           "duplicate": 0.0, "reorder_prob": 0.0, "reorder_gap": 1}
+           "duplicate": 0.0, "reorder_prob": 0.0, "reorder_gap": 1, "mtu": 0, "mtu_icmp": True,
+           "police": 0.0, "police_burst": 0}
     out.update(p or {})
     key = f"network.wan.{direction}"
     if "rate" not in out or out["rate"] is None:
@@ -119,11 +130,53 @@ def check_params(p: dict, direction: str = "wan") -> Link:
                               f"packets needs a good->bad probability above 1; use longer bursts",
                               key=f"{key}.loss_burst")
     out["reorder_gap"] = _gap(out["reorder_gap"], key)
-    return Link(corrupt=out["corrupt"], duplicate=out["duplicate"],
+    _check_path_limits(out, key)
+    return Link(mtu=out["mtu"], mtu_icmp=out["mtu_icmp"], police=out["police"],
+                police_burst=out["police_burst"], corrupt=out["corrupt"], duplicate=out["duplicate"],
                 reorder_prob=out["reorder_prob"], reorder_gap=out["reorder_gap"],
                 rate_bps=out["rate"], delay_s=out["delay"], jitter_s=out["jitter"],
                 jitter_dist=out["jitter_dist"], reorder=bool(out["reorder"]), loss=out["loss"],
                 loss_burst=out["loss_burst"], queue=dict(q) if q else None, up=bool(out["up"]))
+
+
+def path_mtu(value):
+    """A path MTU in bytes (YAML), MTU_RANGE[0]..MTU_RANGE[1] (a packet size: not scaled)."""
+    n = float(units.number(value))
+    lo, hi = MTU_RANGE
+    if not n.is_integer() or not lo <= n <= hi:
+        raise ValueError(f"expected a whole number of bytes {lo}..{hi} (Linux's smallest path "
+                         f"MTU .. the hosts' own), got {value!r}")
+    return int(n)
+
+
+def default_police_burst(rate_bps):
+    """The policer's bucket when none is given: POLICE_BURST_S of its rate, at least two
+    full frames (bytes)."""
+    return int(max(rate_bps / 8 * POLICE_BURST_S, MIN_BURST_BYTES))
+
+
+def _check_path_limits(out, key):
+    """mtu (0: none), mtu_icmp, police (bit/s, 0: none) and police_burst (bytes, 0: the
+    default) of `check_params`'s dict, in place."""
+    try:
+        out["mtu"] = path_mtu(out["mtu"]) if out["mtu"] else 0
+    except (TypeError, ValueError) as e:
+        raise ConfigError(str(e), key=f"{key}.mtu") from None
+    if not isinstance(out["mtu_icmp"], bool):
+        raise ConfigError(f"expected true or false, got {out['mtu_icmp']!r}", key=f"{key}.mtu_icmp")
+    try:
+        out["police"] = float(units.rate_bps(out["police"])) if out["police"] else 0.0
+        burst = int(units.size_bytes(out["police_burst"])) if out["police_burst"] else 0
+    except (TypeError, ValueError) as e:
+        raise ConfigError(str(e), key=f"{key}.police") from None
+    if out["police"] and out["police"] < 8e3:
+        raise ConfigError(f"expected a policer rate of at least 8 kbit/s, got "
+                          f"{out['police']:g}", key=f"{key}.police")
+    if out["police"] and burst and burst < FRAME_BYTES:
+        raise ConfigError(f"a policer bucket of {burst} bytes (emulated) passes no full frame "
+                          f"({FRAME_BYTES} bytes); raise police_burst (or scale.bytes)",
+                          key=f"{key}.police_burst")
+    out["police_burst"] = (burst or default_police_burst(out["police"])) if out["police"] else 0
 
 
 def reorder_gap(value):
@@ -201,8 +254,8 @@ def needs_delayline(link: Link) -> bool:
 
 
 def needs_per_frame_packets(links: dict) -> bool:
-    """True when loss is configured in any direction (`links`: direction -> Link): loss must
-    hit single frames.
+    """True when loss (or a policer, which drops too) is configured in any direction (`links`:
+    direction -> Link): drops must hit single frames.
 
     Senders with TSO/GSO hand the router 64 KiB bursts that the loss rule (and the delay line)
     see as one packet; dropping a whole burst is one loss event for TCP where a real link drops
@@ -210,7 +263,8 @@ def needs_per_frame_packets(links: dict) -> bool:
     builders turn segmentation offload off on the end hosts (`ns.disable_offloads`), at the price
     of per-frame work in the delay line (about 0.6 Gbit/s at most here instead of ~1).
     """
-    return any(lk.loss or lk.loss_burst or lk.corrupt or lk.duplicate for lk in links.values())
+    return any(lk.loss or lk.loss_burst or lk.corrupt or lk.duplicate or lk.police
+               for lk in links.values())
 
 
 def needs_checksums(links: dict) -> bool:

@@ -48,7 +48,10 @@ from testbed.errors import NetworkError
 from testbed.net.ns import disable_offloads, ns_argv, ns_run, sysctl
 from testbed.net.proberoles import TRAIN_PAYLOAD, WARMUP_S, pace
 
-TCP_PORT, UDP_PORT, REQ_PORT = 47001, 47002, 47003
+TCP_PORT, UDP_PORT, REQ_PORT, MTU_PORT = 47001, 47002, 47003, 47004
+HOST_MTU = 1500                   # the end hosts' interfaces (linkmodel.MTU_RANGE's top)
+MTU_FLOOR = 552                   # the search's bottom: Linux's smallest path MTU
+POLICE_PAYLOAD = 1448 / 1500      # TCP payload per IP byte, what the policer counts
 MSS_PAYLOAD = 1448                # TCP payload of a 1500-byte MTU frame with timestamps
 PROBES, PROBE_INTERVAL_S = 200, 0.005
 DEVIATION_WARN = 0.10
@@ -176,6 +179,22 @@ def measure_goodput(src, dst, dst_ip, duration_s):
     return 8 * r["rate_Bps"]
 
 
+def measure_mtu(src, dst, dst_ip, wait_s, tries=3):
+    """{'mtu': the largest IP packet that crosses src -> dst with DF set (None: not even
+    MTU_FLOOR bytes), 'learned_mtu': the path MTU src's kernel learned from ICMP meanwhile
+    (HOST_MTU when none came)}: a binary search of DF datagrams, each answered by the far side."""
+    sink = _spawn(dst, "mtu-sink", MTU_PORT, 60)
+    try:
+        sink.ready("mtu sink")
+        probe = _spawn(src, "mtu-probe", dst_ip, MTU_PORT, MTU_FLOOR, HOST_MTU, wait_s, tries)
+        out = probe.result("mtu probe", 12 * tries * wait_s + 15)
+        if not sink.exited(1.0):
+            sink.terminate()
+    finally:
+        sink.close()
+    return {"mtu": out["mtu"], "learned_mtu": out["learned_mtu"]}
+
+
 def measure_stalls(link, cuts, cut_s, period_s, warmup_s):
     """Receiver stalls of a bulk TCP flow across `link` (a `testbed.net.pair.routed_pair`) cut `cuts` times.
 
@@ -270,7 +289,15 @@ def _expected(configured):
             "loss_burst": fwd.get("loss_burst") if fwd.get("loss", 0.0) > 0 else None,
             **{k: fwd.get(k, 0.0) for k in ("corrupt", "duplicate")},
             "reorder_share": _reorder_share(fwd.get("reorder_prob", 0.0),
-                                            fwd.get("reorder_gap", 1))}
+                                            fwd.get("reorder_gap", 1)),
+            "mtu": fwd.get("mtu") or None, "mtu_icmp": fwd.get("mtu_icmp", True),
+            "police_bps": fwd.get("police") or None}
+
+
+def pmtu_blackhole(exp):
+    """True when the expected path drops the hosts' full-size packets without telling them:
+    TCP with the hosts' MSS then moves nothing (no goodput to measure)."""
+    return bool(exp["mtu"]) and exp["mtu"] < HOST_MTU and not exp["mtu_icmp"]
 
 
 def _reorder_share(p, gap):
@@ -299,8 +326,13 @@ def measure_link(src_ns_path, dst_ns_path, dst_ip, configured, duration_s=2.0,
     # the train stays under half the link rate so only the configured loss drops it
     train_pps = max(200.0, min(20000.0, 0.5 * configured["rate"] / (8 * (TRAIN_PAYLOAD + 70))))
     c, s = measure_udp(src_ns_path, dst_ns_path, dst_ip, probes, train, train_pps)
-    goodput = measure_goodput(src_ns_path, dst_ns_path, dst_ip, duration_s)
     rtt_ms = [x / 1e6 for x in c["rtt_ns"]]
+    path = dict.fromkeys(("mtu", "learned_mtu"))
+    if exp["mtu"]:
+        path = measure_mtu(src_ns_path, dst_ns_path, dst_ip,
+                           wait_s=2 * max(rtt_ms, default=100.0) / 1e3 + 0.02)
+    goodput = (None if pmtu_blackhole(exp) else
+               measure_goodput(src_ns_path, dst_ns_path, dst_ip, duration_s))
     # one-way delays above the smallest: a constant offset between the two ends' clocks cancels
     owd_ms = [(x - min(s["owd_ns"])) / 1e6 for x in s["owd_ns"]]
     measured = {
@@ -312,6 +344,7 @@ def measure_link(src_ns_path, dst_ns_path, dst_ip, configured, duration_s=2.0,
         "loss_burst": _mean_burst(train, s["train_unique"], s.get("loss_runs", 0)) if want_loss
         else None,
         **_steady_measured(exp, s, train, probes),
+        **path,
         "reordered": s["reordered"]["p"] + s["reordered"]["t"],
         "reorder_examples": [{"kind": "probe" if k == "p" else "train", "seq": q,
                               "after_seq": top, "late_us": round(ns / 1e3, 1)}
@@ -323,7 +356,8 @@ def measure_link(src_ns_path, dst_ns_path, dst_ip, configured, duration_s=2.0,
     deviation, warnings = compare(exp, measured, calibrated)
     return {"configured": {**{k: configured.get(k) for k in
                               ("rate", "delay", "jitter", "loss", "loss_burst", "queue",
-                               "corrupt", "duplicate", "reorder_prob", "reorder_gap")},
+                               "corrupt", "duplicate", "reorder_prob", "reorder_gap", "mtu",
+                               "mtu_icmp", "police", "police_burst")},
                            "expected": exp},
             "measured": measured, "deviation": deviation, "warnings": warnings}
 
@@ -342,6 +376,22 @@ def _steady_measured(exp, s, train, probes):
     return out
 
 
+def _mtu_warnings(exp, m):
+    """The path MTU is exact: the largest DF packet that crossed, and what the sender learned
+    from ICMP (the configured MTU, or nothing under `mtu_icmp: false`)."""
+    out = []
+    if m.get("mtu") != exp["mtu"]:
+        out.append(f"path MTU measured {m.get('mtu')}, configured {exp['mtu']}")
+    learned = m.get("learned_mtu")
+    if exp["mtu"] < HOST_MTU and exp["mtu_icmp"] and learned != exp["mtu"]:
+        out.append(f"the sender learned a path MTU of {learned} from ICMP, configured "
+                   f"{exp['mtu']}")
+    if not exp["mtu_icmp"] and learned is not None and learned < HOST_MTU:
+        out.append(f"ICMP fragmentation-needed reached the sender (it learned {learned}) though "
+                   "mtu_icmp is false")
+    return out
+
+
 def _mean_burst(sent, got, runs):
     """Mean run of consecutive lost train packets (losses after the last received one count in
     the last run), or None when nothing was lost."""
@@ -357,8 +407,13 @@ def compare(exp, measured, calibrated=True):
     path was `calibrated`, else beyond max(0.3 ms, 10%); a 0 ms link has no relative deviation
     (its RTT is the hosts' own stack, docs/link.md)."""
     dev, warn = {}, []
-    payload_rate = exp["goodput_bps"] * 1448 / 1514
-    dev["goodput"] = measured["goodput_bps"] / payload_rate - 1
+    mtu = exp.get("mtu") or HOST_MTU    # TCP payload: MTU - 52 (headers, timestamps) a frame
+    payload_rate = exp["goodput_bps"] * (mtu - 52) / (mtu + 14)
+    police = exp.get("police_bps")
+    if police:
+        payload_rate = min(payload_rate, police * POLICE_PAYLOAD)
+    if measured["goodput_bps"] is not None:
+        dev["goodput"] = measured["goodput_bps"] / payload_rate - 1
     if exp["rtt_ms"] > 0:
         dev["rtt_p50"] = measured["rtt_p50_ms"] / exp["rtt_ms"] - 1
     if exp["jitter_ms"] > 0:
@@ -383,8 +438,14 @@ def compare(exp, measured, calibrated=True):
     for k, v in dev.items():
         if k == "goodput" and exp["loss"] > 0:
             continue        # under random loss TCP goodput is the congestion control's, no target
+        if k == "goodput" and police:   # below a policer's rate is TCP's; above it is not
+            if v > limit[k]:
+                warn.append(f"goodput {v:+.0%} above the policer's rate (TCP payload)")
+            continue
         if abs(v) > limit[k]:
             warn.append(f"{k} deviates {v:+.0%} from configured")
+    if exp.get("mtu"):
+        warn += _mtu_warnings(exp, measured)
     if measured["reordered"] and not exp.get("reorder_share"):
         warn.append(f"{measured['reordered']} packets arrived out of order")
     return {k: round(v, 4) for k, v in dev.items()}, warn

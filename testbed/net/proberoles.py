@@ -13,7 +13,11 @@ the namespace it measures.
 - `tcp-sink PORT DURATION_S [GAP_S]` / `tcp-source IP PORT DURATION_S`: a bulk transfer whose
   goodput is the slope of the sender's `tcpi_delivered`, and the receiver's read pauses;
 - `tcp-replier PORT SIZE TRIALS TIMEOUT_S` / `tcp-requests IP PORT SIZE TRIALS SETTLE_S`: one
-  message per fresh connection, timed from the first write to the receiver's answer.
+  message per fresh connection, timed from the first write to the receiver's answer;
+- `mtu-sink PORT TIMEOUT_S` / `mtu-probe IP PORT LO HI WAIT_S TRIES`: the path MTU, the largest
+  datagram with DF set that arrives (a binary search between LO and HI bytes, each size answered
+  by the sink with the size it got), and the MTU the sender's kernel learned meanwhile from ICMP
+  "fragmentation needed" (HI when none came: a PMTU blackhole, or no limit).
 """
 
 import json
@@ -31,6 +35,10 @@ HDR = struct.Struct("!cIq")     # kind ('p' probe, 't' train, 'e' end), seq, sen
 TRAIN_PAYLOAD = 100
 REORDER_EXAMPLES = 20
 SAMPLE_S = 0.01                 # goodput: the sender samples tcpi_delivered every 10 ms
+# <linux/in.h>: DF on every datagram whatever PMTU the kernel has learned (PROBE), the PMTU
+IP_MTU_DISCOVER, IP_PMTUDISC_PROBE, IP_MTU = 10, 3, 14
+MTU_ACK = struct.Struct("!I")   # the IP size the mtu sink received
+UDP_IP_HEADERS = 28
 
 
 def _udp_server(port, timeout_s):
@@ -300,6 +308,61 @@ def _tcp_requests(ip, port, size, trials, settle_s):
     print(json.dumps({"times": times, "retrans": retrans, "rto_us": rto_us}), flush=True)
 
 
+def _mtu_sink(port, timeout_s):
+    """Answer each datagram with its IP size until an empty one comes or `timeout_s` passes."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind(("0.0.0.0", port))
+    print("ready", flush=True)
+    answered, deadline = 0, time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        r, _, _ = select.select([s], [], [], 0.5)
+        if not r:
+            continue
+        data, addr = s.recvfrom(65535)
+        if not data:
+            break
+        s.sendto(MTU_ACK.pack(len(data) + UDP_IP_HEADERS), addr)
+        answered += 1
+    print(json.dumps({"answered": answered}), flush=True)
+
+
+def _mtu_probe(ip, port, lo, hi, wait_s, tries):
+    """The largest IP size in [lo, hi] that crosses with DF set (None when not even `lo`
+    does), by binary search; each size is sent up to `tries` times, `wait_s` for its answer.
+    Unconnected, so an ICMP error is not reported to the socket; the kernel still learns the
+    PMTU from it, which a connected socket's IP_MTU then reads (`learned_mtu`)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER, IP_PMTUDISC_PROBE)
+
+    def passes(size):
+        for _ in range(tries):
+            s.sendto(b"\0" * (size - UDP_IP_HEADERS), (ip, port))
+            end = time.monotonic() + wait_s
+            while (left := end - time.monotonic()) > 0:
+                if not select.select([s], [], [], left)[0]:
+                    break
+                data = s.recv(64)
+                if len(data) == MTU_ACK.size and MTU_ACK.unpack(data)[0] == size:
+                    return True
+        return False
+
+    mtu, sent = None, 0
+    if passes(lo):
+        mtu = hi if passes(hi) else None
+        top = hi
+        while mtu is None:      # lo crosses, top does not
+            mid = (lo + top) // 2
+            lo, top = (mid, top) if passes(mid) else (lo, mid)
+            sent += 1
+            if top - lo <= 1:
+                mtu = lo
+    c = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    c.connect((ip, port))
+    learned = c.getsockopt(socket.IPPROTO_IP, IP_MTU)
+    s.sendto(b"", (ip, port))   # ends the sink
+    print(json.dumps({"mtu": mtu, "learned_mtu": learned, "steps": sent}), flush=True)
+
+
 def _slope(points):
     """Least-squares slope of y over x for [(x, y), ...]; 0.0 with fewer than two points."""
     if len(points) < 2:
@@ -323,6 +386,11 @@ def main(argv):
         _tcp_source(args[0], int(args[1]), float(args[2]))
     elif role == "tcp-replier":
         _tcp_replier(int(args[0]), int(args[1]), int(args[2]), float(args[3]))
+    elif role == "mtu-sink":
+        _mtu_sink(int(args[0]), float(args[1]))
+    elif role == "mtu-probe":
+        _mtu_probe(args[0], int(args[1]), int(args[2]), int(args[3]), float(args[4]),
+                   int(args[5]))
     elif role == "tcp-requests":
         _tcp_requests(args[0], int(args[1]), int(args[2]), int(args[3]), float(args[4]))
     else:

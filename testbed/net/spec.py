@@ -14,7 +14,7 @@ import platform
 
 from testbed import units
 from testbed.errors import ConfigError
-from testbed.net.linkmodel import STEADY_KEYS, gilbert, queue_limit
+from testbed.net.linkmodel import STEADY_KEYS, gilbert, path_mtu, queue_limit
 from testbed.net.linkmodel import reorder_gap as _gap
 from testbed.net.wan import probe_backend
 from testbed.schema import boolean, choice, list_of, optional, section, spec, string
@@ -47,7 +47,8 @@ def _burst(value):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SteadyFaults:
-    """The steady faults of a direction, a change or the whole WAN (unset: none, gap 1)."""
+    """The steady faults and path limits of a direction, a change or the whole WAN (unset:
+    none, gap 1, ICMP on)."""
 
     corrupt: float = spec(optional(units.probability), None,
                           "probability a packet gets a bit flipped (receiver's checksum drops it)")
@@ -55,6 +56,15 @@ class SteadyFaults:
     reorder_prob: float = spec(optional(units.probability), None,
                                "probability a packet is sent ahead of those held (netem's reorder)")
     reorder_gap: int = spec(optional(_gap), None, "netem's gap: packets delayed between reorders")
+    mtu: int = spec(optional(path_mtu), None,
+                    "path MTU at the WAN router, bytes 552..1500 (not scaled), e.g. 1280")
+    mtu_icmp: bool = spec(optional(boolean), None,
+                          "false: the router drops above mtu without ICMP fragmentation-needed "
+                          "(the PMTU blackhole); default true")
+    police: float = spec(optional(units.rate_bps), None,
+                         "token-bucket policer: drops above this rate (IP bytes), e.g. 40Gbit")
+    police_burst: int = spec(optional(units.size_bytes), None,
+                             "the policer's bucket (bytes, real-world); default 10 ms of its rate")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -148,6 +158,8 @@ class WanSpec(SteadyFaults):
             out[key] = getattr(self, key) if v is None else v
         out["reorder_gap"] = out["reorder_gap"] or 1
         out.update({k: out[k] or 0.0 for k in STEADY_KEYS[:3]})
+        out.update(mtu=out["mtu"] or 0, police=out["police"] or 0.0,
+                   mtu_icmp=True if out["mtu_icmp"] is None else out["mtu_icmp"])
         out["jitter_dist"] = self.jitter_dist
         out["reorder"] = self.reorder
         return out

@@ -39,9 +39,10 @@ from testbed.net import netlink
 from testbed.net.delayline import DelayLine
 from testbed.net.firewall import Firewall
 from testbed.net.linkevents import LinkEvents
-from testbed.net.linkmodel import (DIRECTIONS, SETTABLE, STEADY_FAULTS, Link, burst_loss,
-                                   htb_burst_bytes, htb_quantum_bytes, needs_delayline,
-                                   queue_limit, queue_packets)
+from testbed.net.linkmodel import (DIRECTIONS, PATH_KEYS, SETTABLE, STEADY_FAULTS, Link,
+                                   burst_loss, htb_burst_bytes, htb_quantum_bytes,
+                                   needs_delayline, queue_limit, queue_packets)
+from testbed.net.pathlimit import PathLimits
 
 HTB_HANDLE, CLASS_HANDLE, LEAF_HANDLE = 0x10000, 0x10010, 0x100000   # 1:  1:10  10:
 TC_H_ROOT = 0xFFFFFFFF
@@ -136,6 +137,7 @@ class Wan:
         self._delaylines = {}
         self._firewall = None
         self._link_events = None      # LinkEvents, made by the first `event`
+        self._limits = None           # PathLimits (mtu, police), made at start
         self._lock = threading.RLock()
         self._closed_callback = False
 
@@ -159,6 +161,10 @@ class Wan:
                 self._firewall = Firewall(self.netns_path, self.registry)
             for d in DIRECTIONS:
                 self._install(d)
+            self._limits = PathLimits(self.netns_path, self._ns, self.ifaces, self._index,
+                                      self.registry)
+            for d in DIRECTIONS:
+                self._limits.sync(d, self.links[d])
         except BaseException:
             self.stop()
             raise
@@ -185,6 +191,10 @@ class Wan:
             if self._link_events is not None:
                 self._link_events.remove()
                 self._link_events = None
+            if self._limits is not None:
+                with contextlib.suppress(Exception):
+                    self._limits.remove()
+                self._limits = None
             if self._firewall is not None:
                 self._firewall.remove()
                 self._firewall = None
@@ -354,6 +364,8 @@ class Wan:
         egress = d in self._index
         if egress and "rate" in changed:
             self._set_class(d, "change-class")
+        if egress and changed & set(PATH_KEYS) and self._limits is not None:
+            self._limits.sync(d, link)
         if self.backend == "netem":
             if egress and changed:
                 self._set_leaf(d, "change")
@@ -417,6 +429,11 @@ class Wan:
                           "drops": root.get("drop", 0),
                           "up": self.links[d].up, "rate_bps": self.links[d].rate_bps}
         return out
+
+    def police_drops(self):
+        """direction -> packets the policers dropped so far (directions with one only)."""
+        with self._lock:
+            return self._limits.police_drops() if self._limits is not None else {}
 
     def delayline_counters(self):
         """{'kv': {'held','passed','dropped'}, ...} for directions with a running delay line."""

@@ -35,6 +35,22 @@ def unsupported(exp):
     if decode:
         return (f"faults on decode instances ({decode[0].kind} on {decode[0].target}) are not "
                 "simulated yet (prefill instances' faults are)")
+    limits = _path_limits(exp)
+    if limits:
+        return (f"{limits}: the router's path MTU and policer drop packets, which the "
+                "flow-level WAN model does not have (run it on the mininet backend)")
+    return None
+
+
+def _path_limits(exp):
+    """The first of network.wan's mtu / police set anywhere (directions, changes, link
+    faults), or None."""
+    wan = exp.network.wan
+    for key in ("mtu", "police"):
+        if (any(wan.direction(d)[key] for d in ("kv", "request"))
+                or any(getattr(c, key) for c in wan.changes)
+                or any(f.kind == "link" and getattr(f, key) for f in exp.faults)):
+            return f"network.wan {key}"
     return None
 
 
