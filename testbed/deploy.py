@@ -120,6 +120,12 @@ class Deployment:
     def instance(self, name):
         return self.runtime.instances[name]
 
+    def sets(self, key):
+        """True when a direction's link or a scheduled link change sets the shaper's `key`
+        to something other than off (0, False, None)."""
+        return (any(getattr(lk, key) for lk in self.links.values())
+                or any(c.changes.get(key) for c in self.link_changes))
+
     def workers(self):
         """Instances the backend starts with the run (the scheduler and client come later)."""
         return [i for i in self.instances if i.role in ("prefill", "decode", "cachepool")]

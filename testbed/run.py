@@ -330,10 +330,12 @@ class Run:
         # the faults as resolved (kinds, targets, times) and what the link events did
         self.meta["faults"] = [o.as_dict() for o in faultspec.resolve(self.exp,
                                                                      self.deployment.instances)]
-        counters = getattr(self.backend.shaper, "event_counters", None)
-        if counters is not None and any(o["kind"] in faultspec.EVENTS
-                                        for o in self.meta["faults"]):
-            self.meta["link_event_packets"] = counters()
+        shaper = self.backend.shaper
+        if hasattr(shaper, "event_counters") and any(o["kind"] in faultspec.EVENTS
+                                                     for o in self.meta["faults"]):
+            self.meta["link_event_packets"] = shaper.event_counters()
+        if hasattr(shaper, "police_drops") and self.deployment.sets("police"):
+            self.meta["police_drops"] = shaper.police_drops()    # packets, per direction
 
     def _check_workers(self, dead, events, warn):
         """Record (once each) the workers that exited; the client is watched by its caller."""

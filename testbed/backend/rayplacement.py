@@ -53,8 +53,7 @@ def place(deployment, cpus, nodes):
 def _check_path_limits(deployment):
     """mtu and police are the WAN router's (`testbed.net.pathlimit`); Ray shapes on the hosts."""
     for key in ("mtu", "police"):
-        if any(getattr(lk, key) for lk in deployment.links.values()) or any(
-                getattr(c, "changes", {}).get(key) for c in deployment.schedule):
+        if deployment.sets(key):
             raise ConfigError(f"{key} is the WAN router's and the ray backend shapes on the "
                               "hosts, with no router: run it on the mininet backend",
                               key=f"network.wan.{key}")
