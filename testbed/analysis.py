@@ -49,7 +49,7 @@ def analyse(run_dir) -> dict:
     sent, done = set(sent), set(done)   # the ids: the records are in df now (memory)
     df["slo_ok"] = metrics.meets_slo(df, exp.slo.objectives_ms())
     ts = fidelity.flag_artifacts(rundir.timeseries(rd), scale)
-    df = excess.decompose(df, run, ts, links(run))     # the TTFT's legs and their excess
+    df = excess.decompose(df, run, ts, links(run), events)   # the TTFT's legs, their excess
     metrics.tokens_table(df, scale).to_parquet(rd.tokens, index=False)
     df.drop(columns=["token_times", "client_times"], errors="ignore").to_parquet(
         rd.requests, index=False)

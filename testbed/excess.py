@@ -30,6 +30,13 @@ emulated system also has (a busy prefill instance, a full batch, a shared link) 
 excess. The allowances are what the model gives, not what was measured on a quiet machine, so
 the machine's own floor (a gRPC hop takes ~0.5 ms of real CPU, x scale.time real-world) counts
 as excess: it is what the emulation adds at that scale.
+
+A WAN fault (`faults:` kinds link, flap, blackhole, reject, reset) is the system under study:
+the fluid link model has no TCP recovery (retransmission timeouts after a cut, a PMTU
+blackhole, a reset connection), and failover re-prefills and re-dispatches what it held up. So
+the legs that cross the WAN or wait behind it (route, prefill_queue, kv_transfer) have no excess
+where they overlapped a fault's window (events.csv's fault_inject to fault_end);
+`wan_fault_overlap` marks those requests.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import numpy as np
 import pandas as pd
 
 from testbed import fidelity
+from testbed.faultspec import WAN_KINDS
 
 LEGS = ("send", "route", "prefill_queue", "prefill", "kv_transfer", "decode_admission",
         "first_step", "delivery")
@@ -61,18 +69,36 @@ def _first_stamp(df):
 def queue_ideal_start(df):
     """Per request (emulated Unix s): when its prefill would have started had every prefill on
     its instance taken its modelled time: each instance's FIFO (in the order it served them)
-    replayed from the measured arrivals (+ the pool fetch before the queue)."""
+    replayed from the measured arrivals (+ the pool fetch before the queue).
+
+    Once failover has moved a prefill to or from an instance (a record's `redispatches`), that
+    instance has computed attempts no record holds (the one moved away, or one whose KV the
+    decode no longer wanted), so the replay stops there: later starts on it are taken as
+    measured (no queue excess)."""
     out = pd.Series(np.nan, index=df.index)
     start, queued = _col(df, "prefill_start"), _col(df, "prefill_queued")
     model = _col(df, "prefill_model_s").fillna(_col(df, "prefill_end") - start)
     ready = queued + _col(df, "cache_fetch_s").fillna(0.0)
     inst = df["prefill_instance"] if "prefill_instance" in df else pd.Series(None, df.index)
+    first_move = _first_moves(df)
     ok = start.notna() & queued.notna() & inst.notna()
-    for _, idx in df[ok].groupby(inst[ok]).groups.items():
-        free = -np.inf
+    for name, idx in df[ok].groupby(inst[ok]).groups.items():
+        free, moved = -np.inf, first_move.get(name, np.inf)
         for i in start[idx].sort_values().index:
-            out[i] = max(ready[i], free)
+            out[i] = start[i] if ready[i] >= moved or start[i] >= moved else max(ready[i], free)
             free = out[i] + model[i]
+    return out
+
+
+def _first_moves(df):
+    """instance -> the first time failover moved a prefill to or from it (`redispatches`)."""
+    out = {}
+    for moves in df["redispatches"] if "redispatches" in df else ():
+        for m in moves if isinstance(moves, (list, tuple, np.ndarray)) else ():
+            if m.get("role") == "prefill":
+                for name in (m.get("from"), m.get("to")):
+                    if name:
+                        out[name] = min(out.get(name, np.inf), float(m["time"]))
     return out
 
 
@@ -96,10 +122,32 @@ def kv_allowed_end(df, run, ts, links):
     return out
 
 
-def decompose(df, run, ts, links):
+def wan_fault_windows(events):
+    """[(inject, end)] of the run's WAN faults, emulated Unix s (end inf: never ended), from
+    events.csv's fault_inject / fault_end rows (`testbed.records.read_events`)."""
+    starts, ends = {}, {}
+    for t, kind, f, *_ in events:
+        key = (f.get("fault"), f.get("occurrence"))
+        if kind == "fault_inject" and f.get("fault_kind") in WAN_KINDS:
+            starts[key] = t
+        elif kind == "fault_end":
+            ends[key] = t
+    return [(t, ends.get(key, np.inf)) for key, t in starts.items()]
+
+
+def _overlaps(start, end, windows):
+    """Per row: whether [start, end] overlaps any window (False where a stamp is missing)."""
+    out = pd.Series(False, index=start.index)
+    for a, b in windows:
+        out |= (start <= b) & (end >= a)
+    return out
+
+
+def decompose(df, run, ts, links, events=()):
     """`df` (the requests table, emulated stamps) with `leg_<leg>_ms`, `excess_<leg>_ms` and
     `excess_ms` columns (real-world ms; NaN where a stamp is missing, e.g. a run recorded
-    before the stamps existed, or the simulator's)."""
+    before the stamps existed, or the simulator's), and `wan_fault_overlap` (`events`: the
+    run's, for its WAN faults' windows)."""
     df = df.copy()
     ms = run.scale.real_ms
     first = _first_stamp(df)
@@ -128,6 +176,13 @@ def decompose(df, run, ts, links):
     if run.experiment.model.engine in REAL_ENGINES:
         for leg in ENGINE_LEGS:
             excess[leg] = pd.Series(0.0, index=df.index)
+    windows = wan_fault_windows(events)
+    overlap = pd.Series(False, index=df.index)
+    for leg, (a, b) in (("route", (1, 2)), ("prefill_queue", (2, 3)), ("kv_transfer", (4, 5))):
+        hit = _overlaps(stamps[a], stamps[b], windows)
+        excess[leg] = excess[leg].where(~hit, 0.0)
+        overlap |= hit
+    df["wan_fault_overlap"] = overlap
     for leg in LEGS:
         df[f"leg_{leg}_ms"] = ms(legs[leg])
         df[f"excess_{leg}_ms"] = ms(excess[leg].clip(lower=0.0))

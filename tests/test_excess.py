@@ -102,3 +102,30 @@ def test_a_real_engines_own_legs_are_no_excess(run):
     assert df.excess_prefill_ms[0] == 0 and df.excess_first_step_ms[0] == 0
     assert df.excess_delivery_ms[0] == pytest.approx(300.0, abs=0.1)
     assert df.leg_prefill_ms[0] == pytest.approx((0.1 + 0.5) * 1e4)
+
+
+def test_what_a_wan_fault_held_up_is_the_faults_not_the_emulations(run):
+    """A KV transfer or a Prefill call that overlapped a WAN fault's window (TCP's recovery,
+    which the fluid model has not) and the queue after a failover move (attempts no record
+    holds) carry no excess; the same lateness outside the window does."""
+    from testbed.records import Event
+    links = deploy.compile(run.experiment).links
+    late = {"kv_transfer": 0.2, "route": 0.05}
+    rows = [_request(0, links, 0.0, late=late), _request(1, links, 1.0, late=late)]
+    events = [Event(0.02, "fault_inject", {"fault": "0", "occurrence": "0", "fault_kind":
+                                          "blackhole"}, ""),
+              Event(0.2, "fault_end", {"fault": "0", "occurrence": "0"}, ""),
+              Event(0.5, "fault_inject", {"fault": "1", "occurrence": "0", "fault_kind": "kill"},
+                    "")]                                 # not a WAN fault: no window
+    df = excess.decompose(pd.DataFrame(rows), run, None, links, events)
+    assert list(df.wan_fault_overlap) == [True, False]
+    assert df.excess_kv_transfer_ms[0] == 0 and df.excess_route_ms[0] == 0
+    assert df.excess_kv_transfer_ms[1] == pytest.approx(2000.0, abs=0.1)
+    # failover moved a prefill from p0 at 0.05: p0's later queue is taken as measured
+    moved = [_request(0, links, 0.0), _request(1, links, 0.01, queue=0.3)]
+    moved[0]["redispatches"] = [{"time": 0.05, "role": "prefill", "from": "p0", "to": "p1"}]
+    moved[1]["redispatches"] = []
+    df = _decompose(run, moved)
+    assert df.excess_prefill_queue_ms[1] == 0
+    assert _decompose(run, [{**r, "redispatches": []} for r in moved]).excess_prefill_queue_ms[
+        1] == pytest.approx(3000.0 - 900.0, abs=1.0)
