@@ -33,10 +33,11 @@ as excess: it is what the emulation adds at that scale.
 
 A WAN fault (`faults:` kinds link, flap, blackhole, reject, reset) is the system under study:
 the fluid link model has no TCP recovery (retransmission timeouts after a cut, a PMTU
-blackhole, a reset connection), and failover re-prefills and re-dispatches what it held up. So
-the legs that cross the WAN or wait behind it (route, prefill_queue, kv_transfer) have no excess
-where they overlapped a fault's window (events.csv's fault_inject to fault_end);
-`wan_fault_overlap` marks those requests.
+blackhole, a reset connection), a prefill that streams its KV into a stalled connection is held
+back by it, and failover re-prefills and re-dispatches what it held up. So the legs that cross
+the WAN or wait behind it (route, prefill_queue, prefill, kv_transfer) have no excess where they
+overlapped a fault's window (events.csv's fault_inject to fault_end, plus the aftermath of
+backed-off retransmissions: `wan_fault_windows`); `wan_fault_overlap` marks those requests.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ ENGINE_LEGS = ("prefill_queue", "prefill", "decode_admission", "first_step")
 REAL_ENGINES = ("vllm",)    # computed at real speed: their own legs are no excess
 WARN_SHARE = 0.05           # warn when the p90 excess exceeds this share of the TTFT p90
 NAMED_SHARE = 0.10          # a leg is named in the warning from this share of the mean excess
+TCP_RTO_MAX_S = 120.0       # Linux's TCP_RTO_MAX: the longest a backed-off retransmission waits
+WAN_LEGS = {"route": (1, 2), "prefill_queue": (2, 3), "prefill": (3, 4), "kv_transfer": (4, 5)}
 
 
 def _col(df, name):
@@ -123,8 +126,12 @@ def kv_allowed_end(df, run, ts, links):
 
 
 def wan_fault_windows(events):
-    """[(inject, end)] of the run's WAN faults, emulated Unix s (end inf: never ended), from
-    events.csv's fault_inject / fault_end rows (`testbed.records.read_events`)."""
+    """[(inject, end + aftermath)] of the run's WAN faults, emulated Unix s (inf: never ended),
+    from events.csv's fault_inject / fault_end rows (`testbed.records.read_events`).
+
+    The aftermath is the fault's length (at most TCP_RTO_MAX_S): a connection that was
+    retransmitting through it doubled its timeout each time, so its next try after the end
+    comes up to about as long after the end as the outage had lasted."""
     starts, ends = {}, {}
     for t, kind, f, *_ in events:
         key = (f.get("fault"), f.get("occurrence"))
@@ -132,7 +139,11 @@ def wan_fault_windows(events):
             starts[key] = t
         elif kind == "fault_end":
             ends[key] = t
-    return [(t, ends.get(key, np.inf)) for key, t in starts.items()]
+    out = []
+    for key, t in starts.items():
+        end = ends.get(key, np.inf)
+        out.append((t, end + min(end - t, TCP_RTO_MAX_S)))
+    return out
 
 
 def _overlaps(start, end, windows):
@@ -178,7 +189,7 @@ def decompose(df, run, ts, links, events=()):
             excess[leg] = pd.Series(0.0, index=df.index)
     windows = wan_fault_windows(events)
     overlap = pd.Series(False, index=df.index)
-    for leg, (a, b) in (("route", (1, 2)), ("prefill_queue", (2, 3)), ("kv_transfer", (4, 5))):
+    for leg, (a, b) in WAN_LEGS.items():
         hit = _overlaps(stamps[a], stamps[b], windows)
         excess[leg] = excess[leg].where(~hit, 0.0)
         overlap |= hit
