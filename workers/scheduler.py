@@ -27,7 +27,7 @@ from testbed.proto import testbed_pb2_grpc as pbg
 from testbed.records import RecordLog, RunDir
 from workers import common
 from workers.adaptive import ThresholdController
-from workers.placement import CachePlacer
+from workers.placement import CachePlacer, profile_prefill_s
 from workers.policy import Router
 from workers.recovery import Flight, Health
 
@@ -53,8 +53,7 @@ class SchedulerService(pbg.SchedulerServicer):
         self.decisions = None if rt.cache.enabled else RecordLog(RunDir(rt.dir).decisions,
                                                                  buffering=1 << 16)
         if rt.cache.enabled:
-            self.placer = CachePlacer(rt, self.router, lambda inst, l, cached: scale.emulated_s(
-                prof.t_prefill_cached(inst.accelerator, max(l, 1), cached)), log)
+            self.placer = CachePlacer(rt, self.router, profile_prefill_s(scale, prof), log)
 
     def route(self, req, kind=""):
         """(kind, prefill Instance, decode Instance) for a request; LookupError if none is up.
