@@ -15,6 +15,7 @@ import sys
 import pandas as pd
 import pytest
 
+from conftest import assert_decisions_replay
 from tests.test_run_root import leftovers
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
@@ -52,6 +53,11 @@ def test_cached_run_measured_facts(tmp_path):
     assert s["cache_aware"]["request_bytes_measured"] >= to_remote
     pools = s["cache_aware"]["cache_pools"]
     assert pools["pool_local"]["bytes_in"] > 0 and pools["pool_prfaas"]["bytes_in"] > 0
+    # Each placement is in decisions.jsonl with what the pools answered; the simulator's
+    # placement (workers.placement.CachePlacer.choose on the recorded book) decides the same.
+    recs = assert_decisions_replay(out / "cache_aware")
+    assert any(r.cache["plan"] and r.cache["plan"][2] for r in recs)    # a prefix move
+    assert any(max(r.cache["view"]) > 0 for r in recs)
 
 
 def test_cache_aware_failover_redispatches_within_the_placed_cluster(tmp_path):
@@ -86,4 +92,5 @@ def test_cache_aware_failover_redispatches_within_the_placed_cluster(tmp_path):
     killed = float(events.time[events.kind == "fault_inject"].iloc[0])
     assert not ((df.prefill_instance == "rp0") & (df.send_time > killed)).any()
     assert s["cache_hit_share"] > 0 and (df[df.cached_len > 0].cache_fetch_bytes > 0).all()
+    assert_decisions_replay(out)        # the placements replay; re-dispatches are not recorded
     assert leftovers(out) == []          # the pools' processes too

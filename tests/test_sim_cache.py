@@ -4,14 +4,16 @@ Placement is `workers.placement.CachePlacer`'s, the pools `workers.cache_core.Po
 tests check what the run measured against closed forms and the pools' own books.
 """
 
+import dataclasses
 import json
 
 import pandas as pd
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, assert_decisions_replay
 from testbed import cli, config, deploy
 from testbed import profile as profiles
+from testbed.sim.replay import replay
 from testbed.sim.run import SimRun
 
 EXPERIMENT = """\
@@ -108,5 +110,20 @@ def test_prefix_cache_experiment_runs_and_the_pools_agree_with_the_records(tmp_p
         hits = df[df.cached_len > 0]
         for dc, route in (("prfaas", "remote"), ("local", "local")):
             assert (hits.route == route).sum() <= pools[f"pool_{dc}"]["fetches"]
-        assert not (d / "decisions.jsonl").exists()     # the placement is not recorded yet
     assert cli.main(["analyse", str(out / "cache_aware")]) == 0
+
+
+def test_cached_placements_replay_and_a_tampered_one_is_reported(tmp_path):
+    out = tmp_path / "pc"
+    assert cli.main(["run", str(ROOT / "experiments" / "prefix_cache.yaml"), "--backend", "sim",
+                     "--set", "requests=80",
+                     "--set", "variants=[{label: cache_aware, scheduler.placement: cache_aware}]",
+                     "--out", str(out)]) == 0
+    recs = assert_decisions_replay(out)
+    assert all(r.cache and r.cache["placement"] == "cache_aware" for r in recs)
+    moved = [r for r in recs if r.cache["plan"] and r.cache["plan"][2]]
+    hit = [r for r in recs if r.cache["plan"] and r.cache["plan"][1] > 0]
+    assert moved and hit
+    # What the pools answered decides: the same book with the prefix in no pool plans no hit.
+    tampered = dataclasses.replace(hit[0], cache={**hit[0].cache, "view": [0, 0, 0, 0]})
+    assert [m.id for m in replay(out, [tampered, *hit[1:]]).mismatches] == [hit[0].id]

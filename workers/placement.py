@@ -102,6 +102,13 @@ def link_state(row, last):
     return (now[1] - last[1]) * 8 / (now[0] - last[0]) / link_bps, link_bps, now
 
 
+def plan_fields(choice, best):
+    """The placement's choice as a decision record holds it: `remote` (the cluster) and `plan`
+    ([instance, tokens continued from, pool moved from] or None)."""
+    return {"remote": choice.remote,
+            "plan": None if best is None else [best[0].name, best[1], best[2]]}
+
+
 def profile_prefill_s(scale, prof):
     """`prefill_s(inst, L, cached)` from the profile: T(L | P) in emulated seconds, the
     estimate the placement plans with (docs/cache.md)."""
@@ -114,11 +121,13 @@ class CachePlacer:
 
     MIN_WINDOW_S = 0.1      # the link's utilisation is measured over at least this (emulated)
 
-    def __init__(self, rt, router, prefill_s, log, clock=WALL, read_row=None):
+    def __init__(self, rt, router, prefill_s, log, clock=WALL, read_row=None, write=None):
         """`prefill_s(inst, L, cached)`: estimated prefill seconds (`profile_prefill_s`);
-        `clock`: the time the link's utilisation is measured on; `read_row()`: the kernel
-        counters' last row as a dict (default: timeseries.csv's, as the emulation reads it; the
-        simulator passes its sampler's)."""
+        `clock`: Unix time (virtual in the simulator), the link's utilisation is measured on
+        it and the decisions stamped with it; `read_row()`: the kernel counters' last row as a
+        dict (default: timeseries.csv's, as the emulation reads it; the simulator passes its
+        sampler's); `write(DecisionRecord)`: the run's decisions.jsonl (None: not recorded)."""
+        self.write, self.pending = write, {}    # request id -> its record until it is routed
         c = rt.cache
         self.clock = clock
         self.read_row = read_row or (lambda: read_last_row(self.timeseries))
@@ -164,6 +173,14 @@ class CachePlacer:
             return r.kv_blocks * self.block, r.state_blocks * self.block
         (lk, ls), (pk, ps) = await asyncio.gather(one("local"), one("prfaas"))
         return CacheView(lk, ls, pk, ps)
+
+    def set_book(self, rec):
+        """Put the placement in the state a `DecisionRecord` under the cache recorded (the
+        replay): its router's book, the link reading as the current one, the fetch time."""
+        self.router.set_book(rec)
+        self._checked = self.clock.now()
+        self.link = tuple(rec.cache["link"])
+        self.fetch_s_per_byte = rec.cache["fetch_s_per_byte"]
 
     def move_start(self, tokens, have_kv):
         """First block of a `tokens` prefix move that the destination lacks: a pool that already
@@ -279,7 +296,17 @@ class CachePlacer:
         cap = ((req.input_len - 1) // self.block) * self.block
         view = CacheView(view.local_kv, min(view.local_state, cap), view.prfaas_kv,
                          min(view.prfaas_state, cap))
-        return (view, *self.choose(req.input_len, view, self.abundant()))
+        abundant = self.abundant()
+        rec = self.router.book(req.id, self.clock.now(), req.input_len) if self.write else None
+        choice, best = self.choose(req.input_len, view, abundant)
+        if rec is not None:
+            rec.uncached_len = choice.routing_len
+            rec.cache = {"placement": self.placement, "input_len": req.input_len,
+                         "view": list(dataclasses.astuple(view)), "abundant": abundant,
+                         "link": list(self.link), "fetch_s_per_byte": self.fetch_s_per_byte,
+                         **plan_fields(choice, best)}
+            self.pending[req.id] = rec
+        return view, choice, best
 
     def move_blocks(self, blocks, cached, have_kv):
         """The blocks a prefix move of `cached` tokens carries to a pool holding `have_kv`."""
@@ -289,6 +316,20 @@ class CachePlacer:
         """After the prefix move (`moved` bytes arrived, `ok`: all of it) if the plan has one:
         route to the plan's instance (failing over as the router does) and fill the request's
         cache fields; (kind, prefill, decode, Route fields). No RPC."""
+        rec = self.pending.pop(req.id, None)
+        try:
+            out = self._settle(req, view, whole, choice, best, moved, ok)
+        except LookupError as e:
+            if rec is not None:
+                rec.error = str(e)
+                self.write(rec)
+            raise
+        if rec is not None:
+            rec.kind, rec.prefill, rec.decode = out[0], out[1].name, out[2].name
+            self.write(rec)
+        return out
+
+    def _settle(self, req, view, whole, choice, best, moved, ok):
         L = req.input_len
         r = self.router
         if self.placement != "cache_aware":

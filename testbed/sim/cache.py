@@ -30,8 +30,8 @@ Per request, what the emulation's scheduler, prefill and decode workers do with 
 
 Not modelled: the control RPCs' own latency (Lookup, Fetch, Transfer within a datacenter), a
 pool's per-byte service time beyond the fabric, and failures of cache operations (a pool in
-the sim always answers). Routing decisions under the cache are not written to decisions.jsonl
-(the emulation does not write them either).
+the sim always answers). Each placement is a line of decisions.jsonl, written by
+`CachePlacer.plan` / `.settle` as in the emulation (testbed/sim/replay.py replays them).
 """
 
 from __future__ import annotations
@@ -55,13 +55,13 @@ class CacheReq:
     """One request's prefix and cache fields: what the placement reads and fills (the fields
     `workers.placement.CachePlacer` uses of a `pb.Request`) and what the workers measured."""
 
-    __slots__ = ("input_len", "prefix_blocks", "cached_len", "decode_cached_len",
+    __slots__ = ("id", "input_len", "prefix_blocks", "cached_len", "decode_cached_len",
                  "cache_source", "route", "arrived", "fetched", "cache_fetch_bytes",
                  "cache_fetch_s", "cache_put_bytes", "decode_tokens", "decode_bytes",
                  "decode_ready", "decode_pending")
 
     def __init__(self, w):
-        self.input_len = int(w.input_len)
+        self.id, self.input_len = int(w.id), int(w.input_len)
         prefix = getattr(w, "prefix_blocks", None)
         self.prefix_blocks = [int(b) for b in prefix] if prefix is not None else []
         self.cached_len = self.decode_cached_len = 0
@@ -89,11 +89,16 @@ class CachedCluster(SimCluster):
             if pool is not None:
                 self.pools[dc] = PoolBook(pool.name, dc, pool.cache_capacity_bytes)
         self.placer = CachePlacer(rt, self.router, profile_prefill_s(
-            rt.scale, profiles.load(rt.profile)), LOG, clock=loop, read_row=self._counters)
+            rt.scale, profiles.load(rt.profile)), LOG, clock=self, read_row=self._counters,
+            write=self.decisions.write if self.decisions is not None else None)
         self.block = self.placer.block
         self.every = rt.cache.snapshot_every
         self.sizes = self.placer.sizes
         self.of = {}                # request id -> CacheReq, while the request is in flight
+
+    def now(self):
+        """The placement's clock (`workers.clock.Clock`): the run's virtual Unix time."""
+        return self.unix(self.loop.now())
 
     def _counters(self):
         """The sampler's last row as the placement reads timeseries.csv's (None: none yet)."""

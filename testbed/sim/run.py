@@ -61,11 +61,9 @@ class SimRun:
         clock = lambda: base + loop.now()           # noqa: E731  virtual Unix time
         events = EventLog(d.events, clock=clock)
         records = RecordLog(d.records, buffering=1 << 20)   # cannot crash half-way: one block
-        # Under the cache the placement decides, and neither backend records it (docs/sim.md).
-        cached = dep.runtime.cache.enabled
-        decisions = RecordLog(d.decisions, buffering=1 << 20) if tokens and not cached else None
-        cluster = (CachedCluster if cached else SimCluster)(dep, loop, records, events, d, base,
-                                                            self.terms, tokens, decisions)
+        decisions = RecordLog(d.decisions, buffering=1 << 20) if tokens else None
+        cluster = (CachedCluster if dep.runtime.cache.enabled else SimCluster)(
+            dep, loop, records, events, d, base, self.terms, tokens, decisions)
         meta.update(run_id=secrets.token_hex(2), client_start_at=base, wan_counters={},
                     teardown_errors=[], dead_workers=[], link_schedule_errors=[],
                     shaping={"backend": "sim", "backend_reason": "flow-level model "
