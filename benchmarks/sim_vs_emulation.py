@@ -4,7 +4,8 @@ For each variant it prints sim / emulation ratios of request throughput (steady,
 over the span), TTFT p50/p90/p99, mean TPOT and mean KV egress, TTFT p50/p90 against the
 emulation's own figures less the excess its analysis measured (the control plane's latency,
 which the sim does not model), and the difference of the cache hit shares (issue 25's table;
-docs/sim.md keeps it). The emulation needs root and minutes: run it under the shared lock,
+docs/sim.md keeps it); for a variant with faults, each fault's detection and recovery seconds
+and re-dispatched requests in both. The emulation needs root and minutes: run it under the shared lock,
 
     flock /tmp/heavy.lock python benchmarks/sim_vs_emulation.py experiments/quickstart.yaml
 
@@ -137,6 +138,32 @@ def table(sim, emu, name):
     return "\n".join(lines)
 
 
+def _seconds(x):
+    return "-" if x is None else f"{x:.1f}"
+
+
+def fault_table(sim, emu, name):
+    """Per fault of each variant (analysis's `faults`, testbed/faults.py): detection and
+    recovery seconds and the requests re-dispatched, sim against emulation; "" if none."""
+    head = ["experiment", "variant", "fault", "detect s (sim / emulation)",
+            "detect difference s", "recover s (sim / emulation)", "re-dispatched (sim / emulation)"]
+    lines = []
+    for label in sim:
+        for fs, fe in zip(sim[label].get("faults") or [], (emu.get(label) or {}).get("faults")
+                          or []):
+            d = (None if fs.get("detect_s") is None or fe.get("detect_s") is None
+                 else fs["detect_s"] - fe["detect_s"])
+            lines.append("| " + " | ".join([
+                name, label, f"{fs['kind']} {fs['target']}",
+                f"{_seconds(fs.get('detect_s'))} / {_seconds(fe.get('detect_s'))}",
+                "-" if d is None else f"{d:+.1f}",
+                f"{_seconds(fs.get('recover_s'))} / {_seconds(fe.get('recover_s'))}",
+                f"{fs.get('redispatched')} / {fe.get('redispatched')}"]) + " |")
+    if not lines:
+        return ""
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *lines])
+
+
 def absolute(sim, emu):
     """Both backends' values side by side (real-world units)."""
     lines = []
@@ -264,6 +291,9 @@ def main():
         sim = sim_runs(path, args.overrides, top / name / "sim", terms, phases)
         print(f"sim / emulation, {name}, terms off: {', '.join(args.off) or 'none'}")
         print(table(sim, emu, name))
+        faults = fault_table(sim, emu, name)
+        if faults:
+            print(faults)
         print(absolute(sim, emu))
     print(top, file=sys.stderr)
     return 0

@@ -191,9 +191,11 @@ class CachedCluster(SimCluster):
         return c.fetched, c.decode_cached_len
 
     # ---- the prefill worker's cache steps ----
-    def prefill_arrives(self, r):
+    def prefill_arrives(self, r, attempt=None):
         """Fetch the planned prefix from the instance's pool, then queue (the worker's
         `_cache_fetch` precedes its FIFO)."""
+        if r.failed or attempt not in (None, r.attempt):
+            return
         c = self.of[r.id]
         c.arrived = self.loop.now()
         pool = self.pools.get(r.p.dc)

@@ -322,7 +322,7 @@ class SimCluster:
         if self.recovery is not None:
             self.recovery.assign(r)
         delay = self.links["request"].one_way_s() if r.p.dc == "prfaas" else 0.0
-        self.loop.after(delay, self.prefill_arrives, r)
+        self.loop.after(delay, self.prefill_arrives, r, r.attempt)
 
     def move_prefill(self, r, p, reason, d=None):
         """Re-dispatch: the request's next prefill attempt on `p` (and, with `d`, its decode
@@ -371,9 +371,10 @@ class SimCluster:
     def link_of(self, r):
         return self.links["kv"] if r.p.dc == "prfaas" else self.fabric[r.p.dc]
 
-    def prefill_arrives(self, r):
+    def prefill_arrives(self, r, attempt=None):     # `attempt`: the call's (moved since: void)
         rec = self.recovery
-        if r.failed or (rec is not None and not rec.arrives(r)):
+        if r.failed or attempt not in (None, r.attempt) or (rec is not None
+                                                            and not rec.arrives(r)):
             return
         r.queued = self.loop.now()
         r.start, r.end, pieces = self.prefill[r.p.name].schedule(r.queued, r.input_len,

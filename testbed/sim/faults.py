@@ -40,7 +40,7 @@ class _State:
         self.dead = False
         self.kills = 0              # its compute schedule before a kill is void
         self.held = []              # KV pieces due while frozen
-        self.arrivals = []          # requests that reached it while frozen
+        self.arrivals = []          # (request, attempt) that reached it while frozen
         self.on = set()             # requests whose current prefill attempt is on it
 
 
@@ -89,7 +89,7 @@ class SimRecovery:
             self._failed(r, f"prefill {p.name} unreachable: UNAVAILABLE")
             return False
         if st.paused_at is not None:
-            st.arrivals.append(r)
+            st.arrivals.append((r, r.attempt))
             return False
         return True
 
@@ -215,8 +215,9 @@ class SimRecovery:
         for inst, kills, pt0, r, attempt, ready, link, flow, nbytes, last in held:
             self.piece(inst, kills, pt0, r, attempt, ready, link, flow, nbytes, last)
         arrivals, st.arrivals = st.arrivals, []
-        for r in arrivals:
-            self.c.prefill_arrives(r)
+        for r, attempt in arrivals:     # not the ones moved (or failed) while it was frozen
+            if r.attempt == attempt and not r.failed:
+                self.c.prefill_arrives(r)
 
     def _kill(self, name, a):
         if a.phase != "inject":
@@ -224,7 +225,9 @@ class SimRecovery:
         st, model = self.state[name], self.c.prefill[name]
         st.dead, st.paused_at = True, None
         st.kills += 1
-        st.held, lost = [], sorted(st.on | set(st.arrivals), key=lambda r: r.id)
+        st.held, lost = [], sorted(st.on | {r for r, attempt in st.arrivals
+                                            if r.attempt == attempt and not r.failed},
+                                   key=lambda r: r.id)
         st.arrivals = []
         model.free_at = self.loop.now()
         inst = self.by_name[name] if lost else None
