@@ -5,7 +5,9 @@ over the span), TTFT p50/p90/p99, mean TPOT and mean KV egress, TTFT p50/p90 aga
 emulation's own figures less the excess its analysis measured (the control plane's latency,
 which the sim does not model), and the difference of the cache hit shares (issue 25's table;
 docs/sim.md keeps it); for a variant with faults, each fault's detection and recovery seconds
-and re-dispatched requests in both. The emulation needs root and minutes: run it under the shared lock,
+and re-dispatched requests in both; for a cached variant, how many of the sim's placements
+with a hit change when chosen again (testbed/sim/replay.py) with the pool fetch time the
+emulation's placement had learned (its RPCs' latency, which the sim does not model). The emulation needs root and minutes: run it under the shared lock,
 
     flock /tmp/heavy.lock python benchmarks/sim_vs_emulation.py experiments/quickstart.yaml
 
@@ -27,15 +29,21 @@ deterministic; stamps are Unix times from each run's own start, to the microseco
 from __future__ import annotations
 
 import argparse
+import bisect
+import dataclasses
 import json
 import pathlib
 import sys
 import tempfile
 import time
+import types
+
+import pandas as pd
 
 from testbed import config, rundir
 from testbed import run as runner
-from testbed.records import read_events
+from testbed.records import read_decisions, read_events
+from testbed.sim import replay
 from testbed.sim.run import SimRun
 from testbed.sim.wan import Terms
 
@@ -162,6 +170,41 @@ def fault_table(sim, emu, name):
     if not lines:
         return ""
     return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *lines])
+
+
+def learned_fetch_s(placer, emu_dir):
+    """[(seconds after the first send, fetch s per byte)]: what the emulation's placement had
+    learned, `placer.observe` fed its prefill replies (requests.parquet) in reply order."""
+    df = pd.read_parquet(pathlib.Path(emu_dir) / "requests.parquet").sort_values("prefill_end")
+    t0, out = df.send_time.min(), []
+    for t, nbytes, s in zip(df.prefill_end, df.cache_fetch_bytes.fillna(0),
+                            df.cache_fetch_s.fillna(0)):
+        placer.observe(types.SimpleNamespace(cache_fetch_bytes=nbytes, cache_fetch_s=s))
+        if placer.fetch_s_per_byte is not None:
+            out.append((t - t0, placer.fetch_s_per_byte))
+    return out
+
+
+def fetch_term(sim_dir, emu_dir):
+    """The sim's placements (decisions.jsonl) chosen again with the fetch time the emulation's
+    placement had learned at the same moment: (placements with a hit, those that change)."""
+    recs = read_decisions(rundir.RunDir(sim_dir).decisions)
+    _, placer, clock = replay.deciders_of(sim_dir)
+    learned = learned_fetch_s(placer, emu_dir) if placer is not None else []
+    if not learned or not recs or not recs[0].cache:
+        return None
+    t0 = min(r.time for r in recs)
+    times = [t for t, _ in learned]
+    hits = changed = 0
+    for r in recs:
+        if not (r.cache["plan"] and r.cache["plan"][1] > 0):
+            continue
+        hits += 1
+        i = bisect.bisect_right(times, r.time - t0) - 1
+        rec = dataclasses.replace(r, cache={**r.cache, "fetch_s_per_byte":
+                                            learned[i][1] if i >= 0 else None})
+        changed += replay.place(placer, clock, rec) != replay.outcome(r)
+    return hits, changed
 
 
 def absolute(sim, emu):
@@ -294,6 +337,12 @@ def main():
         faults = fault_table(sim, emu, name)
         if faults:
             print(faults)
+        for label in sim:
+            term = fetch_term(sim[label]["run_dir"], emu[label]["run_dir"]) if label in emu \
+                else None
+            if term and term[0]:
+                print(f"  {label}: of the sim's {term[0]} placements with a hit, {term[1]} "
+                      "change with the fetch time the emulation's placement had learned")
         print(absolute(sim, emu))
     print(top, file=sys.stderr)
     return 0
