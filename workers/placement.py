@@ -30,6 +30,13 @@ from past routing.
 
 The decode side's prefix (`decode_cached_len`) is what the local pool holds: the prefill ships
 only the recurrent state plus the MLA KV beyond it.
+
+The decision has no RPC in it: `place` (the scheduler's, asyncio) is `lookup` (RPCs) ->
+`plan` (cap the view, `choose`) -> `pull` if the plan moves a prefix (RPC) -> `settle` (route,
+the request's cache fields). The simulator (testbed/sim/cache.py) calls `plan` and `settle`
+around its own models of the two RPCs. `plan` books each decision (the router's book, what the
+pools answered, the link reading, the learned fetch time) and `settle` writes it to the run's
+decisions.jsonl with where the request went, so testbed/sim/replay.py can make it again.
 """
 
 import asyncio
@@ -281,8 +288,12 @@ class CachePlacer:
         moved, ok = 0, True
         if best is not None and best[2]:
             inst, cached, move_from = best
-            moved, ok = await self.pull(inst.dc, move_from,
-                                        self.move_blocks(blocks, cached, view.kv(inst.dc)))
+            try:
+                moved, ok = await self.pull(inst.dc, move_from,
+                                            self.move_blocks(blocks, cached, view.kv(inst.dc)))
+            except BaseException:           # cancelled: the request is not placed
+                self.pending.pop(req.id, None)
+                raise
         return self.settle(req, view, len(blocks), choice, best, moved, ok)
 
     def prefix_of(self, req):
