@@ -15,7 +15,7 @@ import sys
 import pandas as pd
 import pytest
 
-from conftest import assert_decisions_replay
+from conftest import assert_decisions_replay, cache_failover_experiment
 from tests.test_run_root import leftovers
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
@@ -64,16 +64,7 @@ def test_cache_aware_failover_redispatches_within_the_placed_cluster(tmp_path):
     """Two PrfaaS prefill instances share the PrfaaS pool; rp0 is killed mid-run. With failover,
     its requests are re-dispatched to rp1 (same cluster, the pool that holds their prefixes),
     none is lost, and hits keep coming from the pools after the kill."""
-    import yaml
-    exp = yaml.safe_load(CACHED.read_text())
-    exp.pop("variants")
-    exp["clusters"]["prfaas"]["instances"] = 2
-    exp["scale"]["time"] = 5
-    # Slow health checks: the requests placed on rp0 after the kill find it dead themselves.
-    exp["scheduler"]["failover"] = {"enabled": True, "interval": "5s", "timeout": "1s"}
-    exp["faults"] = [{"at": "3s", "kind": "kill", "target": "rp0"}]
-    path = tmp_path / "cache_failover.yaml"
-    path.write_text(yaml.safe_dump(exp))
+    path = cache_failover_experiment(tmp_path)
     out = tmp_path / "run"
     r = subprocess.run([sys.executable, "-m", "testbed.cli", "run", str(path), "--out",
                         str(out), "--no-progress", "--no-probe"],

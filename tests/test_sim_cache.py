@@ -10,9 +10,10 @@ import json
 import pandas as pd
 import pytest
 
-from conftest import ROOT, assert_decisions_replay
+from conftest import ROOT, assert_decisions_replay, cache_failover_experiment
 from testbed import cli, config, deploy
 from testbed import profile as profiles
+from testbed.records import read_events
 from testbed.sim.replay import replay
 from testbed.sim.run import SimRun
 
@@ -127,3 +128,21 @@ def test_cached_placements_replay_and_a_tampered_one_is_reported(tmp_path):
     # What the pools answered decides: the same book with the prefix in no pool plans no hit.
     tampered = dataclasses.replace(hit[0], cache={**hit[0].cache, "view": [0, 0, 0, 0]})
     assert [m.id for m in replay(out, [tampered, *hit[1:]]).mismatches] == [hit[0].id]
+
+
+def test_a_killed_prfaas_instance_s_requests_stay_next_to_their_pool(tmp_path):
+    """tests/test_cache_root.py's failover run in the sim: two PrfaaS instances share the PrfaaS
+    pool, rp0 is killed; its requests are re-dispatched to rp1 (the cluster they were placed
+    in), none is lost, hits keep coming from the pools, and the placements replay."""
+    path = cache_failover_experiment(tmp_path)
+    d = tmp_path / "run"
+    s = SimRun(config.load_experiment(path, ["backend.kind=sim"])[0], d).execute()
+    df = pd.read_parquet(d / "requests.parquet")
+    assert s["accounting"]["lost"] == 0 and (df.status == "ok").all() and len(df) == 24
+    moves = [m for lst in df.redispatches for m in (lst if lst is not None else [])]
+    assert moves and {(m["role"], m["from"], m["to"]) for m in moves} == {("prefill", "rp0",
+                                                                           "rp1")}
+    killed = min(t for t, k, _ in read_events(d / "events.csv") if k == "fault_inject")
+    assert not ((df.prefill_instance == "rp0") & (df.send_time > killed)).any()
+    assert s["cache_hit_share"] > 0 and (df[df.cached_len > 0].cache_fetch_bytes > 0).all()
+    assert_decisions_replay(d)

@@ -31,9 +31,6 @@ def unsupported(exp):
     if exp.workload.client != "builtin":
         return (f"workload.client {exp.workload.client}: the simulator replays the request list "
                 "itself (workload.client: builtin)")
-    if exp.cache.enabled and (exp.faults or exp.scheduler.failover.enabled):
-        return ("cache.enabled with faults or failover: re-dispatch under the prefix cache is "
-                "not simulated yet (the cache is, testbed/sim/cache.py)")
     decode = [f for f in exp.faults if f.kind != "link" and _hits_decode(exp, f.target)]
     if decode:
         return (f"faults on decode instances ({decode[0].kind} on {decode[0].target}) are not "

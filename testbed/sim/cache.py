@@ -28,10 +28,14 @@ Per request, what the emulation's scheduler, prefill and decode workers do with 
    and each pool's `PoolBook.stats()` is the run directory's cache_<name>.json, so analysis
    computes the same cache hit share.
 
+With failover a re-dispatch stays in the cluster the request was placed in (`reroute`, the
+scheduler's `route(req, kind)`); the new instance fetches from its own pool.
+
 Not modelled: the control RPCs' own latency (Lookup, Fetch, Transfer within a datacenter), a
 pool's per-byte service time beyond the fabric, and failures of cache operations (a pool in
-the sim always answers). Each placement is a line of decisions.jsonl, written by
-`CachePlacer.plan` / `.settle` as in the emulation (testbed/sim/replay.py replays them).
+the sim always answers); a cancelled attempt writes no blocks, and a decode instance a request
+moves to does not fetch the prefix again. Each placement is a line of decisions.jsonl, written
+by `CachePlacer.plan` / `.settle` as in the emulation (testbed/sim/replay.py replays them).
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ class CacheReq:
     `workers.placement.CachePlacer` uses of a `pb.Request`) and what the workers measured."""
 
     __slots__ = ("id", "input_len", "prefix_blocks", "cached_len", "decode_cached_len",
-                 "cache_source", "route", "arrived", "fetched", "cache_fetch_bytes",
+                 "cache_source", "route", "kind", "arrived", "fetched", "cache_fetch_bytes",
                  "cache_fetch_s", "cache_put_bytes", "decode_tokens", "decode_bytes",
                  "decode_ready", "decode_pending")
 
@@ -65,7 +69,7 @@ class CacheReq:
         prefix = getattr(w, "prefix_blocks", None)
         self.prefix_blocks = [int(b) for b in prefix] if prefix is not None else []
         self.cached_len = self.decode_cached_len = 0
-        self.cache_source, self.route = "", {}
+        self.cache_source, self.route, self.kind = "", {}, ""
         self.arrived = self.decode_ready = self.decode_pending = None
         self.fetched = self.cache_fetch_bytes = self.cache_put_bytes = 0
         self.cache_fetch_s = 0.0
@@ -180,11 +184,18 @@ class CachedCluster(SimCluster):
         except LookupError as e:
             self._fail(r, f"scheduler: {e}")
             return
+        c.kind = r.kind
         self.routed(r)
         self._decode_fetch(r, c)
 
     def predict_s(self, r, p):
         return self.placer.prefill_s(p, r.input_len, self.of[r.id].cached_len)
+
+    def reroute(self, r):
+        """A re-dispatch stays in the cluster the request was placed in, whose pool holds the
+        prefix it counted on, while an instance is up there (`SchedulerService.route`)."""
+        c = self.of[r.id]
+        return lambda: self.router.route_to(c.kind == "remote", r.input_len - c.cached_len)
 
     def cached_lens(self, r):
         c = self.of[r.id]
@@ -193,8 +204,10 @@ class CachedCluster(SimCluster):
     # ---- the prefill worker's cache steps ----
     def prefill_arrives(self, r, attempt=None):
         """Fetch the planned prefix from the instance's pool, then queue (the worker's
-        `_cache_fetch` precedes its FIFO)."""
-        if r.failed or attempt not in (None, r.attempt):
+        `_cache_fetch` precedes its FIFO); a frozen instance fetches at its resume."""
+        rec = self.recovery
+        if r.failed or attempt not in (None, r.attempt) or (rec is not None
+                                                            and not rec.arrives(r)):
             return
         c = self.of[r.id]
         c.arrived = self.loop.now()
@@ -202,27 +215,35 @@ class CachedCluster(SimCluster):
         k = fetch_blocks(c.cached_len, c.input_len, len(self._whole(c)), self.block)
         if k <= 0 or pool is None:
             c.fetched = 0
-            self._queue(r, c, 0)
+            self._queue(r, c, 0, r.attempt)
             return
         parts = pool.store.parts(c.prefix_blocks[:k], k)
         n = _nbytes(parts)
         kv, state = pool.sent(parts, n)
         c.fetched = continued_from(k, self.block, kv, state)
-        self._transfer(self.fabric[r.p.dc], n, self._queue, r, c, n)
+        self._transfer(self.fabric[r.p.dc], n, self._queue, r, c, n, r.attempt)
 
-    def _queue(self, r, c, fetched_bytes):
+    def _queue(self, r, c, fetched_bytes, attempt):
+        if r.failed or r.attempt != attempt:
+            return
         c.cache_fetch_bytes = fetched_bytes
         c.cache_fetch_s = self.loop.now() - c.arrived if fetched_bytes else 0.0
         pool = self.pools.get(r.p.dc)
         if pool is not None:
             pool.transfer(r.id, self.sizes.shipped(c.input_len, c.decode_cached_len), False)
-        super().prefill_arrives(r)
+        r.flow = None
+        super().prefill_arrives(r, attempt)
+        if r.flow is None:
+            return                      # held (frozen since the fetch) or failed (dead)
         r.queued = c.arrived            # the worker stamps `queued` as the call arrives
         if pool is not None:
-            self.loop.at(r.end, self._put, r, c, pool)
+            self.loop.at(r.end, self._put, r, c, pool, attempt)
 
-    def _put(self, r, c, pool):
-        """The new blocks and their snapshots into the prefilling cluster's pool."""
+    def _put(self, r, c, pool, attempt):
+        """The new blocks and their snapshots into the prefilling cluster's pool (a cancelled
+        attempt's are not: the emulation's worker would write them once it resumes)."""
+        if r.attempt != attempt:
+            return
         parts = [(bid, kind, _payload(self.sizes.of(kind)))
                  for bid, kind in computed_parts(self._whole(c), c.fetched // self.block,
                                                  self.every)]

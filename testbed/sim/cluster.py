@@ -286,13 +286,14 @@ class SimCluster:
         self._open_decode(r)
         self._call_prefill(r)
 
-    def predict_s(self, r, p):
-        """Predicted prefill seconds of `r` on `p` (the scheduler's `predict_s`)."""
+    def predict_s(self, r, p):      # predicted prefill seconds of `r` on `p` (the scheduler's)
         return self.router.predict_s(p, r.input_len)
 
-    def cached_lens(self, r):
-        """(prefix tokens the prefill continues from, prefix tokens the decode side holds)."""
+    def cached_lens(self, r):       # (tokens the prefill continues from, the decode side holds)
         return 0, 0
+
+    def reroute(self, r):           # a re-dispatch's routing (the scheduler's `route(req, kind)`)
+        return lambda: self.router.route(r.input_len)
 
     def _open_decode(self, r):
         """The decode stream (re)opens now: with failover its KV deadline is a timer, decided
@@ -305,8 +306,7 @@ class SimCluster:
         if r.failed or r.kv_in or r.opened != opened:
             return
         error = (f"{r.d.name}: KV not complete after {self.rt.kv_deadline_s:.3g}s (emulated)")
-        what, arg = redispatch.after_kv_timeout(r, lambda: self.router.route(r.input_len),
-                                                error, not r.replied)
+        what, arg = redispatch.after_kv_timeout(r, self.reroute(r), error, not r.replied)
         if what == "fail":
             self.fail_flight(r, arg)
         elif what == "wait":

@@ -112,8 +112,7 @@ class SimRecovery:
     def _failed(self, r, error):
         """`Flight._on_prefill` on a failed attempt, through the shared decision."""
         self.done(r, r.p)
-        what, arg = redispatch.after_prefill_failure(r, lambda: self.c.router.route(
-            r.input_len), error)
+        what, arg = redispatch.after_prefill_failure(r, self.c.reroute(r), error)
         if what == "fail":
             self.c.fail_flight(r, arg)
         elif what == "decode":
@@ -127,7 +126,7 @@ class SimRecovery:
     def _retry(self, r, attempt, error):
         if r not in self.waiting or r.attempt != attempt:
             return
-        p = redispatch.place_prefill(lambda: self.c.router.route(r.input_len))
+        p = redispatch.place_prefill(self.c.reroute(r))
         if p is None:
             self.loop.after(self.sched.health_interval_s, self._retry, r, attempt, error)
             return
@@ -135,8 +134,7 @@ class SimRecovery:
         self.c.move_prefill(r, p, error)
 
     def _reroute_decode(self, r, reason):
-        error, to = redispatch.reroute_decode(r, lambda: self.c.router.route(r.input_len),
-                                              reason)
+        error, to = redispatch.reroute_decode(r, self.c.reroute(r), reason)
         if error is not None:
             self.c.fail_flight(r, error)
         else:
@@ -149,7 +147,7 @@ class SimRecovery:
         for r in sorted(st.on if st else (), key=lambda r: r.id):
             what = redispatch.on_instance_down(r, inst, r.replied)
             if what == "prefill":
-                p = redispatch.move_prefill(r, lambda: self.c.router.route(r.input_len))
+                p = redispatch.move_prefill(r, self.c.reroute(r))
                 if p is not None:
                     self.done(r, inst)
                     self.c.move_prefill(r, p, f"{inst.name} down: {reason}")
