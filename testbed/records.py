@@ -9,9 +9,8 @@ only (no pandas, numpy, yaml), so the workers import it as the orchestrator and 
   (workers/client.py) and the front door (workers/frontdoor.py) through `RecordLog`, read
   back typed by `read_records` (token times expanded, every stamp on the orchestrator's clock
   when the run recorded clock offsets). Analysis reads requests through these and nothing else.
-- `DecisionRecord`: a line of `decisions.jsonl`, one routing decision and the router's book it
-  read, written by the scheduler and the simulator through `RecordLog`, read by
-  `read_decisions` (the replay, testbed/sim/replay.py).
+- `DecisionRecord`: a line of `decisions.jsonl`, a routing decision (or placement) and the book
+  it read, by the scheduler and the simulator; `read_decisions` reads it (testbed/sim/replay.py).
 - `EventLog` appends rows to `events.csv` (the runner and every worker); `read_events` is the
   one reader, and it puts each row a worker wrote on the orchestrator's clock.
 """
@@ -415,6 +414,7 @@ class DecisionRecord:
     prefill: str = ""
     decode: str = ""
     error: str = ""                 # the LookupError when nothing was up
+    cache: dict = dataclasses.field(default_factory=dict)   # prefix cache: CachePlacer.plan
 
     def line(self) -> dict:
         # shallow: dataclasses.asdict deep-copies the book, 8x the cost of the whole line

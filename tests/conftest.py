@@ -6,6 +6,7 @@ import pathlib
 import textwrap
 
 import pytest
+import yaml
 
 from testbed.records import RunDir, read_decisions, read_records
 from testbed.sim.replay import replay
@@ -42,6 +43,22 @@ def assert_remote_kv_crossed_the_wan(df, summary):
     counted = summary["wan_bytes_measured"]
     assert sent <= counted <= 1.15 * sent, (sent, counted)
     return remote
+
+
+def cache_failover_experiment(tmp_path):
+    """tests/data/cache_tiny.yaml with two PrfaaS instances sharing the PrfaaS pool, failover
+    on and rp0 killed at 3 s (one run: tests/test_cache_root.py, tests/test_sim_cache.py);
+    the path of its YAML."""
+    exp = yaml.safe_load((ROOT / "tests" / "data" / "cache_tiny.yaml").read_text())
+    exp.pop("variants")
+    exp["clusters"]["prfaas"]["instances"] = 2
+    exp["scale"]["time"] = 5
+    # Slow health checks: the requests placed on rp0 after the kill find it dead themselves.
+    exp["scheduler"]["failover"] = {"enabled": True, "interval": "5s", "timeout": "1s"}
+    exp["faults"] = [{"at": "3s", "kind": "kill", "target": "rp0"}]
+    path = tmp_path / "cache_failover.yaml"
+    path.write_text(yaml.safe_dump(exp))
+    return path
 
 
 def assert_decisions_replay(run_dir):

@@ -15,6 +15,7 @@ from testbed.config import load_experiment
 from testbed.errors import ConfigError
 from testbed.runtime import CacheRuntime, InstanceRuntime, SchedulerRuntime, WorkerRuntime
 from testbed.scale import Scale
+from workers.adaptive import read_last_row
 from workers.cache_core import KIND_KV, KIND_STATE, BlockSizes, BlockStore, snapshot_blocks
 from workers.placement import CacheView, choose_cluster, estimated_ttft, link_state
 from workers.policy import Instance, Router
@@ -137,11 +138,11 @@ def test_estimated_ttft_trades_queue_against_cache():
 def test_link_state_from_kernel_counters(tmp_path):
     ts = tmp_path / "timeseries.csv"
     ts.write_text("time,kv_tx_bytes,kv_link_bps\n1.0,0,1e9\n")
-    util, bps, last = link_state(ts, None)
+    util, bps, last = link_state(read_last_row(ts), None)
     assert util is None and bps == 1e9 and last == (1.0, 0)
     with open(ts, "a") as f:
         f.write("1.5,31250000,1e9\n")                  # 250 Mbit in 0.5 s on 1 Gbit/s
-    util, bps, last = link_state(ts, last)
+    util, bps, last = link_state(read_last_row(ts), last)
     assert util == pytest.approx(0.5) and last == (1.5, 31250000)
 
 

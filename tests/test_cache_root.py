@@ -15,6 +15,7 @@ import sys
 import pandas as pd
 import pytest
 
+from conftest import assert_decisions_replay, cache_failover_experiment
 from tests.test_run_root import leftovers
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
@@ -52,22 +53,18 @@ def test_cached_run_measured_facts(tmp_path):
     assert s["cache_aware"]["request_bytes_measured"] >= to_remote
     pools = s["cache_aware"]["cache_pools"]
     assert pools["pool_local"]["bytes_in"] > 0 and pools["pool_prfaas"]["bytes_in"] > 0
+    # Each placement is in decisions.jsonl with what the pools answered; the simulator's
+    # placement (workers.placement.CachePlacer.choose on the recorded book) decides the same.
+    recs = assert_decisions_replay(out / "cache_aware")
+    assert any(r.cache["plan"] and r.cache["plan"][2] for r in recs)    # a prefix move
+    assert any(max(r.cache["view"]) > 0 for r in recs)
 
 
 def test_cache_aware_failover_redispatches_within_the_placed_cluster(tmp_path):
     """Two PrfaaS prefill instances share the PrfaaS pool; rp0 is killed mid-run. With failover,
     its requests are re-dispatched to rp1 (same cluster, the pool that holds their prefixes),
     none is lost, and hits keep coming from the pools after the kill."""
-    import yaml
-    exp = yaml.safe_load(CACHED.read_text())
-    exp.pop("variants")
-    exp["clusters"]["prfaas"]["instances"] = 2
-    exp["scale"]["time"] = 5
-    # Slow health checks: the requests placed on rp0 after the kill find it dead themselves.
-    exp["scheduler"]["failover"] = {"enabled": True, "interval": "5s", "timeout": "1s"}
-    exp["faults"] = [{"at": "3s", "kind": "kill", "target": "rp0"}]
-    path = tmp_path / "cache_failover.yaml"
-    path.write_text(yaml.safe_dump(exp))
+    path = cache_failover_experiment(tmp_path)
     out = tmp_path / "run"
     r = subprocess.run([sys.executable, "-m", "testbed.cli", "run", str(path), "--out",
                         str(out), "--no-progress", "--no-probe"],
@@ -86,4 +83,5 @@ def test_cache_aware_failover_redispatches_within_the_placed_cluster(tmp_path):
     killed = float(events.time[events.kind == "fault_inject"].iloc[0])
     assert not ((df.prefill_instance == "rp0") & (df.send_time > killed)).any()
     assert s["cache_hit_share"] > 0 and (df[df.cached_len > 0].cache_fetch_bytes > 0).all()
+    assert_decisions_replay(out)        # the placements replay; re-dispatches are not recorded
     assert leftovers(out) == []          # the pools' processes too

@@ -62,9 +62,13 @@ def test_a_real_engine_exits_2_with_one_line(tmp_path, capsys):
 
 
 def test_what_is_not_simulated_yet_exits_2(tmp_path, capsys):
+    # the prefix cache runs (tests/test_sim_cache.py), a decode instance's fault not yet
     assert cli.main(["run", str(ROOT / "experiments" / "prefix_cache.yaml"), "--backend", "sim",
+                     "--set", "faults=[{at: 1s, kind: pause, target: ld0, duration: 1s}]",
                      "--out", str(tmp_path / "c")]) == 2
-    assert "prefix cache" in capsys.readouterr().err
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "decode instances" in err
+    assert not (tmp_path / "c").exists()
 
 
 def test_one_request_takes_the_closed_form_path(tmp_path):

@@ -144,6 +144,10 @@ def test_gray_failure_runs_in_the_sim(tmp_path):
         # the decisions made while PrfaaS was down replay the same
         decisions = assert_decisions_replay(runs[name])
         assert any({"rp0", "rp1"} <= set(r.down) for r in decisions), name
+        # the router's book never goes below zero: a request moved off a frozen instance is
+        # not prefilled again there at the resume (each attempt's work leaves the book once)
+        assert all(v >= 0 for r in decisions for v in r.inflight.values()), name
+        assert all(v > -1e-9 for r in decisions for v in r.outstanding_s.values()), name
     assert "UNAVAILABLE" in next(f["reason"] for t, k, f in _events(runs["kill-restart-200s"])
                                  if k == "health")
 

@@ -41,6 +41,35 @@ def snapshot_blocks(n_full, every):
     return out
 
 
+def fetch_blocks(cached_len, input_len, whole, block):
+    """Whole blocks a prefill asks its pool for, planned to continue from `cached_len` tokens of
+    a prompt of `input_len` with `whole` whole prefix blocks: at least one token is computed."""
+    return max(0, min(cached_len // block, whole, (input_len - 1) // block))
+
+
+def continued_from(k, block, kv_blocks, state):
+    """Tokens a prefill continues from after asking for `k` blocks, of which `kv_blocks` KV and
+    the snapshot after the last (`state`) came: all `k`, or nothing (the recurrent state is
+    reusable only at exactly the snapshot's length)."""
+    return k * block if k > 0 and kv_blocks == k and state else 0
+
+
+def computed_parts(ids, first, every):
+    """[(id, kind)] a prefill that continued from block `first` of its whole prefix blocks
+    `ids` writes into its pool: the KV of each new block and the snapshots after blocks beyond
+    `first` (`snapshot_blocks`)."""
+    parts = [(ids[i], KIND_KV) for i in range(first, len(ids))]
+    return parts + [(ids[k - 1], KIND_STATE) for k in sorted(snapshot_blocks(len(ids), every))
+                    if k > first]
+
+
+def received_parts(ids, have):
+    """[(id, kind)] a decode instance writes into the local pool for a request prefilled in the
+    other cluster: the KV of the whole blocks beyond the `have` it took from the pool (no
+    snapshot crossed the WAN)."""
+    return [(ids[i], KIND_KV) for i in range(have, len(ids))]
+
+
 @dataclasses.dataclass
 class Entry:
     kv: object = None           # bytes-like, MLA KV of the block
@@ -163,6 +192,49 @@ class BlockStore:
                 "evicted_bytes": self.evicted_bytes, "inserted_blocks": self.inserted_blocks}
 
 
+class PoolBook:
+    """One cluster pool's store and counters: what `workers/cachepool.py` serves over gRPC and
+    sockets and the simulator's pools (testbed/sim/cache.py) keep in virtual time, one
+    implementation. `stats()` is the run directory's cache_<name>.json."""
+
+    def __init__(self, name, dc, capacity):
+        self.name, self.dc = name, dc
+        self.store = BlockStore(capacity)
+        self.counters = collections.Counter()
+
+    def received(self, block_id, kind, data):
+        """A part arrived on the pool's block socket."""
+        self.counters["bytes_in"] += memoryview(data).nbytes
+        self.store.put(block_id, kind, data)
+
+    def lookup(self, ids):
+        self.counters["lookups"] += 1
+        return self.store.match(ids, touch=False)
+
+    def sent(self, parts, nbytes):
+        """A fetch sent `parts` ([(id, kind, data)], `nbytes`): (kv_blocks, state) it carried."""
+        self.counters["bytes_out"] += nbytes
+        self.counters["fetches"] += 1
+        return (sum(1 for _, kind, _ in parts if kind == KIND_KV),
+                any(kind == KIND_STATE for _, kind, _ in parts))
+
+    def pulled(self, nbytes):
+        self.counters["pulled_bytes"] += nbytes
+        self.counters["pulls"] += 1
+
+    def transfer(self, tag, nbytes, release):
+        """Reserve (or release) transfer-cache for a tail being shipped."""
+        if release:
+            self.store.release(tag)
+        else:
+            self.store.reserve(tag, nbytes)
+            self.counters["transfer_peak"] = max(self.counters["transfer_peak"],
+                                                 self.store.transfer_bytes)
+
+    def stats(self):
+        return {"name": self.name, "dc": self.dc, **self.store.stats(), **dict(self.counters)}
+
+
 class BlockSizes:
     """Bytes of one block's MLA KV and of one KDA snapshot, from the profile's S_kv fit.
 
@@ -176,6 +248,10 @@ class BlockSizes:
         self.state = max(1, int(round(scale.emulated_bytes(a))))
         self.per_token = scale.emulated_bytes(b)
         self.kv = max(1, int(round(scale.emulated_bytes(b * block))))
+
+    def of(self, kind):
+        """Bytes of one part of a block: its KV or its snapshot."""
+        return self.kv if kind == KIND_KV else self.state
 
     def shipped(self, input_len, decode_cached):
         """Bytes a decode instance still needs when it holds `decode_cached` tokens of the

@@ -4,7 +4,8 @@
 snapshot after the last one) from the instance's own cluster pool over the intra-DC link; the
 request continues from what really arrived. While the tail ships, account it as transfer-cache
 in the pool. After compute, write the new whole blocks and their snapshots
-(`cache_core.snapshot_blocks`) into the pool.
+(`cache_core.computed_parts`) into the pool. Which blocks and what a fetch continues from are
+`workers.cache_core`'s, which the simulator's model of these workers calls too.
 
 `DecodeCache`: fetch the MLA KV of the prefix the local pool holds (the scheduler counted on
 it, so the prefill shipped only the rest) and, for a request prefilled in the other cluster,
@@ -15,7 +16,8 @@ import asyncio
 import time
 
 from workers import cache_wire, kvwire
-from workers.cache_core import KIND_KV, KIND_STATE, BlockSizes, snapshot_blocks
+from workers.cache_core import (BlockSizes, computed_parts, continued_from, fetch_blocks,
+                                received_parts)
 from workers.engine_profile import _payload
 
 
@@ -78,16 +80,13 @@ class _Cache:
 class PrefillCache(_Cache):
     async def fetch(self, req):
         """(tokens continued from, bytes fetched, seconds) for the request's planned hit."""
-        k = min(req.cached_len // self.block, self.whole_blocks(req),
-                (req.input_len - 1) // self.block)
+        k = fetch_blocks(req.cached_len, req.input_len, self.whole_blocks(req), self.block)
         if k <= 0:
             return 0, 0, 0.0
         t0 = time.time()
         blocks = list(req.prefix_blocks[:k])
         reply, got = await self._fetch(self.pool, blocks, k)
-        # The recurrent state is reusable only at exactly the snapshot's length.
-        cached = k * self.block if reply.kv_blocks == k and reply.state else 0
-        return cached, got, time.time() - t0
+        return continued_from(k, self.block, reply.kv_blocks, reply.state), got, time.time() - t0
 
     async def reserve(self, rid, nbytes):
         await self.pools.stub(self.pool).Transfer(
@@ -99,12 +98,9 @@ class PrefillCache(_Cache):
 
     async def put(self, req, cached_len):
         """Write the blocks this prefill computed (and their snapshots) into the pool."""
-        n = self.whole_blocks(req)
-        first = cached_len // self.block
-        ids = list(req.prefix_blocks[:n])
-        parts = [(ids[i], KIND_KV, _payload(self.sizes.kv)) for i in range(first, n)]
-        parts += [(ids[k - 1], KIND_STATE, _payload(self.sizes.state))
-                  for k in sorted(snapshot_blocks(n, self.every)) if k > first]
+        ids = list(req.prefix_blocks[:self.whole_blocks(req)])
+        parts = [(bid, kind, _payload(self.sizes.of(kind)))
+                 for bid, kind in computed_parts(ids, cached_len // self.block, self.every)]
         return await cache_wire.send_parts(self.sender, self.pool_blocks, parts)
 
 
@@ -119,8 +115,7 @@ class DecodeCache(_Cache):
 
     async def put_received(self, req, have_tokens):
         """Whole blocks that came over the WAN (beyond what the pool gave) -> the local pool."""
-        n = self.whole_blocks(req)
-        ids = list(req.prefix_blocks[:n])
-        parts = [(ids[i], KIND_KV, _payload(self.sizes.kv))
-                 for i in range(have_tokens // self.block, n)]
+        ids = list(req.prefix_blocks[:self.whole_blocks(req)])
+        parts = [(bid, kind, _payload(self.sizes.of(kind)))
+                 for bid, kind in received_parts(ids, have_tokens // self.block)]
         return await cache_wire.send_parts(self.sender, self.local_pool_blocks, parts)

@@ -2,8 +2,9 @@
 
 One process per datacenter, in its own host on the datacenter's bridge, so every instance of
 the cluster reaches it over the intra-DC fabric and the other cluster's pool only over the WAN.
-It holds the (scaled) bytes of every cached block in memory (`workers.cache_core.BlockStore`:
-LRU, KDA snapshots, transfer-cache reservations from the same capacity) and serves:
+It holds the (scaled) bytes of every cached block in memory (`workers.cache_core.PoolBook`:
+a `BlockStore` with LRU, KDA snapshots, transfer-cache reservations from the same capacity, and
+the pool's counters; the simulator keeps the same book) and serves:
 
 - `Lookup(blocks)`: how many leading blocks it holds (MLA KV) and how many end at a snapshot;
 - `Fetch(blocks, state_at, dest, tag)`: send them to a worker's (or pool's) block socket;
@@ -16,64 +17,48 @@ At exit it writes `cache_<name>.json` (store statistics and byte counters) in th
 """
 
 import asyncio
-import collections
 import json
 
 from testbed.proto import testbed_pb2 as pb
 from testbed.proto import testbed_pb2_grpc as pbg
 from testbed.records import RunDir
 from workers import cache_wire, common, kvwire
-from workers.cache_core import BlockStore
+from workers.cache_core import PoolBook
 
 
 class CachePoolService(pbg.CachePoolServicer):
     def __init__(self, rt, name, inst, log):
         self.rt, self.name, self.inst, self.log = rt, name, inst, log
-        self.store = BlockStore(inst.cache_capacity_bytes)
+        self.book = PoolBook(name, inst.dc, inst.cache_capacity_bytes)
+        self.store = self.book.store
         self.sender = kvwire.SenderPool()
-        self.receiver = cache_wire.BlockReceiver(self._on_part)
+        self.receiver = cache_wire.BlockReceiver(self.book.received)
         self.pools = cache_wire.PoolClient()
-        self.counters = collections.Counter()
         self.timeout = rt.kv_deadline_s
 
-    def _on_part(self, block_id, kind, data):
-        self.counters["bytes_in"] += len(data)
-        self.store.put(block_id, kind, data)
-
     async def Lookup(self, req, context):
-        kv, state = self.store.match(list(req.blocks), touch=False)
-        self.counters["lookups"] += 1
+        kv, state = self.book.lookup(list(req.blocks))
         return pb.LookupReply(kv_blocks=kv, state_blocks=state)
 
     async def Fetch(self, req, context):
         parts = self.store.parts(list(req.blocks), req.state_at)
         n = await cache_wire.send_parts(self.sender, req.dest, parts, tag=req.tag)
-        self.counters["bytes_out"] += n
-        self.counters["fetches"] += 1
-        kv = sum(1 for _, kind, _ in parts if kind == cache_wire.KIND_KV)
-        state = any(kind == cache_wire.KIND_STATE for _, kind, _ in parts)
+        kv, state = self.book.sent(parts, n)
         return pb.FetchReply(kv_blocks=kv, state=state, bytes=n)
 
     async def Pull(self, req, context):
         me = cache_wire.block_addr(self.inst)
         reply, got = await self.pools.fetch_into(self.receiver, req.source, me, list(req.blocks),
                                                  req.state_at, self.timeout)
-        self.counters["pulled_bytes"] += got
-        self.counters["pulls"] += 1
+        self.book.pulled(got)
         return pb.FetchReply(kv_blocks=reply.kv_blocks, state=reply.state, bytes=got)
 
     async def Transfer(self, req, context):
-        if req.release:
-            self.store.release(req.tag)
-        else:
-            self.store.reserve(req.tag, req.bytes)
-            self.counters["transfer_peak"] = max(self.counters["transfer_peak"],
-                                                 self.store.transfer_bytes)
+        self.book.transfer(req.tag, req.bytes, req.release)
         return pb.Empty()
 
     def stats(self):
-        return {"name": self.name, "dc": self.inst.dc, **self.store.stats(),
-                **dict(self.counters)}
+        return self.book.stats()
 
     async def Stats(self, request, context):
         return pb.PoolStats(json=json.dumps(self.stats()))

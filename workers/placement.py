@@ -30,6 +30,13 @@ from past routing.
 
 The decode side's prefix (`decode_cached_len`) is what the local pool holds: the prefill ships
 only the recurrent state plus the MLA KV beyond it.
+
+The decision has no RPC in it: `place` (the scheduler's, asyncio) is `lookup` (RPCs) ->
+`plan` (cap the view, `choose`) -> `pull` if the plan moves a prefix (RPC) -> `settle` (route,
+the request's cache fields). The simulator (testbed/sim/cache.py) calls `plan` and `settle`
+around its own models of the two RPCs. `plan` books each decision (the router's book, what the
+pools answered, the link reading, the learned fetch time) and `settle` writes it to the run's
+decisions.jsonl with where the request went, so testbed/sim/replay.py can make it again.
 """
 
 import asyncio
@@ -88,11 +95,10 @@ def estimated_ttft(queue_s, prefill_s, transfer_s=0.0):
     return queue_s + prefill_s + transfer_s
 
 
-def link_state(timeseries, last):
+def link_state(row, last):
     """(utilisation or None, emulated link bit/s or None, new `last`) from the kernel counters'
-    last row (`kv_link_bps`, emulated like the byte counter) and the previous reading `last` =
-    (time, kv_tx_bytes)."""
-    row = read_last_row(timeseries)
+    last row (a dict of timeseries.csv's columns or None; `kv_link_bps`, emulated like the byte
+    counter) and the previous reading `last` = (time, kv_tx_bytes)."""
     try:
         now = (float(row["time"]), int(row["kv_tx_bytes"]))
         link_bps = float(row["kv_link_bps"])
@@ -103,14 +109,35 @@ def link_state(timeseries, last):
     return (now[1] - last[1]) * 8 / (now[0] - last[0]) / link_bps, link_bps, now
 
 
+def plan_fields(choice, best):
+    """The placement's choice as a decision record holds it: `remote` (the cluster) and `plan`
+    ([instance, tokens continued from, pool moved from] or None)."""
+    return {"remote": choice.remote,
+            "plan": None if best is None else [best[0].name, best[1], best[2]]}
+
+
+def profile_prefill_s(scale, prof):
+    """`prefill_s(inst, L, cached)` from the profile: T(L | P) in emulated seconds, the
+    estimate the placement plans with (docs/cache.md)."""
+    return lambda inst, l, cached: scale.emulated_s(
+        prof.t_prefill_cached(inst.accelerator, max(l, 1), cached))
+
+
 class CachePlacer:
     """The scheduler's cache hook: look up both pools, choose, move a prefix if it pays."""
 
     MIN_WINDOW_S = 0.1      # the link's utilisation is measured over at least this (emulated)
 
-    def __init__(self, rt, router, prefill_s, log, clock=WALL):
+    def __init__(self, rt, router, prefill_s, log, clock=WALL, read_row=None, write=None):
+        """`prefill_s(inst, L, cached)`: estimated prefill seconds (`profile_prefill_s`);
+        `clock`: Unix time (virtual in the simulator), the link's utilisation is measured on
+        it and the decisions stamped with it; `read_row()`: the kernel counters' last row as a
+        dict (default: timeseries.csv's, as the emulation reads it; the simulator passes its
+        sampler's); `write(DecisionRecord)`: the run's decisions.jsonl (None: not recorded)."""
+        self.write, self.pending = write, {}    # request id -> its record until it is routed
         c = rt.cache
         self.clock = clock
+        self.read_row = read_row or (lambda: read_last_row(self.timeseries))
         self.cfg, self.router, self.prefill_s, self.log = c, router, prefill_s, log
         self.placement = rt.scheduler.placement
         self.block = c.block
@@ -128,7 +155,7 @@ class CachePlacer:
         now = self.clock.now()
         if now - self._checked >= self.MIN_WINDOW_S:
             self._checked = now
-            util, bps, self._last = link_state(self.timeseries, self._last)
+            util, bps, self._last = link_state(self.read_row(), self._last)
             if bps is not None:
                 self.link = (util, bps)
         return self.link
@@ -153,6 +180,14 @@ class CachePlacer:
             return r.kv_blocks * self.block, r.state_blocks * self.block
         (lk, ls), (pk, ps) = await asyncio.gather(one("local"), one("prfaas"))
         return CacheView(lk, ls, pk, ps)
+
+    def set_book(self, rec):
+        """Put the placement in the state a `DecisionRecord` under the cache recorded (the
+        replay): its router's book, the link reading as the current one, the fetch time."""
+        self.router.set_book(rec)
+        self._checked = self.clock.now()
+        self.link = tuple(rec.cache["link"])
+        self.fetch_s_per_byte = rec.cache["fetch_s_per_byte"]
 
     def move_start(self, tokens, have_kv):
         """First block of a `tokens` prefix move that the destination lacks: a pool that already
@@ -248,14 +283,65 @@ class CachePlacer:
     async def place(self, req):
         """(kind, prefill Instance, decode Instance, Route fields) for one request; fills the
         request's cached_len / decode_cached_len."""
-        L = req.input_len
-        whole = min(L // self.block, len(req.prefix_blocks))
-        blocks = list(req.prefix_blocks[:whole])
-        view = await self.lookup(blocks)
-        cap = ((L - 1) // self.block) * self.block     # at least one token is computed
+        blocks = self.prefix_of(req)
+        view, choice, best = self.plan(req, await self.lookup(blocks))
+        moved, ok = 0, True
+        if best is not None and best[2]:
+            inst, cached, move_from = best
+            try:
+                moved, ok = await self.pull(inst.dc, move_from,
+                                            self.move_blocks(blocks, cached, view.kv(inst.dc)))
+            except BaseException:           # cancelled: the request is not placed
+                self.pending.pop(req.id, None)
+                raise
+        return self.settle(req, view, len(blocks), choice, best, moved, ok)
+
+    def prefix_of(self, req):
+        """The request's whole prefix blocks: what the pools are asked about."""
+        whole = min(req.input_len // self.block, len(req.prefix_blocks))
+        return list(req.prefix_blocks[:whole])
+
+    def plan(self, req, view):
+        """The pools' answer `view` capped (at least one token is computed) and the decision
+        on it: (view, ClusterChoice, best plan or None), as `choose`."""
+        cap = ((req.input_len - 1) // self.block) * self.block
         view = CacheView(view.local_kv, min(view.local_state, cap), view.prfaas_kv,
                          min(view.prfaas_state, cap))
-        choice, best = self.choose(L, view, self.abundant())
+        abundant = self.abundant()
+        rec = self.router.book(req.id, self.clock.now(), req.input_len) if self.write else None
+        choice, best = self.choose(req.input_len, view, abundant)
+        if rec is not None:
+            rec.uncached_len = choice.routing_len
+            rec.cache = {"placement": self.placement, "input_len": req.input_len,
+                         "view": list(dataclasses.astuple(view)), "abundant": abundant,
+                         "link": list(self.link), "fetch_s_per_byte": self.fetch_s_per_byte,
+                         **plan_fields(choice, best)}
+            self.pending[req.id] = rec
+        return view, choice, best
+
+    def move_blocks(self, blocks, cached, have_kv):
+        """The blocks a prefix move of `cached` tokens carries to a pool holding `have_kv`."""
+        return blocks[self.move_start(cached, have_kv):cached // self.block]
+
+    def settle(self, req, view, whole, choice, best, moved=0, ok=True):
+        """After the prefix move (`moved` bytes arrived, `ok`: all of it) if the plan has one:
+        route to the plan's instance (failing over as the router does) and fill the request's
+        cache fields; (kind, prefill, decode, Route fields). No RPC."""
+        rec = self.pending.pop(req.id, None)
+        try:
+            out = self._settle(req, view, whole, choice, best, moved, ok)
+        except LookupError as e:
+            if rec is not None:
+                rec.error = str(e)
+                self.write(rec)
+            raise
+        if rec is not None:
+            rec.kind, rec.prefill, rec.decode = out[0], out[1].name, out[2].name
+            self.write(rec)
+        return out
+
+    def _settle(self, req, view, whole, choice, best, moved, ok):
+        L = req.input_len
         r = self.router
         if self.placement != "cache_aware":
             kind, p, d = r.route_to(choice.remote, L)
@@ -265,12 +351,8 @@ class CachePlacer:
             kind, p, d = r.route_to(choice.remote, L - view.state(here))
             return self._finish(req, kind, p, d, view, whole, p.dc, view.state(p.dc), 0)
         inst, cached, move_from = best
-        moved = 0
-        if move_from:
-            start = self.move_start(cached, view.kv(inst.dc))
-            moved, ok = await self.pull(inst.dc, move_from, blocks[start:cached // self.block])
-            if not ok:
-                cached = self.worth(inst, L, view.state(inst.dc))
+        if move_from and not ok:
+            cached = self.worth(inst, L, view.state(inst.dc))
         kind, p, d = r.route_to(inst.dc == "prfaas", L - cached, lambda i: 0 if i is inst else 1)
         if p is not inst:                  # failed over meanwhile
             cached, move_from = self.worth(p, L, view.state(p.dc)), ""

@@ -13,7 +13,8 @@ be recovered ends the request `failed` with the reason; no request vanishes.
 Each request's first routing is a line of the run's decisions.jsonl (`Router.route_recorded`:
 the book the router read and what it chose), written as the simulator writes it, so the two
 backends' decisions can be replayed against each other (testbed/sim/replay.py). With the
-prefix cache the placement decides instead (workers/placement.py) and nothing is recorded yet.
+prefix cache the placement decides instead (workers/placement.py) and records its line, with
+what the pools answered, the same way (`CachePlacer.plan` and `.settle`).
 """
 
 import asyncio
@@ -27,7 +28,7 @@ from testbed.proto import testbed_pb2_grpc as pbg
 from testbed.records import RecordLog, RunDir
 from workers import common
 from workers.adaptive import ThresholdController
-from workers.placement import CachePlacer
+from workers.placement import CachePlacer, profile_prefill_s
 from workers.policy import Router
 from workers.recovery import Flight, Health
 
@@ -50,11 +51,10 @@ class SchedulerService(pbg.SchedulerServicer):
         self.placer = None          # workers.placement.CachePlacer when the cache is on
         self.on_request = []        # callables(request): workers/adaptive.py, workers/roles.py
         # One buffered line per request; closed (flushed) at shutdown.
-        self.decisions = None if rt.cache.enabled else RecordLog(RunDir(rt.dir).decisions,
-                                                                 buffering=1 << 16)
+        self.decisions = RecordLog(RunDir(rt.dir).decisions, buffering=1 << 16)
         if rt.cache.enabled:
-            self.placer = CachePlacer(rt, self.router, lambda inst, l, cached: scale.emulated_s(
-                prof.t_prefill_cached(inst.accelerator, max(l, 1), cached)), log)
+            self.placer = CachePlacer(rt, self.router, profile_prefill_s(scale, prof), log,
+                                      write=self.decisions.write)
 
     def route(self, req, kind=""):
         """(kind, prefill Instance, decode Instance) for a request; LookupError if none is up.
@@ -75,8 +75,7 @@ class SchedulerService(pbg.SchedulerServicer):
         return await self.placer.place(req)
 
     def close(self):
-        if self.decisions is not None:
-            self.decisions.close()
+        self.decisions.close()
 
     def predict_s(self, p, req):
         """Estimated prefill seconds of `req` on `p` (added to its outstanding work)."""

@@ -12,6 +12,8 @@
 
 `faults`: instance faults, health checks and re-dispatch (workers/redispatch.py's
   decisions).
+`cache`: the prefix cache pools and the placement (workers/placement.py's `CachePlacer`,
+  workers/cache_core.py's books), a `SimCluster` with them.
 `replay`: a run's recorded routing decisions (decisions.jsonl, either backend's) made again by
   the router as the simulator builds it; the ones that differ.
 
@@ -29,8 +31,6 @@ def unsupported(exp):
     if exp.workload.client != "builtin":
         return (f"workload.client {exp.workload.client}: the simulator replays the request list "
                 "itself (workload.client: builtin)")
-    if exp.cache.enabled:
-        return "cache.enabled: the prefix cache and its placement are not simulated yet"
     decode = [f for f in exp.faults if f.kind != "link" and _hits_decode(exp, f.target)]
     if decode:
         return (f"faults on decode instances ({decode[0].kind} on {decode[0].target}) are not "

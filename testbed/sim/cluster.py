@@ -34,9 +34,9 @@ conversion cost, and puts it in the new role's list (`role` and `replan` rows in
 
 The link schedule (`Deployment.link_changes`: changes, rate trace, link faults) is applied to
 the link models at its times; instance faults on prefill instances, the health checks and the
-re-dispatches are `testbed.sim.faults` (workers/redispatch.py's decisions). Not simulated yet:
-faults on decode instances, the prefix cache and its placement, and an external client;
-`testbed.sim.unsupported` says which one a deployment asks for.
+re-dispatches are `testbed.sim.faults` (workers/redispatch.py's decisions); the prefix cache
+is `testbed.sim.cache.CachedCluster`. Not simulated yet: faults on decode instances and an
+external client; `testbed.sim.unsupported` says which one a deployment asks for.
 """
 
 from __future__ import annotations
@@ -268,17 +268,32 @@ class SimCluster:
             self._adapt("request")
         if self.planner is not None:
             self.planner.on_request(self.unix(now), r.input_len, r.output_len)
+        self.place(r, now)
+
+    def place(self, r, now):        # the request's first routing
         try:
             r.kind, r.p, r.d = self._route(r, now)
         except LookupError as e:
             self._fail(r, f"scheduler: {e}")
             return
+        self.routed(r)
+
+    def routed(self, r):
         self.active += 1
         r.d.inflight += 1
-        r.predicted = self.router.predict_s(r.p, r.input_len)
+        r.predicted = self.predict_s(r, r.p)
         r.p.outstanding_s += r.predicted
         self._open_decode(r)
         self._call_prefill(r)
+
+    def predict_s(self, r, p):      # predicted prefill seconds of `r` on `p` (the scheduler's)
+        return self.router.predict_s(p, r.input_len)
+
+    def cached_lens(self, r):       # (tokens the prefill continues from, the decode side holds)
+        return 0, 0
+
+    def reroute(self, r):           # a re-dispatch's routing (the scheduler's `route(req, kind)`)
+        return lambda: self.router.route(r.input_len)
 
     def _open_decode(self, r):
         """The decode stream (re)opens now: with failover its KV deadline is a timer, decided
@@ -291,8 +306,7 @@ class SimCluster:
         if r.failed or r.kv_in or r.opened != opened:
             return
         error = (f"{r.d.name}: KV not complete after {self.rt.kv_deadline_s:.3g}s (emulated)")
-        what, arg = redispatch.after_kv_timeout(r, lambda: self.router.route(r.input_len),
-                                                error, not r.replied)
+        what, arg = redispatch.after_kv_timeout(r, self.reroute(r), error, not r.replied)
         if what == "fail":
             self.fail_flight(r, arg)
         elif what == "wait":
@@ -308,7 +322,7 @@ class SimCluster:
         if self.recovery is not None:
             self.recovery.assign(r)
         delay = self.links["request"].one_way_s() if r.p.dc == "prfaas" else 0.0
-        self.loop.after(delay, self.prefill_arrives, r)
+        self.loop.after(delay, self.prefill_arrives, r, r.attempt)
 
     def move_prefill(self, r, p, reason, d=None):
         """Re-dispatch: the request's next prefill attempt on `p` (and, with `d`, its decode
@@ -331,7 +345,7 @@ class SimCluster:
         r.p, r.kind = p, "remote" if p.dc == "prfaas" else "local"
         r.attempt += 1
         r.flow, r.replied = None, False
-        r.predicted = self.router.predict_s(p, r.input_len)
+        r.predicted = self.predict_s(r, p)
         p.outstanding_s += r.predicted
         self._call_prefill(r)
 
@@ -357,12 +371,14 @@ class SimCluster:
     def link_of(self, r):
         return self.links["kv"] if r.p.dc == "prfaas" else self.fabric[r.p.dc]
 
-    def prefill_arrives(self, r):
+    def prefill_arrives(self, r, attempt=None):     # `attempt`: the call's (moved since: void)
         rec = self.recovery
-        if r.failed or (rec is not None and not rec.arrives(r)):
+        if r.failed or attempt not in (None, r.attempt) or (rec is not None
+                                                            and not rec.arrives(r)):
             return
         r.queued = self.loop.now()
-        r.start, r.end, pieces = self.prefill[r.p.name].schedule(r.queued, r.input_len)
+        r.start, r.end, pieces = self.prefill[r.p.name].schedule(r.queued, r.input_len,
+                                                                *self.cached_lens(r))
         r.kv_bytes = sum(n for _, n, _ in pieces)
         r.send_start = pieces[0][0]
         link = self.link_of(r)

@@ -40,7 +40,7 @@ class _State:
         self.dead = False
         self.kills = 0              # its compute schedule before a kill is void
         self.held = []              # KV pieces due while frozen
-        self.arrivals = []          # requests that reached it while frozen
+        self.arrivals = []          # (request, attempt) that reached it while frozen
         self.on = set()             # requests whose current prefill attempt is on it
 
 
@@ -89,7 +89,7 @@ class SimRecovery:
             self._failed(r, f"prefill {p.name} unreachable: UNAVAILABLE")
             return False
         if st.paused_at is not None:
-            st.arrivals.append(r)
+            st.arrivals.append((r, r.attempt))
             return False
         return True
 
@@ -112,8 +112,7 @@ class SimRecovery:
     def _failed(self, r, error):
         """`Flight._on_prefill` on a failed attempt, through the shared decision."""
         self.done(r, r.p)
-        what, arg = redispatch.after_prefill_failure(r, lambda: self.c.router.route(
-            r.input_len), error)
+        what, arg = redispatch.after_prefill_failure(r, self.c.reroute(r), error)
         if what == "fail":
             self.c.fail_flight(r, arg)
         elif what == "decode":
@@ -127,7 +126,7 @@ class SimRecovery:
     def _retry(self, r, attempt, error):
         if r not in self.waiting or r.attempt != attempt:
             return
-        p = redispatch.place_prefill(lambda: self.c.router.route(r.input_len))
+        p = redispatch.place_prefill(self.c.reroute(r))
         if p is None:
             self.loop.after(self.sched.health_interval_s, self._retry, r, attempt, error)
             return
@@ -135,8 +134,7 @@ class SimRecovery:
         self.c.move_prefill(r, p, error)
 
     def _reroute_decode(self, r, reason):
-        error, to = redispatch.reroute_decode(r, lambda: self.c.router.route(r.input_len),
-                                              reason)
+        error, to = redispatch.reroute_decode(r, self.c.reroute(r), reason)
         if error is not None:
             self.c.fail_flight(r, error)
         else:
@@ -149,7 +147,7 @@ class SimRecovery:
         for r in sorted(st.on if st else (), key=lambda r: r.id):
             what = redispatch.on_instance_down(r, inst, r.replied)
             if what == "prefill":
-                p = redispatch.move_prefill(r, lambda: self.c.router.route(r.input_len))
+                p = redispatch.move_prefill(r, self.c.reroute(r))
                 if p is not None:
                     self.done(r, inst)
                     self.c.move_prefill(r, p, f"{inst.name} down: {reason}")
@@ -215,8 +213,9 @@ class SimRecovery:
         for inst, kills, pt0, r, attempt, ready, link, flow, nbytes, last in held:
             self.piece(inst, kills, pt0, r, attempt, ready, link, flow, nbytes, last)
         arrivals, st.arrivals = st.arrivals, []
-        for r in arrivals:
-            self.c.prefill_arrives(r)
+        for r, attempt in arrivals:     # not the ones moved (or failed) while it was frozen
+            if r.attempt == attempt and not r.failed:
+                self.c.prefill_arrives(r)
 
     def _kill(self, name, a):
         if a.phase != "inject":
@@ -224,7 +223,9 @@ class SimRecovery:
         st, model = self.state[name], self.c.prefill[name]
         st.dead, st.paused_at = True, None
         st.kills += 1
-        st.held, lost = [], sorted(st.on | set(st.arrivals), key=lambda r: r.id)
+        st.held, lost = [], sorted(st.on | {r for r, attempt in st.arrivals
+                                            if r.attempt == attempt and not r.failed},
+                                   key=lambda r: r.id)
         st.arrivals = []
         model.free_at = self.loop.now()
         inst = self.by_name[name] if lost else None

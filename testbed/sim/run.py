@@ -21,6 +21,7 @@ import time
 
 from testbed import analysis, deploy, rundir, runinputs
 from testbed.records import EventLog, RecordLog, RunDir
+from testbed.sim.cache import CachedCluster
 from testbed.sim.cluster import SimCluster
 from testbed.sim.loop import Loop
 from testbed.sim.wan import Terms
@@ -61,7 +62,8 @@ class SimRun:
         events = EventLog(d.events, clock=clock)
         records = RecordLog(d.records, buffering=1 << 20)   # cannot crash half-way: one block
         decisions = RecordLog(d.decisions, buffering=1 << 20) if tokens else None
-        cluster = SimCluster(dep, loop, records, events, d, base, self.terms, tokens, decisions)
+        cluster = (CachedCluster if dep.runtime.cache.enabled else SimCluster)(
+            dep, loop, records, events, d, base, self.terms, tokens, decisions)
         meta.update(run_id=secrets.token_hex(2), client_start_at=base, wan_counters={},
                     teardown_errors=[], dead_workers=[], link_schedule_errors=[],
                     shaping={"backend": "sim", "backend_reason": "flow-level model "
