@@ -5,9 +5,10 @@ import csv
 import types
 
 import pandas as pd
+import pytest
 
 from conftest import ROOT, assert_decisions_replay
-from testbed import cli, rundir
+from testbed import cli, config, rundir, sim
 from workers.policy import Instance
 from workers.redispatch import (MAX_ATTEMPTS, HealthBook, after_kv_timeout, after_prefill_failure,
                                 reroute_decode)
@@ -173,3 +174,20 @@ def test_a_decode_fault_exits_2(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "decode" in err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("fault,said", [
+    ("{at: 10s, kind: blackhole, duration: 5s}", "a blackhole fault acts on packets"),
+    ("{at: 10s, kind: link, direction: kv, mtu: 1280, duration: 5s}", "network.wan mtu")])
+def test_a_packet_level_wan_fault_exits_2_and_a_flap_runs(tmp_path, capsys, fault, said):
+    """The flow-level WAN cannot refuse, reset or blackhole a connection, or drop packets over
+    an MTU: exit 2 with one line (a flap is cuts and returns: it runs)."""
+    out = tmp_path / "e"
+    assert cli.main(["run", GRAY, "--backend", "sim", "--out", str(out), "--set",
+                     f"variants=[{{label: x, faults: [{fault}]}}]"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and said in err, err
+    assert not out.exists()
+    flap = config.load_experiment(GRAY, ["variants=[{label: f, faults: [{at: 10s, kind: flap, "
+                                         "down_for: 1s, up_for: 1s, duration: 4s}]}]"])[0]
+    assert sim.unsupported(flap) is None

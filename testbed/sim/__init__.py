@@ -22,6 +22,8 @@ says what a deployment asks that the simulator does not model yet; the runner re
 before anything starts (exit 2). docs/sim.md says what is modelled and how it compares.
 """
 
+from testbed.faultspec import EVENTS, WAN_KINDS
+
 
 def unsupported(exp):
     """Why the simulator cannot run `exp` yet (one line), or None."""
@@ -31,7 +33,12 @@ def unsupported(exp):
     if exp.workload.client != "builtin":
         return (f"workload.client {exp.workload.client}: the simulator replays the request list "
                 "itself (workload.client: builtin)")
-    decode = [f for f in exp.faults if f.kind != "link" and _hits_decode(exp, f.target)]
+    events = [f.kind for f in exp.faults if f.kind in EVENTS]
+    if events:
+        return (f"a {events[0]} fault acts on packets and connections (refused, dropped, "
+                "reset), which the flow-level WAN model does not have (run it on the mininet "
+                "backend)")
+    decode = [f for f in exp.faults if f.kind not in WAN_KINDS and _hits_decode(exp, f.target)]
     if decode:
         return (f"faults on decode instances ({decode[0].kind} on {decode[0].target}) are not "
                 "simulated yet (prefill instances' faults are)")
