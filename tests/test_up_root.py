@@ -69,10 +69,12 @@ def _stream_completion(url, model, n_prompt, rid):
 
 
 @contextlib.contextmanager
-def held_up(out, *extra):
-    """`testbed up` of the tiny experiment into `out` (`extra`: more arguments), its output
-    piped: (process, its stdout lines as a queue); killed at the end if still running."""
-    proc = subprocess.Popen(tb_cmd("up", str(TINY), "--out", str(out), "--no-probe", *extra),
+def held_up(out, *extra, probe=False):
+    """`testbed up` of the tiny experiment into `out` (`extra`: more arguments; `probe`: keep
+    the WAN probe at start), its output piped: (process, its stdout lines as a queue); killed
+    at the end if still running."""
+    no_probe = [] if probe else ["--no-probe"]
+    proc = subprocess.Popen(tb_cmd("up", str(TINY), "--out", str(out), *no_probe, *extra),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         yield proc, _lines(proc.stdout)
