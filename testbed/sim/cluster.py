@@ -138,8 +138,7 @@ class SimCluster:
         (`controllers_since_s`: how long before arrival 0 they started; the emulation's start
         with the scheduler, before the client, so their ticks fall at that phase)."""
         self.to_send = len(workload)
-        for w in workload.itertuples(index=False):
-            self.loop.at(self.dep.scale.emulated_s(float(w.arrival_s)), self.submit, w)
+        self.loop.series(len(workload), self._arrivals(workload))
         for c in self.dep.link_changes:
             self.loop.at(c.at_s, self._link_change, c)
         self.samples = open(timeseries_path, "w", newline="")
@@ -154,6 +153,14 @@ class SimCluster:
         if self.planner is not None:
             self.loop.at(_first_tick(self.rt.scheduler.roles.interval_s, controllers_since_s),
                          self._replan_timer)
+
+    def _arrivals(self, workload):
+        """Every request's (time, row, submit, args) in time order (`Loop.series`)."""
+        rows = workload.reset_index(drop=True)
+        if not rows.arrival_s.is_monotonic_increasing:
+            rows = rows.sort_values("arrival_s", kind="stable")
+        for i, w in zip(rows.index.tolist(), rows.itertuples(index=False)):
+            yield self.dep.scale.emulated_s(float(w.arrival_s)), i, self.submit, (w,)
 
     def busy(self):
         return self.active > 0 or self.to_send > 0
@@ -448,17 +455,22 @@ class SimCluster:
         self._end(r)
         self.completed += 1
         dec = self.decode[r.d.name]
-        times, chunks = dec.tokens_of(slot)
         u = self.base
-        stamps = [u + t for t in times] if self.tokens else None
         track = Tracker(pb.Request(id=r.id, input_len=r.input_len, output_len=r.output_len),
                         self.unix(r.send))
-        for i, arrival, n in chunks[:-1] if self.tokens else chunks[:-1][:1]:
-            track.add(pb.TokenChunk(times=stamps[i:i + n] if stamps else [u + arrival]),
-                      u + arrival)
-        i, arrival, n = chunks[-1]
-        last = self._last_chunk(r, slot, stamps[i:] if stamps else [u + arrival])
-        track.add(last, u + arrival)
+        if self.tokens:
+            times, chunks = dec.tokens_of(slot)
+            stamps = [u + t for t in times]
+            for i, arrival, n in chunks[:-1]:
+                track.add(pb.TokenChunk(times=stamps[i:i + n]), u + arrival)
+            i, arrival, n = chunks[-1]
+            stamps = stamps[i:]
+        else:       # the first chunk (sent at once) and the last: no per-token list
+            first, arrival = dec.first_last(slot)
+            if r.output_len > 1:
+                track.add(pb.TokenChunk(times=[u + first]), u + first)
+            stamps = [u + arrival]
+        track.add(self._last_chunk(r, slot, stamps), u + arrival)
         if not self.tokens:         # per-request record only: first and last token
             track.out.n_tokens = r.output_len
         out = track.finish(None, end=False)
