@@ -215,8 +215,9 @@ def cost(requests, instances, top, csv_path=None):
 
 
 def cost_figure(csv_path, out):
-    """The cost curve from `--cost ... --csv` points: CPU and wall seconds, and peak memory,
-    against requests (at the most instances measured), and CPU per request against instances."""
+    """The cost curve from `--cost ... --csv` points: wall and CPU seconds and peak memory
+    against requests (at the most instances measured) and against instances (at the number of
+    requests measured at most instance counts)."""
     import matplotlib   # reason: heavy, and only this option draws
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt     # reason: as above
@@ -224,43 +225,39 @@ def cost_figure(csv_path, out):
         rows = [{k: float(v) for k, v in r.items() if k != "date"} for r in csv.DictReader(f)]
     top = max(r["instances"] for r in rows)
     by_req = sorted((r for r in rows if r["instances"] == top), key=lambda r: r["requests"])
-    most = max(r["requests"] for r in rows)
-    fixed = max({r["requests"] for r in rows if r["requests"] < most},
-                key=lambda n: sum(r["requests"] == n for r in rows))
+    fixed = max({r["requests"] for r in rows},
+                key=lambda n: (sum(r["requests"] == n for r in rows), -n))
     by_inst = sorted((r for r in rows if r["requests"] == fixed), key=lambda r: r["instances"])
-    c = figstyle.FALLBACK
     with figstyle.paper():
-        fig, ax = plt.subplots(1, 3, figsize=(figstyle.DOUBLE_IN, 2.3))
-        x = [r["requests"] for r in by_req]
-        for key, label, color, marker in (("cpu_s", "CPU, with analysis", c[2], "o"),
-                                          ("wall_s", "wall, with analysis", c[1], "s"),
-                                          ("sim_cpu_s", "CPU, simulation", c[0], "^")):
-            ax[0].plot(x, [r[key] for r in by_req], marker=marker, color=color, label=label)
+        fig, ax = plt.subplots(2, 2, figsize=(figstyle.DOUBLE_IN, 4.4))
+        _cost_panels(ax[:, 0], by_req, "requests", f"requests ({top:.0f} instances)")
+        _cost_panels(ax[:, 1], by_inst, "instances", f"instances ({fixed:.0f} requests)")
         ref = by_req[-1]["cpu_s"] / by_req[-1]["requests"]
-        ax[0].plot(x, [ref * n for n in x], ":", color="0.5", label="linear")
-        ax[0].axhline(600, color=c[4], lw=0.6, ls="--", label="10 min")
-        ax[0].set(xscale="log", yscale="log", xlabel=f"requests ({top:.0f} instances)",
-                  ylabel="seconds")
-        ax[0].legend(frameon=False)
-        for key, label, color, marker in (("peak_rss_mb", "process, with analysis", c[2], "o"),
-                                          ("sim_peak_rss_mb", "simulation", c[0], "^")):
-            ax[1].plot(x, [r[key] / 1024 for r in by_req], marker=marker, color=color,
-                       label=label)
-        ax[1].axhline(8, color=c[4], lw=0.6, ls="--", label="8 GB")
-        ax[1].set(xscale="log", xlabel=f"requests ({top:.0f} instances)",
-                  ylabel="peak RSS (GiB)")
-        ax[1].legend(frameon=False)
-        xi = [r["instances"] for r in by_inst]
-        ax[2].plot(xi, [r["sim_cpu_s"] / r["requests"] * 1e3 for r in by_inst], marker="^",
-                   color=c[0], label="simulation")
-        ax[2].plot(xi, [r["cpu_s"] / r["requests"] * 1e3 for r in by_inst], marker="o",
-                   color=c[2], label="with analysis")
-        ax[2].set(xscale="log", ylim=(0, None), xlabel=f"instances ({fixed:.0f} requests)",
-                  ylabel="CPU ms per request")
-        ax[2].legend(frameon=False)
+        x = [r["requests"] for r in by_req]
+        ax[0, 0].plot(x, [ref * n for n in x], ":", color="0.5", label="linear")
+        ax[0, 0].axhline(600, color="k", lw=0.6, ls="--", label="10 min")
+        ax[0, 0].set(yscale="log")
+        ax[1, 0].axhline(8e9 / 2**30, color="k", lw=0.6, ls="--", label="8 GB")
+        ax[1, 0].set(ylim=(0, 8.5))
+        for a, loc in zip(ax.flat, ("upper left", "upper left", "center left", "lower right")):
+            a.legend(frameon=False, loc=loc)
         fig.tight_layout()
         fig.savefig(out, dpi=200)
     print(out)
+
+
+def _cost_panels(ax, rows, key, xlabel):
+    """Seconds (top) and peak RSS (bottom) of `rows` against their `key`."""
+    c, x = figstyle.FALLBACK, [r[key] for r in rows]
+    for col, label, color, marker in (("wall_s", "wall, with analysis", c[1], "s"),
+                                      ("cpu_s", "CPU, with analysis", c[2], "o"),
+                                      ("sim_cpu_s", "CPU, simulation", c[0], "^")):
+        ax[0].plot(x, [r[col] for r in rows], marker=marker, color=color, label=label)
+    for col, label, color, marker in (("peak_rss_mb", "process, with analysis", c[2], "o"),
+                                      ("sim_peak_rss_mb", "simulation", c[0], "^")):
+        ax[1].plot(x, [r[col] / 1024 for r in rows], marker=marker, color=color, label=label)
+    ax[0].set(xscale="log", xlabel=xlabel, ylabel="seconds")
+    ax[1].set(xscale="log", xlabel=xlabel, ylabel="peak RSS (GiB)", ylim=(0, None))
 
 
 def main():
