@@ -21,7 +21,9 @@ callback chain. `--cost REQUESTS INSTANCES` times one sim run of the quickstart 
 many instances (a third per role) at the quickstart's load per instance (0.2 req/s and 50
 Gbit/s of WAN per PrfaaS instance, scale.bytes 1e-5, less past 1,000 instances so the WAN
 passes deploy's rate check), per-request records only: the simulation's wall and CPU seconds,
-both with analysis, events, peak memory (run one point per process: the peak is the process's). `--smoke` (seconds, no root): quickstart at 30 requests, sim against sim with
+both with analysis, events, peak memory (run one point per process: the peak is the process's;
+`--csv FILE` appends the point to FILE). `--cost-figure CSV PNG` draws the cost curve from such
+a file (docs/sim.md). `--smoke` (seconds, no root): quickstart at 30 requests, sim against sim with
 the same seed: the comparison's path end to end, and every ratio 1.000 to 1e-6 (the sim is
 deterministic; stamps are Unix times from each run's own start, to the microsecond).
 """
@@ -30,9 +32,12 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import csv
 import dataclasses
+import datetime
 import json
 import pathlib
+import resource
 import sys
 import tempfile
 import time
@@ -40,7 +45,7 @@ import types
 
 import pandas as pd
 
-from testbed import config, rundir
+from testbed import config, figstyle, rundir
 from testbed import run as runner
 from testbed.records import read_decisions, read_events
 from testbed.sim import replay
@@ -269,7 +274,11 @@ def cost_scale_bytes(instances):
     return 1e-5 * min(1.0, 1000 / instances)
 
 
-def cost(requests, instances, top):
+COST_COLUMNS = ("requests", "instances", "sim_wall_s", "sim_cpu_s", "wall_s", "cpu_s",
+                "events", "sim_peak_rss_mb", "peak_rss_mb", "completed", "date")
+
+
+def cost(requests, instances, top, csv_path=None):
     n = instances // 3
     overrides = [f"requests={requests}", f"clusters.prfaas.instances={n}",
                  f"clusters.local.instances={instances - n}", f"clusters.local.prefill={n}",
@@ -283,12 +292,83 @@ def cost(requests, instances, top):
     summary = SimRun(exp, top, tokens=False).execute()
     total, total_cpu = time.monotonic() - t0, time.process_time() - c0
     meta = json.loads((top / rundir.RunDir.METADATA).read_text())["sim"]
-    import resource
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"| {requests} | {instances} | {meta['wall_s']:.1f} | {meta['cpu_s']:.1f} | {total:.1f} | "
           f"{total_cpu:.1f} | "
           f"{meta['requests_per_wall_s']:.0f} | {meta['events']} | {meta['peak_rss_mb']:.0f} | "
           f"{rss:.0f} | {summary['completed']} |")
+    if csv_path:
+        row = (requests, instances, meta["wall_s"], meta["cpu_s"], round(total, 3),
+               round(total_cpu, 3), meta["events"], meta["peak_rss_mb"], round(rss, 1),
+               summary["completed"], datetime.date.today().isoformat())
+        new = not pathlib.Path(csv_path).exists()
+        with open(csv_path, "a", newline="") as f:
+            w = csv.writer(f)
+            if new:
+                w.writerow(COST_COLUMNS)
+            w.writerow(row)
+
+
+def cost_figure(csv_path, out):
+    """The cost curve from `--cost ... --csv` points: wall and CPU seconds and peak memory
+    against requests (at the most instances measured) and against instances (at the number of
+    requests measured at most instance counts)."""
+    import matplotlib   # reason: heavy, and only this option draws
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt     # reason: as above
+    with open(csv_path) as f:
+        rows = [{k: float(v) for k, v in r.items() if k != "date"} for r in csv.DictReader(f)]
+    top = max(r["instances"] for r in rows)
+    by_req = sorted((r for r in rows if r["instances"] == top), key=lambda r: r["requests"])
+    fixed = max({r["requests"] for r in rows},
+                key=lambda n: (sum(r["requests"] == n for r in rows), -n))
+    by_inst = sorted((r for r in rows if r["requests"] == fixed), key=lambda r: r["instances"])
+    with figstyle.paper():
+        fig, ax = plt.subplots(2, 2, figsize=(figstyle.DOUBLE_IN, 4.4))
+        _cost_panels(ax[:, 0], by_req, "requests", f"requests ({top:.0f} instances)")
+        _cost_panels(ax[:, 1], by_inst, "instances", f"instances ({fixed:.0f} requests)")
+        ref = by_req[-1]["cpu_s"] / by_req[-1]["requests"]
+        x = [r["requests"] for r in by_req]
+        ax[0, 0].plot(x, [ref * n for n in x], ":", color="0.5", label="linear")
+        ax[0, 0].axhline(600, color="k", lw=0.6, ls="--", label="10 min")
+        ax[0, 0].set(yscale="log")
+        ax[1, 0].axhline(8e9 / 2**30, color="k", lw=0.6, ls="--", label="8 GB")
+        ax[1, 0].set(ylim=(0, 8.5))
+        for a, loc in zip(ax.flat, ("upper left", "upper left", "center left", "lower right")):
+            a.legend(frameon=False, loc=loc)
+        fig.tight_layout()
+        fig.savefig(out, dpi=200)
+    print(out)
+
+
+def _cost_panels(ax, rows, key, xlabel):
+    """Seconds (top) and peak RSS (bottom) of `rows` against their `key`."""
+    c, x = figstyle.FALLBACK, [r[key] for r in rows]
+    for col, label, color, marker in (("wall_s", "wall, with analysis", c[1], "s"),
+                                      ("cpu_s", "CPU, with analysis", c[2], "o"),
+                                      ("sim_cpu_s", "CPU, simulation", c[0], "^")):
+        ax[0].plot(x, [r[col] for r in rows], marker=marker, color=color, label=label)
+    for col, label, color, marker in (("peak_rss_mb", "process, with analysis", c[2], "o"),
+                                      ("sim_peak_rss_mb", "simulation", c[0], "^")):
+        ax[1].plot(x, [r[col] / 1024 for r in rows], marker=marker, color=color, label=label)
+    ax[0].set(xscale="log", xlabel=xlabel, ylabel="seconds")
+    ax[1].set(xscale="log", xlabel=xlabel, ylabel="peak RSS (GiB)", ylim=(0, None))
+
+
+def smoke(overrides, top, terms):
+    """Quickstart at 30 requests, sim against sim with the same seed: 0 when deterministic."""
+    overrides = [*overrides, "requests=30"]
+    path = "experiments/quickstart.yaml"
+    a = sim_runs(path, overrides, top / "sim-a", terms)
+    b = sim_runs(path, overrides, top / "sim-b", terms)
+    print(table(a, b, "quickstart (smoke: sim/sim)"))
+    # Stamps are Unix times from each run's start, written to the microsecond: equal to
+    # about 1e-7 (egress is a difference of such stamps)
+    same = all(ratio(a[k].get(m), b[k].get(m)) is None
+               or abs(ratio(a[k].get(m), b[k].get(m)) - 1) < 1e-6
+               for k in a for m, _ in METRICS)
+    print("deterministic" if same else "NOT deterministic")
+    return 0 if same else 1
 
 
 def main():
@@ -303,10 +383,16 @@ def main():
     p.add_argument("--out", help="keep the run directories here")
     p.add_argument("--loop-cost", action="store_true")
     p.add_argument("--cost", nargs=2, type=int, metavar=("REQUESTS", "INSTANCES"))
+    p.add_argument("--csv", help="--cost: append the point to this CSV file")
+    p.add_argument("--cost-figure", nargs=2, metavar=("CSV", "PNG"))
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args()
     if args.cost:
-        cost(*args.cost, pathlib.Path(args.out or tempfile.mkdtemp(prefix="sim-cost-")))
+        cost(*args.cost, pathlib.Path(args.out or tempfile.mkdtemp(prefix="sim-cost-")),
+             args.csv)
+        return 0
+    if args.cost_figure:
+        cost_figure(*args.cost_figure)
         return 0
     if args.loop_cost:
         loop_cost(20_000 if args.smoke else 200_000)
@@ -314,18 +400,7 @@ def main():
     terms = Terms.parse(args.off)
     top = pathlib.Path(args.out or tempfile.mkdtemp(prefix="sim-vs-emu-"))
     if args.smoke:
-        overrides = [*args.overrides, "requests=30"]
-        path = "experiments/quickstart.yaml"
-        a = sim_runs(path, overrides, top / "sim-a", terms)
-        b = sim_runs(path, overrides, top / "sim-b", terms)
-        print(table(a, b, "quickstart (smoke: sim/sim)"))
-        # Stamps are Unix times from each run's start, written to the microsecond: equal to
-        # about 1e-7 (egress is a difference of such stamps)
-        same = all(ratio(a[k].get(m), b[k].get(m)) is None
-                   or abs(ratio(a[k].get(m), b[k].get(m)) - 1) < 1e-6
-                   for k in a for m, _ in METRICS)
-        print("deterministic" if same else "NOT deterministic")
-        return 0 if same else 1
+        return smoke(args.overrides, top, terms)
     for path in args.experiments:
         name = pathlib.Path(path).stem
         emu_top = pathlib.Path(args.emulated) if args.emulated else top / name / "emulation"

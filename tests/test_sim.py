@@ -178,6 +178,45 @@ def test_a_link_that_goes_down_holds_its_flows_until_it_is_up():
 
 # ---------------------------------------------------------------- cost
 
+def test_datacenter_scale_is_thousands_of_instances_and_runs_in_the_sim(tmp_path):
+    """experiments/datacenter_scale.yaml: the sim's own file (backend sim), 5,000 instances
+    across PrfaaS and the local PD cluster, Mooncake lengths; a slice of it runs to the end
+    (docs/sim.md times the full file)."""
+    path = ROOT / "experiments" / "datacenter_scale.yaml"
+    exp = config.load_experiment(str(path), ["requests=400"])[0]
+    c = exp.clusters
+    assert exp.backend.kind == "sim"
+    assert c.prfaas.instances + c.local.instances == 5000
+    assert c.local.prefill > 0 and c.local.decode > 0
+    summary = SimRun(exp, tmp_path / "dc", tokens=False).execute()
+    assert summary["completed"] == 400
+    assert 0 < summary["offload_fraction"] < 1    # both clusters prefill
+
+
+def test_a_series_runs_in_the_order_of_events_scheduled_at_once():
+    """`Loop.series` keeps one of its callbacks in the heap at a time, yet they and every
+    other event run in the order they would have had all been scheduled at once: by time,
+    ties by the order of scheduling (the series first, then later events)."""
+    times = [0.0, 1.0, 1.0, 2.0, 2.0, 3.0]
+    ran = {}
+    for kind in ("at once", "series"):
+        loop, got = Loop(), []
+        if kind == "at once":
+            for i, t in enumerate(times):
+                loop.at(t, got.append, f"s{i}")
+        else:
+            loop.series(len(times), ((t, i, got.append, (f"s{i}",))
+                                     for i, t in enumerate(times)))
+        for t in (1.0, 2.0, 0.5):
+            loop.at(t, got.append, f"e{t}")
+        loop.at(1.0, lambda: loop.at(2.0, got.append, "later"))
+        loop.run()
+        ran[kind] = got
+    assert ran["series"] == ran["at once"]
+    assert ran["series"][:5] == ["s0", "e0.5", "s1", "s2", "e1.0"]
+
+
+
 def test_simulation_speed(tmp_path, capsys):
     """Requests per wall second on a cluster of 120 instances (printed; docs/sim.md has the
     large runs). The sim must be far faster than the emulated timeline it stands for."""

@@ -49,6 +49,7 @@ from testbed import profile as profiles
 from testbed.measure import CounterSampler
 from testbed.records import RunDir, SentRecord
 from testbed.proto import testbed_pb2 as pb
+from testbed.sim.controllers import Controllers
 from testbed.sim.engine import DecodeInstance, PrefillInstance, Slot
 from testbed.sim.faults import SimRecovery, redispatch_record
 from testbed.sim.wan import LinkModel, Terms
@@ -60,7 +61,6 @@ from workers.policy import Router
 from workers.roles import RolePlanner
 
 SAMPLE_HZ = 20.0          # timeseries.csv, as the emulation's counter sampler
-ROLE_POLL_S = 0.01        # the scheduler's and the worker's drain checks (workers/roles.py)
 
 
 def _first_tick(interval_s, since_s):
@@ -87,7 +87,7 @@ class Request:
         self.kv_in = False          # the current decode stream has its KV (the deadline is off)
 
 
-class SimCluster:
+class SimCluster(Controllers):
     def __init__(self, dep, loop, records, events, run_dir, base_unix, terms=Terms(),
                  tokens=True, decisions=None):
         """`records`: requests.jsonl (a `testbed.records.RecordLog`); `events(kind, **fields)`: events.csv;
@@ -138,8 +138,7 @@ class SimCluster:
         (`controllers_since_s`: how long before arrival 0 they started; the emulation's start
         with the scheduler, before the client, so their ticks fall at that phase)."""
         self.to_send = len(workload)
-        for w in workload.itertuples(index=False):
-            self.loop.at(self.dep.scale.emulated_s(float(w.arrival_s)), self.submit, w)
+        self.loop.series(len(workload), self._arrivals(workload))
         for c in self.dep.link_changes:
             self.loop.at(c.at_s, self._link_change, c)
         self.samples = open(timeseries_path, "w", newline="")
@@ -154,6 +153,14 @@ class SimCluster:
         if self.planner is not None:
             self.loop.at(_first_tick(self.rt.scheduler.roles.interval_s, controllers_since_s),
                          self._replan_timer)
+
+    def _arrivals(self, workload):
+        """Every request's (time, row, submit, args) in time order (`Loop.series`)."""
+        rows = workload.reset_index(drop=True)
+        if not rows.arrival_s.is_monotonic_increasing:
+            rows = rows.sort_values("arrival_s", kind="stable")
+        for i, w in zip(rows.index.tolist(), rows.itertuples(index=False)):
+            yield self.dep.scale.emulated_s(float(w.arrival_s)), i, self.submit, (w,)
 
     def busy(self):
         return self.active > 0 or self.to_send > 0
@@ -196,66 +203,6 @@ class SimCluster:
         self.last_sample = (now, counts)
         if again and self.busy():
             self.loop.after(1.0 / SAMPLE_HZ, self._sample)
-
-    # ---- the adaptive threshold ----
-    def _adapt(self, trigger):
-        now = self.loop.now()
-        self.last_eval = now
-        tx, link_bps = None, None
-        if self.last_sample is not None:
-            tx, link_bps = self.last_sample[1]["kv"], self.links["kv"].link_bps()
-        _, row = self.decider.decide(self.unix(now), tx, link_bps)
-        self.sched_csv.writerow([*row, trigger])
-
-    def _adapt_timer(self):
-        interval = self.rt.scheduler.adaptive.interval_s
-        if self.loop.now() - self.last_eval >= interval:
-            self._adapt("timer")
-        if self.busy():
-            self.loop.after(interval, self._adapt_timer)
-
-    # ---- role conversion (workers/roles.py's RoleManager, in virtual time) ----
-    def _replan_timer(self):
-        out = self.planner.decide(self.unix(self.loop.now()), self.converting is not None)
-        if out is not None:
-            _, fields, pick, role = out
-            self.events("replan", **fields)
-            if pick is not None:
-                self._convert(pick, role)
-        if self.busy():
-            self.loop.after(self.rt.scheduler.roles.interval_s, self._replan_timer)
-
-    def _convert(self, inst, role):
-        """No new work of the old role from now; once the scheduler's book shows none left on
-        the instance and the worker has drained, the conversion cost, then the new role."""
-        old = inst.role
-        src, dst = self.planner.lists(inst, role)
-        src.remove(inst)
-        self.converting = (inst, old, role, dst, self.loop.now())
-        self.events("role", instance=inst.name, state="draining", **{"from": old, "to": role})
-        self._drain_poll()
-
-    def _drain_poll(self):
-        inst, old, role, dst, t0 = self.converting
-        now = self.loop.now()
-        dec = self.decode[inst.name]
-        worker_busy = (self.prefill[inst.name].free_at > now if old == "prefill"
-                       else bool(dec.batch or dec.waiting))
-        if inst.inflight > 0 or inst.outstanding_s > 1e-9 or worker_busy:
-            self.loop.after(ROLE_POLL_S, self._drain_poll)
-            return
-        self.loop.after(self.rt.scheduler.roles.cost_s, self._converted, now)
-
-    def _converted(self, drained_at):
-        inst, old, role, dst, t0 = self.converting
-        inst.role = role
-        dst.append(inst)
-        self.events("role", instance=inst.name, state="done", **{"from": old, "to": role},
-                    drain_s=f"{drained_at - t0:.4f}",
-                    convert_s=f"{self.loop.now() - drained_at:.4f}")
-        if self.rt.scheduler.roles.retune and self.planner.last is not None:
-            self.planner.retune(self.planner.n_prefill())
-        self.converting = None
 
     # ---- one request ----
     def submit(self, w):
@@ -464,17 +411,22 @@ class SimCluster:
         self._end(r)
         self.completed += 1
         dec = self.decode[r.d.name]
-        times, chunks = dec.tokens_of(slot)
         u = self.base
-        stamps = [u + t for t in times] if self.tokens else None
         track = Tracker(pb.Request(id=r.id, input_len=r.input_len, output_len=r.output_len),
                         self.unix(r.send))
-        for i, arrival, n in chunks[:-1] if self.tokens else chunks[:-1][:1]:
-            track.add(pb.TokenChunk(times=stamps[i:i + n] if stamps else [u + arrival]),
-                      u + arrival)
-        i, arrival, n = chunks[-1]
-        last = self._last_chunk(r, slot, stamps[i:] if stamps else [u + arrival])
-        track.add(last, u + arrival)
+        if self.tokens:
+            times, chunks = dec.tokens_of(slot)
+            stamps = [u + t for t in times]
+            for i, arrival, n in chunks[:-1]:
+                track.add(pb.TokenChunk(times=stamps[i:i + n]), u + arrival)
+            i, arrival, n = chunks[-1]
+            stamps = stamps[i:]
+        else:       # the first chunk (sent at once) and the last: no per-token list
+            first, arrival = dec.first_last(slot)
+            if r.output_len > 1:
+                track.add(pb.TokenChunk(times=[u + first]), u + first)
+            stamps = [u + arrival]
+        track.add(self._last_chunk(r, slot, stamps), u + arrival)
         if not self.tokens:         # per-request record only: first and last token
             track.out.n_tokens = r.output_len
         out = track.finish(None, end=False)

@@ -65,20 +65,17 @@ class PrefillInstance:
 class Slot:
     """A request on a decode instance (`req`: the caller's own record of it)."""
 
-    __slots__ = ("req", "input_len", "output_len", "need", "reserved", "join", "join_time",
-                 "kv_done", "on_finish")
+    __slots__ = ("req", "input_len", "output_len", "need", "reserved", "join", "last",
+                 "join_time", "kv_done", "on_finish")
 
     def __init__(self, req, input_len, output_len, need, on_finish):
         self.req, self.input_len, self.output_len = req, input_len, output_len
         self.need, self.reserved = need, 0.0
         self.join = -1              # index of its first step on the instance
-        self.join_time = None
+        self.last = self.join + output_len - 1      # of its last step (an attribute: read
+        self.join_time = None                       # at every boundary of its batch)
         self.kv_done = None
         self.on_finish = on_finish
-
-    @property
-    def last(self):
-        return self.join + self.output_len - 1
 
 
 class DecodeInstance:
@@ -117,6 +114,11 @@ class DecodeInstance:
             self._gen += 1
             self.loop.at(self.next_tick, self._boundary, self._gen)
         # else: the planned boundary is now (an event at this instant is already queued)
+
+    def first_last(self, slot):
+        """(first token's stamp, last token's stamp) of a finished slot: `tokens_of`'s first
+        and last, without the per-token list."""
+        return self.steps[slot.join], self.steps[slot.last]
 
     def tokens_of(self, slot):
         """(token stamps, client chunks [(first index, arrival, count)]) of a finished slot."""
@@ -202,6 +204,7 @@ class DecodeInstance:
             if s.reserved:
                 e.reserve(s.reserved)
             s.join, s.join_time = k, self.next_tick
+            s.last = k + s.output_len - 1
             self.sum_input += s.input_len
             self.sum_join += k
             self.batch.append(s)

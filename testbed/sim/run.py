@@ -13,6 +13,7 @@ which model terms were on.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import resource
@@ -29,6 +30,24 @@ from testbed.sim.wan import Terms
 # Above this many requests only per-request records are written (first and last token): the
 # per-token times of a million requests would not fit (docs/sim.md).
 TOKENS_UP_TO = 50_000
+
+
+@contextlib.contextmanager
+def _collector_on_new_objects(young=20_000):
+    """The cyclic collector sees only what the simulation allocates: what exists before it
+    (modules, the deployment, the workload) is frozen, not scanned again by every full
+    collection, and the youngest generation is collected every `young` allocations, not 700
+    (fewer events in flight promoted to older ones): the collector took 0.95 of 6.3 CPU s in
+    the loop at 10,000 requests on 5,000 instances, 0.38 s so (docs/sim.md, "Cost")."""
+    gc.collect()
+    gc.freeze()
+    threshold = gc.get_threshold()
+    gc.set_threshold(young, *threshold[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*threshold)
+        gc.unfreeze()
 
 
 class SimRun:
@@ -76,9 +95,10 @@ class SimRun:
             events("client_started", requests=len(workload))
             cluster.start(workload, d.timeseries, self.controllers_since_s)
             last = dep.scale.emulated_s(float(workload.arrival_s.max())) if len(workload) else 0
-            loop.run(until=last)
-            records.write({"ev": "all_sent", "time": clock()})
-            loop.run(until=last + dep.runtime.drain_timeout_s)
+            with _collector_on_new_objects():
+                loop.run(until=last)
+                records.write({"ev": "all_sent", "time": clock()})
+                loop.run(until=last + dep.runtime.drain_timeout_s)
             cluster.close()
             records.write({"ev": "finished", "time": clock()})
             events("client_finished", code=0)

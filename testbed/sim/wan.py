@@ -124,11 +124,15 @@ class LinkModel:
         self._seq = 0
         self._gen = 0
         self._unstarted = []        # flows pushed while the link carried nothing
+        self._queue_bytes = None    # of the parameters in force (set() clears it)
 
     # ---- parameters ----
     def queue_bytes(self):
-        kind, n = queue_limit(self.queue, self.rate_bps, self.delay_s + self.reverse_delay_s)
-        return n * FRAME_BYTES if kind == "pfifo" else n
+        # Asked at every drain; the parameters change only in set(): computed once per change
+        if self._queue_bytes is None:
+            kind, n = queue_limit(self.queue, self.rate_bps, self.delay_s + self.reverse_delay_s)
+            self._queue_bytes = n * FRAME_BYTES if kind == "pfifo" else n
+        return self._queue_bytes
 
     def saturated(self):
         """The flows together ask for the whole rate (TCP then keeps the queue full)."""
@@ -146,13 +150,14 @@ class LinkModel:
         return self.delay_s + self.reverse_delay_s + self.queue_delay_s()
 
     def flow_cap_bps(self):
-        if not self.terms.loss_cap:
-            return math.inf
+        if not self.terms.loss_cap or self.loss <= 0:
+            return math.inf         # mathis_rate_bps's without loss, the round trip not needed
         return mathis_rate_bps(self.rtt_s(), self.loss)
 
     def set(self, **changes):
         """A link change (the shaper's keys, emulated), in force from now."""
         self.advance()
+        self._queue_bytes = None
         for k, v in changes.items():
             if k == "rate":
                 self.rate_bps = float(v)
@@ -178,7 +183,8 @@ class LinkModel:
     def push(self, flow, nbytes, last):
         """`nbytes` more of `flow` are ready to send now (`last`: the transfer's final piece)."""
         self.advance()
-        flow.last = flow.last or last
+        if last:
+            flow.last = True
         if flow.active:
             flow.end += nbytes
         else:
@@ -229,16 +235,13 @@ class LinkModel:
         if not self.n:
             self.flow_bps = 0.0
             return
-        rate = self.link_bps()
-        for _ in range(2 if self.terms.loss_cap and self.loss > 0 else 1):
-            self.flow_bps = min(self.flow_cap_bps(), rate / self.n if self.terms.share else rate)
-
-    def _top(self):
-        """The valid heap entry of the flow that drains first, or None."""
-        heap = self.heap
-        while heap and (not heap[0][2].active or heap[0][0] != heap[0][2].end):
-            heapq.heappop(heap)
-        return heap[0] if heap else None
+        rate = self.rate_bps if self.up else 0.0
+        share = rate / self.n if self.terms.share else rate
+        if self.loss <= 0 or not self.terms.loss_cap:
+            self.flow_bps = share       # min(inf, share): no cap without loss
+            return
+        for _ in range(2):
+            self.flow_bps = min(self.flow_cap_bps(), share)
 
     def _reschedule(self):
         self._rates()
@@ -249,11 +252,13 @@ class LinkModel:
             for f in self._unstarted:
                 f.first_sent = self.t
             self._unstarted = []
-        top = self._top()
-        if top is not None:
-            left = max(0.0, top[0] - self.served)
-            self.loop.at(self.t + left * 8.0 / (self.flow_bps * self.payload_share),
-                         self._drained, self._gen)
+        heap = self.heap        # stale entries off the top: the flow that drains first
+        while heap and (not heap[0][2].active or heap[0][0] != heap[0][2].end):
+            heapq.heappop(heap)
+        if heap:
+            left = heap[0][0] - self.served
+            self.loop.at(self.t + (left if left > 0.0 else 0.0) * 8.0
+                         / (self.flow_bps * self.payload_share), self._drained, self._gen)
 
     def _drained(self, gen):
         if gen != self._gen:
@@ -261,16 +266,20 @@ class LinkModel:
         self.advance()
         now, done = self.t, []
         delay = self.one_way_s()    # as the last bytes crossed: before the drained flows leave
+        heap, served = self.heap, self.served
         while True:
-            top = self._top()
+            while heap and (not heap[0][2].active or heap[0][0] != heap[0][2].end):
+                heapq.heappop(heap)     # stale
+            if not heap:
+                break
+            end = heap[0][0]
             # Drained: within a byte's rounding, or less than a nanosecond left to send (a
             # later event could not move the clock: the flow would never drain).
-            if top is None or (top[0] > self.served + _EPS * max(1.0, top[0]) and (
-                    self.flow_bps <= 0 or (top[0] - self.served) * 8.0
-                    / (self.flow_bps * self.payload_share) > DRAINED_S)):
+            if end > served + _EPS * (end if end > 1.0 else 1.0) and (
+                    self.flow_bps <= 0 or (end - served) * 8.0
+                    / (self.flow_bps * self.payload_share) > DRAINED_S):
                 break
-            heapq.heappop(self.heap)
-            f = top[2]
+            f = heapq.heappop(heap)[2]
             f.active = False
             self.n -= 1
             if f.last:
