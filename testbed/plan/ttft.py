@@ -62,6 +62,7 @@ APPROXIMATION = ("M/G/c per prefill stage (Allen-Cunneen mean wait, Erlang C pro
                  "layer-wise KV streaming over a processor-sharing WAN, M/M/c decode "
                  "admission over N_d*BS_max slots")
 QUANTILES = {"median_ttft_ms": 50, "p90_ttft_ms": 90, "p99_ttft_ms": 99}
+QUANTILE_TOL_S = 1e-6           # the bisection stops this close (a microsecond of TTFT)
 
 
 def erlang_c(c: int, a: float) -> float:
@@ -232,7 +233,7 @@ def _quantile(branch_list, extra_s, level):
     target = level
     while cdf(hi) < target:
         hi *= 2.0
-    for _ in range(60):
+    while hi - lo > QUANTILE_TOL_S:
         mid = (lo + hi) / 2.0
         lo, hi = (mid, hi) if cdf(mid) < target else (lo, mid)
     return hi
