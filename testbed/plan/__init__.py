@@ -31,7 +31,8 @@ one file use the same numbers. Everything is real-world: `scale:` does not enter
 
 Modules: `equations` (the formulas above, array-valued), `lengths` (the distributions of L
 and L_out), `search` (model inputs of one experiment, grid evaluation, the search for each
-policy's best configuration), `curves` (the figures' curves). Everything public is re-exported here: `plan.predict(exp)`.
+policy's best configuration), `curves` (the figures' curves), `ttft` (the TTFT queueing
+model) and `finite` (its corrections for one finite run: transient, sample percentiles). Everything public is re-exported here: `plan.predict(exp)`.
 
 - `LengthDistribution` holds the uncached input length L as a probability mass function; p,
   l_long and l_short come from its cumulative sums for a whole vector of thresholds at once.
