@@ -15,7 +15,10 @@ pass/fail.
 `--curve TOP`: a load sweep (`sweep: {load: [...]}`, experiments/load_curve.yaml) with
 replicates, one point per policy and load: the median over the replicates of the model and of
 the measurement, the error, and how many points at or below `--max-load` (a fraction of the
-policy's predicted Lambda_max, the sweep's own `load`) have p50 and p90 within 15%.
+policy's predicted Lambda_max, the sweep's own `load`) have p50 and p90 within 15%. Then the
+capacity at the sweep's 1.3 point: steady throughput and its ratio to the Lambda_max (E[T]) of
+each replicate's own lengths, median and 95% interval over the replicates
+(`testbed.plot_load.capacity_table`).
 """
 
 import argparse
@@ -28,7 +31,7 @@ import tempfile
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from testbed import analysis, plan, rundir  # noqa: E402
+from testbed import analysis, plan, plot_load, rundir  # noqa: E402
 from testbed.plan import ttft  # noqa: E402
 
 SMOKE_RUN = ROOT / "tests" / "data" / "quickstart_run"
@@ -106,6 +109,20 @@ def curve_report(top, max_load):
               f"within 15% ({hits / total:.0%})")
 
 
+def capacity_report(top):
+    """Measured capacity against the prediction, per policy (paired per replicate)."""
+    cap = plot_load.capacity_table(plot_load.load_table(plot_load.curve_frame(top)))
+    if cap.empty:
+        return
+    print(f"capacity (offered {plot_load.CAPACITY_LOAD:g} x Lambda_max) | n | Lambda_max | "
+          "steady req/s [95% CI] | steady / own Lambda_max [95% CI]")
+    for r in cap.itertuples():
+        print(f"{r.series} | {r.n} | {r.lambda_max:.3f} | {r.steady_throughput:.3f} "
+              f"[{r.steady_throughput_lo:.3f}, {r.steady_throughput_hi:.3f}] | "
+              f"{r.capacity_ratio:.3f} [{r.capacity_ratio_lo:.3f}, {r.capacity_ratio_hi:.3f}] "
+              f"({r.capacity_ratio_method})")
+
+
 def _median(values):
     v = [x for x in values if x is not None]
     return statistics.median(v) if v else None
@@ -122,6 +139,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.curve:
         curve_report(args.curve, args.max_load)
+        capacity_report(args.curve)
         return 0
     if args.smoke:      # the fixture holds raw records: analyse a copy first
         with tempfile.TemporaryDirectory() as tmp:
