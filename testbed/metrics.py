@@ -339,6 +339,7 @@ def emulation_fidelity(ok: pd.DataFrame, run: RunInfo, events=(), tolerance=0.05
         return {}
     prof = profiles.load(exp.model.profile)
     steps = decode_steps(ok, exp.decode_model(), scale).dropna(subset=["measured_ms"])
+    steps = steps[~_in_instance_faults(steps, events, scale)]
     out = {"warnings": []}
     if len(steps):
         # Time-weighted: the measured decode time over what the model asked for those steps.
@@ -381,6 +382,25 @@ def emulation_fidelity(ok: pd.DataFrame, run: RunInfo, events=(), tolerance=0.05
     return out
 
 
+def _in_instance_faults(steps, events, scale):
+    """Per step: whether it ran on an instance while that instance's fault was in force (the
+    fault's time, not the machine's; events.csv's fault_inject / fault_end `target`s)."""
+    starts, ends = {}, {}
+    for t, kind, f, *_ in events:
+        key = (f.get("fault"), f.get("occurrence"))
+        if kind == "fault_inject" and f.get("fault_kind") in INSTANCE_FAULTS:
+            starts[key] = (t, set(str(f.get("target", "")).split(",")))
+        elif kind == "fault_end":
+            ends[key] = t
+    out = pd.Series(False, index=steps.index)
+    began = steps.time - steps.measured_ms.map(lambda ms: scale.emulated_s(ms / 1e3))
+    for key, (t, names) in starts.items():
+        end = ends.get(key, np.inf)
+        out |= steps.decode_instance.isin(names) & (began <= end) & (steps.time >= t)
+    return out
+
+
+INSTANCE_FAULTS = ("pause", "slow", "kill", "restart")
 WAKE_LATE_WARN_MS = 50.0    # real-world: a decode worker's median wake-up lateness
 
 

@@ -61,16 +61,6 @@ def test_a_real_engine_exits_2_with_one_line(tmp_path, capsys):
     assert not out.exists()
 
 
-def test_what_is_not_simulated_yet_exits_2(tmp_path, capsys):
-    # the prefix cache runs (tests/test_sim_cache.py), a decode instance's fault not yet
-    assert cli.main(["run", str(ROOT / "experiments" / "prefix_cache.yaml"), "--backend", "sim",
-                     "--set", "faults=[{at: 1s, kind: pause, target: ld0, duration: 1s}]",
-                     "--out", str(tmp_path / "c")]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "decode instances" in err
-    assert not (tmp_path / "c").exists()
-
-
 def test_one_request_takes_the_closed_form_path(tmp_path):
     """prefill (T(L) / scale.time) + the last KV piece over the link + the delay + one decode
     step of a batch of one: TTFT exactly, from the profile alone (without the standing queue

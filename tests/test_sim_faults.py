@@ -166,13 +166,89 @@ def test_wan_failure_runs_in_the_sim(tmp_path):
         assert (pd.read_parquet(d / "requests.parquet").status == "ok").all()
 
 
-def test_a_decode_fault_exits_2(tmp_path, capsys):
+DECODE = str(ROOT / "experiments" / "decode_failure.yaml")
+
+
+def _decode_run(tmp_path, variants, failover=True):
+    """experiments/decode_failure.yaml in the sim with `variants`: {label: run directory}."""
     out = tmp_path / "d"
-    assert cli.main(["run", GRAY, "--backend", "sim", "--out", str(out), "--set",
-                     "variants=[{label: x, faults: [{at: 10s, kind: pause, target: ld0, "
-                     "duration: 5s}]}]"]) == 2
+    assert cli.main(["run", DECODE, "--backend", "sim", "--no-progress", "--out", str(out),
+                     "--set", f"variants={variants}", "--set", "sweep=null", "--set",
+                     f"scheduler.failover.enabled={str(failover).lower()}"]) == 0
+    return {rundir.summary(d)["label"]: d for d in rundir.find_runs(out)}
+
+
+def test_a_killed_decode_instance_loses_its_batch_and_its_requests_move(tmp_path):
+    """Killed at 15 s (emulated, 1.5 s at 10x): marked down at once; a request on it without a
+    token is prefilled again for ld1 (a decode re-dispatch), one with tokens fails with their
+    number (its KV is gone), and ld0 makes no token after the kill."""
+    run = _decode_run(tmp_path, "[{label: kill, faults: [{at: 15s, kind: kill, target: ld0}]}]")
+    d = run["kill"]
+    df = pd.read_parquet(d / "requests.parquet")
+    ev = _events(d)
+    t_kill = next(t for t, k, f in ev if k == "fault_inject")
+    assert [(f["instance"], f["state"]) for _, k, f in ev if k == "health"] == [("ld0", "down")]
+    failed = df[df.status != "ok"]
+    assert len(failed) and failed.error.str.contains(r"decode ld0 failed \(UNAVAILABLE\) after "
+                                                     r"\d+ tokens").all()
+    moved = [f for _, k, f in ev if k == "redispatch" and f["role"] == "decode"]
+    assert moved and {f["from"] for f in moved} == {"ld0"}
+    assert set(df[df.id.isin({int(f["id"]) for f in moved})].decode_instance) == {"ld1"}
+    on_ld0 = df[(df.status == "ok") & (df.decode_instance == "ld0")]
+    assert (on_ld0.last_token < t_kill).all()
+    assert len(df) == 60
+
+
+def test_a_paused_decode_instance_holds_its_tokens_until_the_resume(tmp_path):
+    """Without failover a 15 s pause delays ld0's requests: no token is stamped on ld0 inside
+    the pause, a request that decoded across it has a gap of at least its length, and every
+    request completes. With failover the same pause marks ld0 down after two missed checks
+    and its requests move or fail as a kill's do."""
+    pause = "[{label: pause, faults: [{at: 15s, kind: pause, target: ld0, duration: 15s}]}]"
+    d = _decode_run(tmp_path, pause, failover=False)["pause"]
+    df = pd.read_parquet(d / "requests.parquet")
+    ev = _events(d)
+    t0 = next(t for t, k, f in ev if k == "fault_inject")
+    t1 = next(t for t, k, f in ev if k == "fault_end")
+    assert (df.status == "ok").all() and len(df) == 60
+    tok = pd.read_parquet(d / "tokens.parquet")
+    across = 0
+    for _, g in tok[tok.id.isin(df[df.decode_instance == "ld0"].id)].groupby("id"):
+        times = sorted(g.decode_time)
+        assert not any(t0 < t < t1 for t in times)
+        gaps = [b - a for a, b in zip(times, times[1:]) if a <= t0 and b >= t1]
+        across += bool(gaps)
+        assert all(g >= (t1 - t0) for g in gaps)
+    assert across
+    d = _decode_run(tmp_path / "fo", pause)["pause"]
+    ev = _events(d)
+    t0 = next(t for t, k, f in ev if k == "fault_inject")
+    down = [t for t, k, f in ev if k == "health" and f["instance"] == "ld0" and
+            f["state"] == "down"]
+    assert len(down) == 1 and 0 < down[0] - t0 <= 3 * (0.1 + 0.05)
+    assert [f["state"] for _, k, f in ev if k == "health" and f["instance"] == "ld0"] == \
+        ["down", "up"]
+
+
+def test_a_restarted_decode_instance_comes_back_and_takes_requests(tmp_path):
+    run = _decode_run(tmp_path, "[{label: r, faults: [{at: 15s, kind: restart, target: ld0, "
+                                "after: 15s}]}]")
+    d = run["r"]
+    ev = _events(d)
+    t1 = next(t for t, k, f in ev if k == "fault_end")
+    up = [t for t, k, f in ev if k == "health" and f["instance"] == "ld0" and f["state"] == "up"]
+    assert len(up) == 1 and up[0] >= t1
+    df = pd.read_parquet(d / "requests.parquet")
+    assert ((df.decode_instance == "ld0") & (df.send_time > up[0])).any()
+
+
+def test_a_fault_on_a_dual_role_instance_exits_2(tmp_path, capsys):
+    out = tmp_path / "x"
+    assert cli.main(["run", str(ROOT / "experiments" / "shifting_mix.yaml"), "--backend", "sim",
+                     "--out", str(out), "--set",
+                     "faults=[{at: 10s, kind: pause, target: ld0, duration: 5s}]"]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "decode" in err
+    assert len(err.splitlines()) == 1 and "dual-role" in err, err
     assert not out.exists()
 
 

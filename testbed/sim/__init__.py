@@ -38,10 +38,11 @@ def unsupported(exp):
         return (f"a {events[0]} fault acts on packets and connections (refused, dropped, "
                 "reset), which the flow-level WAN model does not have (run it on the mininet "
                 "backend)")
-    decode = [f for f in exp.faults if f.kind not in WAN_KINDS and _hits_decode(exp, f.target)]
-    if decode:
-        return (f"faults on decode instances ({decode[0].kind} on {decode[0].target}) are not "
-                "simulated yet (prefill instances' faults are)")
+    dual = [f for f in exp.faults if f.kind not in WAN_KINDS and exp.scheduler.roles.enabled
+            and _hits_dual(f.target)]
+    if dual:
+        return (f"faults on dual-role instances ({dual[0].kind} on {dual[0].target}, "
+                "scheduler.roles) are not simulated yet (PrfaaS instances' faults are)")
     limits = _path_limits(exp)
     if limits:
         return (f"{limits}: the router's path MTU and policer drop packets, which the "
@@ -61,16 +62,14 @@ def _path_limits(exp):
     return None
 
 
-def _hits_decode(exp, target):
+def _hits_dual(target):
     """Whether a fault's `target` (testbed.faultspec's groups, an instance, random(GROUP), a
-    list) may name a decode instance or a dual-role one: only PrfaaS, `prefill` and the
-    prefill instances (rp*, lp*) are safe."""
+    list) may name a local instance, which `scheduler.roles` makes dual-role: only PrfaaS
+    (`prfaas`, rp*) is safe."""
     names = target if isinstance(target, (list, tuple)) else [target]
     for n in (str(x).strip() for x in names):
         if n.startswith("random(") and n.endswith(")"):
             n = n[7:-1].strip()
-        if exp.scheduler.roles.enabled and n != "prfaas" and not n.startswith("rp"):
-            return True
-        if not (n in ("prfaas", "prefill") or n[:2] in ("rp", "lp")):
+        if n != "prfaas" and not n.startswith("rp"):
             return True
     return False

@@ -33,9 +33,9 @@ emulation does) until the router's book and the worker show nothing of the old r
 conversion cost, and puts it in the new role's list (`role` and `replan` rows in events.csv).
 
 The link schedule (`Deployment.link_changes`: changes, rate trace, link faults) is applied to
-the link models at its times; instance faults on prefill instances, the health checks and the
-re-dispatches are `testbed.sim.faults` (workers/redispatch.py's decisions); the prefix cache
-is `testbed.sim.cache.CachedCluster`. Not simulated yet: faults on decode instances and an
+the link models at its times; instance faults, the health checks and the re-dispatches are
+`testbed.sim.faults` (workers/redispatch.py's decisions); the prefix cache is
+`testbed.sim.cache.CachedCluster`. Not simulated yet: faults on dual-role instances and an
 external client; `testbed.sim.unsupported` says which one a deployment asks for.
 """
 
@@ -74,12 +74,12 @@ class Request:
     __slots__ = ("id", "input_len", "output_len", "send", "kind", "p", "d", "predicted",
                  "queued", "start", "end", "kv_bytes", "send_start", "send_end",
                  "recv_start", "recv_end", "opened", "failover", "attempt", "tokens", "replied",
-                 "failed", "flow", "moves", "kv_waits", "kv_in")
+                 "failed", "flow", "moves", "kv_waits", "kv_in", "slot")
 
     def __init__(self, w, send, failover=False):
         self.id, self.input_len, self.output_len = int(w.id), int(w.input_len), int(w.output_len)
         self.send = send
-        self.p = self.d = self.flow = None
+        self.p = self.d = self.flow = self.slot = None
         self.failover, self.attempt, self.tokens = failover, 0, 0     # workers.redispatch's
         self.replied = self.failed = False      # FlightView: the attempt's reply, the end
         self.moves = []
@@ -245,7 +245,9 @@ class SimCluster(Controllers):
     def _open_decode(self, r):
         """The decode stream (re)opens now: with failover its KV deadline is a timer, decided
         by the recovery when it fires (`_kv_deadline`)."""
-        r.opened, r.kv_in = self.loop.now(), False
+        r.opened, r.kv_in, r.slot = self.loop.now(), False, None
+        if self.recovery is not None:
+            self.recovery.decode_on(r)
         if r.failover:
             self.loop.at(r.opened + self.rt.kv_deadline_s, self._kv_deadline, r, r.opened)
 
@@ -285,6 +287,7 @@ class SimCluster(Controllers):
         self.events("redispatch", id=r.id, role=role, **{"from": src, "to": p.name},
                     attempt=r.attempt + 1, reason=reason.replace(" ", "_"))
         if d is not None:
+            self.recovery.decode_off(r, cancel=True)
             r.d.inflight -= 1
             d.inflight += 1
             r.d = d
@@ -368,8 +371,12 @@ class SimCluster(Controllers):
         if refusal:     # as workers/decode.py: failed once its KV is in, never batched
             self.loop.at(last_arrival, self._refused, r, f"{r.d.name}: {refusal}")
             return
-        slot = Slot(r, r.input_len, r.output_len, need, self._finished)
-        self.loop.at(last_arrival, dec.arrive, slot)
+        r.slot = Slot(r, r.input_len, r.output_len, need, self._finished)
+        self.loop.at(last_arrival, self._arrive, r, r.slot)
+
+    def _arrive(self, r, slot):
+        if r.slot is slot and not r.failed:     # not moved off its decode instance since
+            self.decode[r.d.name].arrive(slot)
 
     def _prefill_replied(self, r, attempt, p, predicted):
         if r.attempt != attempt or r.failed:
@@ -392,6 +399,8 @@ class SimCluster(Controllers):
     def _end(self, r):
         self.active -= 1
         r.d.inflight -= 1
+        if self.recovery is not None:
+            self.recovery.decode_off(r)
 
     def _fail(self, r, error):
         t = Tracker(pb.Request(id=r.id, input_len=r.input_len, output_len=r.output_len),
@@ -408,6 +417,8 @@ class SimCluster(Controllers):
 
     def _finished(self, slot):
         r = slot.req
+        if r.slot is not slot or r.failed:
+            return
         self._end(r)
         self.completed += 1
         dec = self.decode[r.d.name]

@@ -96,6 +96,8 @@ class DecodeInstance:
         self.pending = _EMPTY               # planned step ends beyond the last one run
         self.busy_s = 0.0
         self._gen = 0
+        self.frozen_at = None               # a pause began (None: running)
+        self._rest = None                   # what was left of the step a pause froze
 
     # ---- requests ----
     def arrive(self, slot):
@@ -103,6 +105,8 @@ class DecodeInstance:
         now = self.loop.now()
         slot.kv_done = now
         self.waiting.append(slot)
+        if self.frozen_at is not None:      # a frozen worker takes it at the resume
+            return
         if self.next_tick is None:          # idle: the loop starts a step at once
             self.next_tick = now
             self._boundary_now()
@@ -134,6 +138,89 @@ class DecodeInstance:
                 emitted = n
         chunks.append((emitted, times[-1], slot.output_len - emitted))   # the last chunk
         return times, chunks
+
+    # ---- faults (testbed/sim/faults.py) ----
+    def tokens(self, slot):
+        """Tokens `slot` has made by now (its steps that ended)."""
+        if slot.join < 0:
+            return 0
+        made = len(self.steps) - slot.join + int(np.searchsorted(self.pending, self.loop.now(),
+                                                                 "right"))
+        return max(0, min(slot.output_len, made))
+
+    def _stop(self):
+        """Keep the steps that ended by now, drop the planned rest: (the step in progress's
+        remaining seconds or None)."""
+        now = self.loop.now()
+        j = int(np.searchsorted(self.pending, now, "right"))
+        rest = float(self.pending[j]) - now if j < len(self.pending) else None
+        self._commit(j)
+        self._gen += 1
+        return rest
+
+    def freeze(self):
+        """SIGSTOP: no step ends until `thaw`; the step in progress resumes where it was."""
+        if self.frozen_at is None:
+            self._rest = self._stop() if self.next_tick is not None else None
+            self.frozen_at = self.loop.now()
+
+    def thaw(self):
+        if self.frozen_at is None:
+            return
+        now = self.loop.now()
+        frozen, self.frozen_at = now - self.frozen_at, None
+        if self._rest is not None and self.batch:
+            self.busy_s -= frozen               # the resumed step's end counts the pause
+            self.pending = np.array([now + self._rest])
+            self._gen += 1
+            self.loop.at(float(self.pending[0]), self._boundary, self._gen)
+        elif self.batch or self.waiting:
+            self.next_tick = now
+            self._boundary_now()
+        else:
+            self.next_tick = None
+        self._rest = None
+
+    def kill(self):
+        """SIGKILL: every request on it is lost; [(slot, tokens made)] of those it held (one
+        whose last token was made before is finished first)."""
+        if self.next_tick is not None and self.frozen_at is None:
+            self._stop()
+        done = [s for s in self.batch if s.last < len(self.steps)]
+        lost = [(s, self.tokens(s)) for s in self.batch if s.last >= len(self.steps)]
+        lost += [(s, 0) for s in self.waiting]
+        for s in self.batch:
+            if s.reserved:
+                self.engine.free(s.reserved)
+        self.batch, self.waiting = [], collections.deque()
+        self.sum_input = self.sum_join = 0
+        self.next_tick = self.frozen_at = self._rest = None
+        self.pending = _EMPTY
+        self._gen += 1
+        for s in done:
+            s.on_finish(s)
+        return lost
+
+    def remove(self, slot):
+        """A request moved off this (frozen) instance: its stream was cancelled."""
+        if slot in self.waiting:
+            self.waiting.remove(slot)
+        elif slot in self.batch:
+            self.batch.remove(slot)
+            self.sum_input -= slot.input_len
+            self.sum_join -= slot.join
+            if slot.reserved:
+                self.engine.free(slot.reserved)
+
+    def rebound(self):
+        """The step time changed (`slow`): re-plan from the end of the step in progress."""
+        if self.next_tick is None or self.frozen_at is not None:
+            return
+        j = int(np.searchsorted(self.pending, self.loop.now(), "left"))
+        if j < len(self.pending):
+            self._commit(j + 1)
+            self._gen += 1
+            self.loop.at(self.next_tick, self._boundary, self._gen)
 
     # ---- the step loop ----
     def _step_s(self, k, n):

@@ -20,12 +20,14 @@ With failover on, the health checks run every `health_interval_s` (the period gr
 timeout while some check waits for it, as `Health.loop` awaits every check), judged by
 `HealthBook.checked`; a transition is a `health` row in events.csv, and the requests on an
 instance that went down move (`redispatch` rows, the request's `redispatches`) or fail exactly
-as `Flight` decides. Faults on decode instances are not simulated (testbed.sim.unsupported).
+as `Flight` decides. Faults on decode instances: `testbed.sim.decode_faults`; on dual-role
+instances (`scheduler.roles`) they are not simulated (testbed.sim.unsupported).
 """
 
 from __future__ import annotations
 
 from testbed.proto import testbed_pb2 as pb
+from testbed.sim.decode_faults import DecodeFaults
 from workers import redispatch
 
 
@@ -44,7 +46,7 @@ class _State:
         self.on = set()             # requests whose current prefill attempt is on it
 
 
-class SimRecovery:
+class SimRecovery(DecodeFaults):
     def __init__(self, cluster):
         self.c = cluster
         loop, rt = cluster.loop, cluster.rt
@@ -56,6 +58,7 @@ class SimRecovery:
         self.waiting = set()        # requests whose failed prefill waits for an instance
         self.book = redispatch.HealthBook([i.name for i in self.insts], cluster.events,
                                           loop.now, on_down=self._tell, on_up=self._wake)
+        self._init_decode()
 
     def start(self, actions, since_s):
         for a in actions:
@@ -143,6 +146,8 @@ class SimRecovery:
     # ---- health ----
     def _tell(self, inst, reason):
         """`inst` went down: every request on it, as `Flight._on_down` decides."""
+        if inst.name in self.dstate:
+            self._decode_down(inst, reason)
         st = self.state.get(inst.name)
         for r in sorted(st.on if st else (), key=lambda r: r.id):
             what = redispatch.on_instance_down(r, inst, r.replied)
@@ -157,6 +162,8 @@ class SimRecovery:
             self.loop.at(self.loop.now(), self._retry, r, r.attempt, "an instance is up")
 
     def _answers(self, inst):
+        if inst.name in self.dstate:
+            return self._decode_answers(inst.name)
         st = self.state.get(inst.name)
         if st is None:
             return True, ""
@@ -191,9 +198,10 @@ class SimRecovery:
                       fault_kind=a.kind, target=a.target)
         if a.kind in ("kill", "restart") and a.phase == "inject":
             for name in a.targets:          # every target dies before any RPC fails
-                self.state[name].dead = True
+                (self.state[name] if name in self.state else self.dstate[name]).dead = True
         for name in a.targets:
-            getattr(self, f"_{a.kind}")(name, a)
+            side = "" if name in self.state else "_decode"
+            getattr(self, f"{side}_{a.kind}")(name, a)
 
     def _pause(self, name, a):
         st, now = self.state[name], self.loop.now()
