@@ -22,6 +22,7 @@ says what a deployment asks that the simulator does not model yet; the runner re
 before anything starts (exit 2). docs/sim.md says what is modelled and how it compares.
 """
 
+from testbed import deploy
 from testbed.faultspec import EVENTS, WAN_KINDS
 
 
@@ -43,22 +44,11 @@ def unsupported(exp):
     if dual:
         return (f"faults on dual-role instances ({dual[0].kind} on {dual[0].target}, "
                 "scheduler.roles) are not simulated yet (PrfaaS instances' faults are)")
-    limits = _path_limits(exp)
+    dep = deploy.compile(exp)
+    limits = next((k for k in ("mtu", "police") if dep.sets(k)), None)
     if limits:
-        return (f"{limits}: the router's path MTU and policer drop packets, which the "
-                "flow-level WAN model does not have (run it on the mininet backend)")
-    return None
-
-
-def _path_limits(exp):
-    """The first of network.wan's mtu / police set anywhere (directions, changes, link
-    faults), or None."""
-    wan = exp.network.wan
-    for key in ("mtu", "police"):
-        if (any(wan.direction(d)[key] for d in ("kv", "request"))
-                or any(getattr(c, key) for c in wan.changes)
-                or any(f.kind == "link" and getattr(f, key) for f in exp.faults)):
-            return f"network.wan {key}"
+        return (f"network.wan {limits}: the router's path MTU and policer drop packets, which "
+                "the flow-level WAN model does not have (run it on the mininet backend)")
     return None
 
 
