@@ -34,7 +34,8 @@ from testbed.errors import ConfigError
 from testbed.experiment import cache_capacity
 from testbed.net import spec as netspec
 from testbed.net.linkmodel import (DIRECTIONS, MIN_BURST_BYTES, Link, check_params,
-                                   default_police_burst, needs_per_frame_packets)
+                                   default_police_burst, drops_frames,
+                                   needs_per_frame_packets)
 from testbed.net.ratetrace import read_rate_trace
 from testbed.runtime import (KV_PORT, AdaptiveRuntime, CacheRuntime, DecodeRuntime,
                              InstanceRuntime, RolesRuntime, SchedulerRuntime, VllmRuntime,
@@ -172,10 +173,9 @@ def _compile(exp):
     schedule = tuple(sorted(link_changes + _link_fault_changes(exp, scale, links, faults,
                                                                link_changes)
                             + _fault_actions(scale, faults), key=lambda s: s.at_s))
-    per_frame = needs_per_frame_packets(links) or any(
-        c.loss or c.corrupt or c.duplicate or c.police for c in exp.network.wan.changes) or any(
-        o.spec.kind == "link" and (o.spec.corrupt or o.spec.duplicate or o.spec.police)
-        for o in faults)
+    per_frame = (needs_per_frame_packets(links)
+                 or any(drops_frames(c) for c in exp.network.wan.changes)
+                 or any(o.spec.kind == "link" and drops_frames(o.spec) for o in faults))
     return Deployment(
         name=exp.name, label=exp.run_label, seed=exp.seed, scale=scale,
         instances=tuple(instances),

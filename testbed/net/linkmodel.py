@@ -263,8 +263,14 @@ def needs_per_frame_packets(links: dict) -> bool:
     builders turn segmentation offload off on the end hosts (`ns.disable_offloads`), at the price
     of per-frame work in the delay line (about 0.6 Gbit/s at most here instead of ~1).
     """
-    return any(lk.loss or lk.loss_burst or lk.corrupt or lk.duplicate or lk.police
-               for lk in links.values())
+    return any(drops_frames(lk) for lk in links.values())
+
+
+def drops_frames(x) -> bool:
+    """Whether a Link, a scheduled change or a link fault's spec sets anything that drops or
+    alters single frames (loss, burst loss, corruption, duplication, a policer)."""
+    return any(getattr(x, k, None) for k in ("loss", "loss_burst", "corrupt", "duplicate",
+                                             "police"))
 
 
 def needs_checksums(links: dict) -> bool:
