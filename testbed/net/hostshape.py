@@ -61,7 +61,7 @@ from testbed.errors import ConfigError, NetworkError
 from testbed.net import netlink
 from testbed.net.firewall import Firewall
 from testbed.net.linkmodel import (DIRECTIONS, Link, check_params, needs_delayline,
-                                   needs_per_frame_packets)
+                                   needs_per_frame_packets, other_direction)
 from testbed.net.ns import ns_argv, ns_run
 from testbed.net.wan import CLASS_HANDLE, HTB_HANDLE, LEAF_HANDLE, TC_H_ROOT, Wan, _leaf_stats
 
@@ -143,7 +143,7 @@ class HostWan(Wan):
         super().__init__(netns_path, {d: iface for d in DIRECTIONS}, links,
                          backend=backend, seed=seed, registry=registry, events=events)
         self.direction, self.dst, self.iface = direction, str(ipaddress.IPv4Network(dst)), iface
-        self.ingress = next(d for d in DIRECTIONS if d != direction)
+        self.ingress = other_direction(direction)
         self._arrival = {self.ingress}
         self.offload_before = None      # {tso, gso} before they went off (loss), else None
 

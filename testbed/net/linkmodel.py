@@ -248,6 +248,11 @@ def burst_loss(link: Link) -> bool:
     return link.loss_burst is not None and link.loss > 0
 
 
+def other_direction(direction):
+    """The WAN's other direction (kv <-> request)."""
+    return DIRECTIONS[1 - DIRECTIONS.index(direction)]
+
+
 def needs_delayline(link: Link) -> bool:
     """True when the userspace backend needs the delay line: delay, jitter or burst loss."""
     return link.delay_s > 0 or link.jitter_s > 0 or burst_loss(link) or steady_faults(link)

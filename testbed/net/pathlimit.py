@@ -34,7 +34,7 @@ import socket
 from testbed.errors import NetworkError
 from testbed.net import netlink
 from testbed.net.firewall import ns_iptables
-from testbed.net.linkmodel import DIRECTIONS
+from testbed.net.linkmodel import DIRECTIONS, other_direction
 from testbed.net.ns import ns_argv, ns_run
 
 NFT_TABLE = "testbed_police"      # family ip, in the router namespace
@@ -42,10 +42,6 @@ MAIN_TABLE = 254
 # the route attributes a replace must carry over (pyroute2 keyword <- attribute)
 _ROUTE_ATTRS = {"dst": "RTA_DST", "prefsrc": "RTA_PREFSRC", "gateway": "RTA_GATEWAY",
                 "priority": "RTA_PRIORITY"}
-
-
-def _other(direction):
-    return DIRECTIONS[1 - DIRECTIONS.index(direction)]
 
 
 def police_rules(policers, ifaces):
@@ -116,7 +112,7 @@ class PathLimits:
         self.mtu[d] = mtu
 
     def _icmp_rule(self, d):
-        return ["OUTPUT", "-o", self.ifaces[_other(d)], "-p", "icmp", "--icmp-type",
+        return ["OUTPUT", "-o", self.ifaces[other_direction(d)], "-p", "icmp", "--icmp-type",
                 "fragmentation-needed", "-j", "DROP"]
 
     def _icmp(self, d, drop):
