@@ -95,16 +95,20 @@ async def start_grpc(inst, add_servicer, service):
     return server
 
 
-def grpc_options():
-    # Many concurrent streams on one channel; no message-size surprises for token chunks.
-    # Reconnect quickly after an outage (gRPC's default backoff grows to 120 s, which would
-    # stretch a 10 s link cut into minutes of an instance looking down).
+def grpc_options(scale_time=1.0):
+    """Many concurrent streams on one channel; no message-size surprises for token chunks.
+    Reconnect quickly after an outage (gRPC's default backoff grows to 120 s, which would
+    stretch a 10 s link cut into minutes of an instance looking down): 100 ms growing to 1 s,
+    real-world. Those are the emulated system's timers, so a channel of a run at `scale_time`
+    waits 1/scale_time of them, as the health checks do (a restarted worker listening again is
+    then reached within 1 s real-world, not within scale_time seconds)."""
+    backoff = lambda ms: max(1, round(ms / scale_time))     # noqa: E731
     return [("grpc.max_concurrent_streams", 10000),
             ("grpc.max_receive_message_length", 64 << 20),
             ("grpc.max_send_message_length", 64 << 20),
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 1000)]
+            ("grpc.initial_reconnect_backoff_ms", backoff(100)),
+            ("grpc.min_reconnect_backoff_ms", backoff(100)),
+            ("grpc.max_reconnect_backoff_ms", backoff(1000))]
 
 
 async def connect_all(channels, log, timeout_s=WARM_TIMEOUT_S):

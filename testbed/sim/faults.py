@@ -158,8 +158,12 @@ class SimRecovery(DecodeFaults):
                     self.c.move_prefill(r, p, f"{inst.name} down: {reason}")
 
     def _wake(self, inst):
+        """An instance is up: every waiting request retries at once, before any other
+        instance's answer of the same check is judged (the emulation's waiting flights wake on
+        the first `up`, and another instance's answer comes a check RPC later), so they all go
+        where the first one came back."""
         for r in sorted(self.waiting, key=lambda r: r.id):
-            self.loop.at(self.loop.now(), self._retry, r, r.attempt, "an instance is up")
+            self._retry(r, r.attempt, "an instance is up")
 
     def _answers(self, inst):
         if inst.name in self.dstate:
