@@ -100,7 +100,8 @@ def twice_rows(run_dir, sets, probe):
             continue
         st = 2 * rec["chosen"]
         out = run_dir.parent / f"twice-{vdir.name}"
-        one = [f"variants={json.dumps([_variant(vdir.name)])}"]
+        one = [f"variants={json.dumps([_variant(vdir.name)])}",
+               *(["scale.bytes=2.5e-4"] if st > 40 else [])]     # the WAN under the cap
         wall_s, _ = run_case_study(st, [*one, *sets], out, probe)
         rows += table_rows(st, wall_s, out)
         for w in rundir.summary(rundir.find_runs(out)[0]).get("warnings", []):

@@ -14,9 +14,10 @@ module never imports it: layers point down), and `AutoRun` drives one expanded r
 3. the measured run at the chosen scale, on the same network again; its metadata.json
    records the pilot (`scale_auto`) and `testbed run` prints the choice in one line.
 
-The search (`next_scale`, pure): start at `AUTO_START` (10), double while faithful, halve while
-not, and once there is a faithful scale a below an unfaithful one b = 2a, try their geometric
-mean once; the largest faithful scale tried is the choice. So a scale twice the choice was
+The search (`next_scale`, pure): start at `AUTO_START` (10; a later run of the same experiment
+at the previous run's choice: `Starts`), double while faithful, halve while not, and once
+there is a faithful scale a below an unfaithful one b = 2a, try their geometric mean once; the
+largest faithful scale tried is the choice. So a scale twice the choice was
 tried and warned, unless the link (`deploy.compile`: the emulated rate this machine can
 shape) or the 1000 limit capped the search first, which the record says. Four steps on a
 machine where 10 and 20 are faithful and 40 is not (10, 20, 40, 28). Stepping, rather than a
@@ -36,6 +37,7 @@ from testbed import deploy, lifecycle
 from testbed.backend import open_backend
 from testbed.errors import ConfigError, RunInterrupted, TestbedError
 from testbed.experiment import AUTO, AUTO_START
+from testbed.profiling.cost import children_cpu_s
 from testbed.records import EventLog, RunDir
 
 PILOT_REQUESTS = 40        # per step: a few seconds of wall time at the scales tried
@@ -53,20 +55,22 @@ class Step:
     first_token_lag_ms: float | None = None   # median
     warnings: tuple = ()
     wall_s: float = 0.0
+    cpu_s: float | None = None                # the step's processes (workers, client), reaped
     error: str | None = None                  # the scale could not be run (link, workers)
 
     def as_dict(self):
         return {**dataclasses.asdict(self), "warnings": list(self.warnings)}
 
 
-def step_of(scale_time, summary, wall_s):
+def step_of(scale_time, summary, wall_s, cpu_s=None):
     """The `Step` of a pilot run from its summary.json (`testbed.analysis.analyse`)."""
     emu = summary.get("emulation") or {}
     warnings = tuple(summary.get("warnings") or ())
     share = (emu.get("ttft_excess_ms") or {}).get("share_p90")
     return Step(scale_time, faithful=not warnings and summary.get("completed", 0) > 0,
                 excess_share_p90=share, first_token_lag_ms=emu.get("first_token_lag_ms"),
-                warnings=warnings, wall_s=round(wall_s, 3))
+                warnings=warnings, wall_s=round(wall_s, 3),
+                cpu_s=None if cpu_s is None else round(cpu_s, 3))
 
 
 def _round(x):
@@ -121,16 +125,31 @@ def choice_line(label, steps, chosen, pilot_s):
             f"(! warned; pilot {pilot_s:.1f} s)")
 
 
+class Starts:
+    """Where the next pilot of one experiment starts: the last choice (the same machine,
+    minutes later, a deployment of the same kind), else `AUTO_START`. Only the cost depends on
+    it: the search brackets the largest faithful scale from any start."""
+
+    def __init__(self):
+        self.next = AUTO_START
+
+    def chose(self, scale_time):
+        if scale_time is not None:
+            self.next = scale_time
+
+
 class AutoRun:
     """One expanded run with `scale.time: auto`: pilot, then the measured run, on one network.
 
     `make_run(exp, run_dir, deployment=, backend=, meta=, **kw)` is the runner's `Run` (passed
     in); `execute()` returns the measured run's summary."""
 
-    def __init__(self, exp, run_dir, make_run, **kw):
+    def __init__(self, exp, run_dir, make_run, starts=None, **kw):
         if exp.scale.time != AUTO:
             raise ValueError("AutoRun runs experiments with scale.time auto")
         self.exp, self.dir, self.make_run, self.kw = exp, pathlib.Path(run_dir), make_run, kw
+        self.starts = starts if starts is not None else Starts()
+        self.start = self.starts.next
         self.backend, self.steps = None, []
 
     def execute(self):
@@ -150,7 +169,7 @@ class AutoRun:
             meta = {"scale_auto": {
                 **self.record, "chosen": scale, "faithful": chosen is not None,
                 "pilot_s": round(pilot_s, 3),
-                "pilot_requests": self._pilot_requests(), "start": AUTO_START,
+                "pilot_requests": self._pilot_requests(), "start": self.start,
                 "above": faithful_hint(self.steps, scale),
                 "steps": [s.as_dict() for s in self.steps]}}
             run = self.make_run(exp, self.dir, deployment=deploy.compile(exp),
@@ -166,8 +185,9 @@ class AutoRun:
 
     def _pilot(self, registry, events, pilot_dir):
         """Step until `next_scale` says done; returns the choice (None: none faithful)."""
-        while (s := next_scale(self.steps)) is not None:
+        while (s := next_scale(self.steps, self.start)) is not None:
             self.steps.append(self._step(s, registry, events, pilot_dir))
+        self.starts.chose(choose(self.steps))
         return choose(self.steps)
 
     def _step(self, scale_time, registry, events, pilot_dir):
@@ -182,7 +202,7 @@ class AutoRun:
             self.backend = open_backend(exp.backend.kind, dep, registry, events, exp.backend,
                                         run_dir=pilot_dir).start()
             self.record["network_build_s"] = round(time.monotonic() - t0, 3)
-        t0 = time.monotonic()
+        t0, cpu0 = time.monotonic(), children_cpu_s()
         run = self.make_run(exp, pilot_dir / f"time{scale_time:g}", deployment=dep,
                             backend=self.backend, probe=False, progress=False)
         try:
@@ -193,4 +213,4 @@ class AutoRun:
             print(f"scale.time auto: the pilot at {scale_time:g} failed: {e}", file=sys.stderr)
             return Step(scale_time, faithful=False, wall_s=round(time.monotonic() - t0, 3),
                         error=f"{type(e).__name__}: {e}")
-        return step_of(scale_time, summary, time.monotonic() - t0)
+        return step_of(scale_time, summary, time.monotonic() - t0, children_cpu_s() - cpu0)
