@@ -2,7 +2,7 @@
 
 import pytest
 
-from testbed import autoscale, deploy
+from testbed import autoscale, deploy, run
 from testbed.autoscale import Step, choose, next_scale
 from testbed.config import load_experiment
 from testbed.errors import ConfigError
@@ -79,3 +79,21 @@ def test_auto_is_refused_where_it_cannot_apply_in_one_line(sets, why):
     with pytest.raises(ConfigError, match=why) as e:
         load_experiment(CASE, sets)
     assert "\n" not in str(e.value) and "scale.time" in str(e.value)
+
+
+def test_auto_is_refused_by_up_and_for_vllm_before_anything_starts():
+    with pytest.raises(ConfigError, match="testbed up .* scale.time auto"):
+        run.execute("tests/data/tiny.yaml", ["scale.time=auto"], hold=run.Hold())
+    with pytest.raises(ConfigError, match="engine vllm computes at real speed"):
+        load_experiment(CASE, ["scale.time=auto", "model.engine=vllm"])
+
+
+def test_a_later_pilot_starts_at_the_last_choice_and_still_brackets():
+    starts = autoscale.Starts()
+    assert starts.next == autoscale.AUTO_START
+    starts.chose(None)                 # nothing faithful: the start stays
+    starts.chose(20)
+    steps = []
+    while (s := next_scale(steps, starts.next)) is not None:
+        steps.append(Step(s, faithful=s < 16))
+    assert [s.scale_time for s in steps] == [20, 10, 14] and choose(steps) == 14
