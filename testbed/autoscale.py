@@ -49,7 +49,7 @@ PILOT_DIR = "pilot"        # run_dir/pilot/time<scale>/: each step a run directo
 @dataclasses.dataclass(frozen=True)
 class Step:
     """One pilot step: the scale tried and what its guards said (real-world ms)."""
-    scale_time: float
+    scale: float
     faithful: bool
     excess_share_p90: float | None = None     # p90 excess / TTFT p90
     first_token_lag_ms: float | None = None   # median
@@ -62,12 +62,12 @@ class Step:
         return {**dataclasses.asdict(self), "warnings": list(self.warnings)}
 
 
-def step_of(scale_time, summary, wall_s, cpu_s=None):
+def step_of(scale, summary, wall_s, cpu_s=None):
     """The `Step` of a pilot run from its summary.json (`testbed.analysis.analyse`)."""
     emu = summary.get("emulation") or {}
     warnings = tuple(summary.get("warnings") or ())
     share = (emu.get("ttft_excess_ms") or {}).get("share_p90")
-    return Step(scale_time, faithful=not warnings and summary.get("completed", 0) > 0,
+    return Step(scale, faithful=not warnings and summary.get("completed", 0) > 0,
                 excess_share_p90=share, first_token_lag_ms=emu.get("first_token_lag_ms"),
                 warnings=warnings, wall_s=round(wall_s, 3),
                 cpu_s=None if cpu_s is None else round(cpu_s, 3))
@@ -82,9 +82,9 @@ def next_scale(steps, start=AUTO_START):
     """The next scale.time to try after `steps` (the pilot so far), or None when done."""
     if not steps:
         return start
-    ok = [s.scale_time for s in steps if s.faithful]
-    bad = [s.scale_time for s in steps if not s.faithful]
-    tried = {s.scale_time for s in steps}
+    ok = [s.scale for s in steps if s.faithful]
+    bad = [s.scale for s in steps if not s.faithful]
+    tried = {s.scale for s in steps}
     lo, hi = max(ok, default=None), min(bad, default=None)
     if hi is None:
         nxt = _round(min(2 * lo, MAX_SCALE))
@@ -100,26 +100,26 @@ def next_scale(steps, start=AUTO_START):
 
 def choose(steps):
     """The largest faithful scale tried, or None when none was."""
-    return max((s.scale_time for s in steps if s.faithful), default=None)
+    return max((s.scale for s in steps if s.faithful), default=None)
 
 
 def faithful_hint(steps, chosen):
     """What a scale twice the choice did: the basis of 'a run at twice it would warn'."""
-    above = [s for s in steps if s.scale_time > chosen and not s.faithful]
+    above = [s for s in steps if s.scale > chosen and not s.faithful]
     if not above:
         return "no unfaithful scale was reached (the search stopped at its limit)"
-    s = min(above, key=lambda s: s.scale_time)
+    s = min(above, key=lambda s: s.scale)
     why = s.error or (f"TTFT excess {100 * s.excess_share_p90:.0f}% of p90"
                       if s.excess_share_p90 is not None else f"{len(s.warnings)} warning(s)")
-    return f"{s.scale_time:g} was not faithful ({why})"
+    return f"{s.scale:g} was not faithful ({why})"
 
 
 def choice_line(label, steps, chosen, pilot_s):
     """The one line `testbed run` prints."""
-    tried = ", ".join(f"{s.scale_time:g}{'' if s.faithful else '!'}" for s in steps)
+    tried = ", ".join(f"{s.scale:g}{'' if s.faithful else '!'}" for s in steps)
     if chosen is None:
         return (f"scale.time auto ({label}): no scale tried was faithful ({tried}; ! warned); "
-                f"running at {min(s.scale_time for s in steps):g}, which will warn "
+                f"running at {min(s.scale for s in steps):g}, which will warn "
                 f"(pilot {pilot_s:.1f} s)")
     return (f"scale.time auto ({label}): {chosen:g}, the largest faithful of {tried} "
             f"(! warned; pilot {pilot_s:.1f} s)")
@@ -133,9 +133,9 @@ class Starts:
     def __init__(self):
         self.next = AUTO_START
 
-    def chose(self, scale_time):
-        if scale_time is not None:
-            self.next = scale_time
+    def chose(self, scale):
+        if scale is not None:
+            self.next = scale
 
 
 class AutoRun:
@@ -164,8 +164,8 @@ class AutoRun:
             # its cost: what a run at a fixed scale does not do (it builds the network too)
             pilot_s = time.monotonic() - t0 - self.record.get("network_build_s", 0.0)
             print(choice_line(self.exp.run_label, self.steps, chosen, pilot_s), flush=True)
-            scale = chosen if chosen is not None else min(s.scale_time for s in self.steps)
-            exp = self.exp.at_scale_time(scale)
+            scale = chosen if chosen is not None else min(s.scale for s in self.steps)
+            exp = self.exp.at_speed(scale)
             meta = {"scale_auto": {
                 **self.record, "chosen": scale, "faithful": chosen is not None,
                 "pilot_s": round(pilot_s, 3),
@@ -190,27 +190,27 @@ class AutoRun:
         self.starts.chose(choose(self.steps))
         return choose(self.steps)
 
-    def _step(self, scale_time, registry, events, pilot_dir):
-        exp = dataclasses.replace(self.exp.at_scale_time(scale_time),
+    def _step(self, scale, registry, events, pilot_dir):
+        exp = dataclasses.replace(self.exp.at_speed(scale),
                                   requests=self._pilot_requests(), duration=None)
         try:
             dep = deploy.compile(exp)
         except ConfigError as e:      # the link cannot be shaped at this scale: a ceiling
-            return Step(scale_time, faithful=False, error=f"cannot be emulated: {e}")
+            return Step(scale, faithful=False, error=f"cannot be emulated: {e}")
         if self.backend is None:     # built once: what a run without the pilot builds too
             t0 = time.monotonic()
             self.backend = open_backend(exp.backend.kind, dep, registry, events, exp.backend,
                                         run_dir=pilot_dir).start()
             self.record["network_build_s"] = round(time.monotonic() - t0, 3)
         t0, cpu0 = time.monotonic(), children_cpu_s()
-        run = self.make_run(exp, pilot_dir / f"time{scale_time:g}", deployment=dep,
+        run = self.make_run(exp, pilot_dir / f"time{scale:g}", deployment=dep,
                             backend=self.backend, probe=False, progress=False)
         try:
             summary = run.execute()
         except RunInterrupted:
             raise
         except TestbedError as e:     # e.g. workers not ready in time at this scale
-            print(f"scale.time auto: the pilot at {scale_time:g} failed: {e}", file=sys.stderr)
-            return Step(scale_time, faithful=False, wall_s=round(time.monotonic() - t0, 3),
+            print(f"scale.time auto: the pilot at {scale:g} failed: {e}", file=sys.stderr)
+            return Step(scale, faithful=False, wall_s=round(time.monotonic() - t0, 3),
                         error=f"{type(e).__name__}: {e}")
-        return step_of(scale_time, summary, time.monotonic() - t0, children_cpu_s() - cpu0)
+        return step_of(scale, summary, time.monotonic() - t0, children_cpu_s() - cpu0)

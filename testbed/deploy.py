@@ -153,7 +153,7 @@ def compile(exp, path=None):     # noqa: A001 (the verb of this module)
     `scale.time: auto` is compiled at the pilot's first scale (`AUTO_START`); the runner
     compiles each scale the pilot tries again (testbed/autoscale.py)."""
     try:
-        return _compile(exp.at_scale_time(AUTO_START) if exp.scale.time == AUTO else exp)
+        return _compile(exp.at_speed(AUTO_START) if exp.scale.time == AUTO else exp)
     except ConfigError as e:
         if e.path or path is None:
             raise

@@ -49,7 +49,7 @@ AUTO = "auto"           # scale.time chosen by a pilot before the run (testbed/a
 AUTO_START = 10.0       # the pilot's first scale.time; also what `auto` is compiled at beforehand
 
 
-def _scale_time(value):
+def _speedup(value):
     """scale.time: a number in [1e-3, 1000], or `auto`."""
     if value == AUTO:
         return AUTO
@@ -58,7 +58,7 @@ def _scale_time(value):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ScaleSpec:
-    time: float | str = spec(_scale_time, 1.0,
+    time: float | str = spec(_speedup, 1.0,
                              "emulate this many times faster than real time (at most 1000); "
                              "`auto`: a short pilot picks the largest faithful one on this "
                              "machine now (backend mininet, profile engine)")
@@ -472,7 +472,7 @@ class Experiment:
             self.model.decode_step, self.model.bs_max, self.model.decode_kv_capacity)
         return m.constant() if self.model.decode_model == "constant" else m
 
-    def at_scale_time(self, time):
+    def at_speed(self, time):
         """This experiment at `scale.time` `time` (a number: what `auto` resolves to)."""
         return dataclasses.replace(self, scale=dataclasses.replace(self.scale, time=time))
 

@@ -18,7 +18,7 @@ def _search(faithful_below, cap=None):
             steps.append(Step(s, faithful=False, error="cannot be emulated"))
         else:
             steps.append(Step(s, faithful=s < faithful_below))
-    return [s.scale_time for s in steps], choose(steps)
+    return [s.scale for s in steps], choose(steps)
 
 
 @pytest.mark.parametrize("limit, tried, chosen", [
@@ -68,7 +68,7 @@ def test_auto_validates_and_compiles_at_the_pilots_first_scale():
     exp = load_experiment(CASE, ["scale.time=auto"])[0]
     assert exp.scale.time == "auto"
     assert deploy.compile(exp).scale.time == autoscale.AUTO_START
-    assert exp.at_scale_time(28).scale.time == 28
+    assert exp.at_speed(28).scale.time == 28
 
 
 @pytest.mark.parametrize("sets, why", [
@@ -96,4 +96,4 @@ def test_a_later_pilot_starts_at_the_last_choice_and_still_brackets():
     steps = []
     while (s := next_scale(steps, starts.next)) is not None:
         steps.append(Step(s, faithful=s < 16))
-    assert [s.scale_time for s in steps] == [20, 10, 14] and choose(steps) == 14
+    assert [s.scale for s in steps] == [20, 10, 14] and choose(steps) == 14

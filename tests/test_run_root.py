@@ -89,14 +89,14 @@ def test_auto_scale_runs_a_pilot_on_one_network_and_records_it(tmp_path):
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("scale.time auto (prfaas): ")]
     assert len(line) == 1 and f"{rec['chosen']:g}" in line[0]
     steps = rec["steps"]
-    assert steps[0]["scale_time"] == 10 and rec["pilot_requests"] == 6
+    assert steps[0]["scale"] == 10 and rec["pilot_requests"] == 6
     for st in steps:     # each step measured: its own summary agrees with the record
-        summary = json.loads((out / "pilot" / f"time{st['scale_time']:g}" / "summary.json")
+        summary = json.loads((out / "pilot" / f"time{st['scale']:g}" / "summary.json")
                              .read_text())
         assert summary["completed"] == 6 and st["wall_s"] > 0
         assert st["faithful"] == (not summary["warnings"])
     if rec["faithful"]:
-        assert rec["chosen"] == max(st["scale_time"] for st in steps if st["faithful"])
+        assert rec["chosen"] == max(st["scale"] for st in steps if st["faithful"])
     assert yaml.safe_load((out / "config.yaml").read_text())["scale"]["time"] == rec["chosen"]
     assert json.loads((out / "summary.json").read_text())["completed"] == 6
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
