@@ -150,14 +150,14 @@ class AutoRun:
         self.exp, self.dir, self.make_run, self.kw = exp, pathlib.Path(run_dir), make_run, kw
         self.starts = starts if starts is not None else Starts()
         self.start = self.starts.next
-        self.backend, self.steps = None, []
+        self.backend, self.steps, self.record = None, [], {}
 
     def execute(self):
         pilot_dir = self.dir / PILOT_DIR
         pilot_dir.mkdir(parents=True, exist_ok=True)
         registry = lifecycle.Registry(secrets.token_hex(2))
         events = EventLog(RunDir(pilot_dir).events)
-        self.record = {"network_run_id": registry.run_id}     # its interfaces' prefix
+        self.record["network_run_id"] = registry.run_id     # its interfaces' prefix
         try:
             t0 = time.monotonic()
             chosen = self._pilot(registry, events, pilot_dir)
