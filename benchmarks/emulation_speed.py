@@ -25,12 +25,20 @@ Needs root (it starts `testbed run`): on a shared machine run it under the root 
 
 `--smoke` runs the same path in well under a minute: the case study at 40x with 15 requests per
 variant and no link probe, and a one-rate sweep (the numbers are too short to mean much).
+
+`--scale auto` runs the file's `scale.time: auto` (testbed/autoscale.py): each variant's row
+shows the scale its pilot chose, and a line per variant the scales tried (! warned), the
+pilot's wall time (the network build it hands the run left out) against the variant's span.
+`--twice` then reruns each variant alone at twice its chosen scale, to show that it warns.
 """
 
 import argparse
+import json
 import pathlib
 import sys
 import tempfile
+
+import yaml
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -49,6 +57,7 @@ CAPACITY_RATE = "workload.arrival.rate=4/s"
 SMOKE_SCALES = [40.0]
 SMOKE_SETS = ["requests=15"]
 SMOKE_SWEEP = {"rates": (1e9,), "losses": (0.0,), "duration_s": 0.5}
+VARIANT_KEY = "scheduler.policy"     # the case study's variants are its policies
 HEADER = ("| scale.time | variant | instances | wall time | first-token lag (median, p99) "
           "| decode-step ratio | measured / predicted capacity |\n"
           "|---:|---|---:|---:|---:|---:|---:|")
@@ -59,6 +68,45 @@ def run_case_study(scale_time, sets, out, probe=True):
     tree's CPU figures (testbed/profiling/cost.py)."""
     return cost.timed_run(EXPERIMENT, out, [f"scale.time={scale_time}", CAPACITY_RATE, *sets],
                           REPO, probe)
+
+
+def pilot_line(vdir):
+    """One variant's `scale_auto` record in one line, or None for a fixed scale."""
+    meta = rundir.metadata(vdir)
+    rec = meta.get("scale_auto")
+    if not rec:
+        return None
+    span = meta["end_time"] - meta["start_time"]
+    tried = ", ".join(f"{s['scale']:g}{'' if s['faithful'] else '!'}" for s in rec["steps"])
+    return (f"{vdir.name}: chose {rec['chosen']:g} of {tried}; pilot {rec['pilot_s']:.1f} s "
+            f"(+ network build {rec.get('network_build_s', 0):.1f} s, reused) = "
+            f"{100 * rec['pilot_s'] / span:.0f}% of the variant's span {span:.1f} s; "
+            f"above: {rec['above']}")
+
+
+def _variant(label):
+    """The case study's variant `label` (its policy), as the file writes it."""
+    variants = yaml.safe_load(EXPERIMENT.read_text())["variants"]
+    return next(v for v in variants if v[VARIANT_KEY] == label)
+
+
+def twice_rows(run_dir, sets, probe):
+    """Each auto variant of `run_dir` rerun alone at twice its chosen scale: the table's rows
+    and its warnings (the choice is near the largest faithful scale if these warn)."""
+    rows, notes = [], []
+    for vdir in sorted(rundir.find_runs(run_dir)):
+        rec = rundir.metadata(vdir).get("scale_auto")
+        if not rec:
+            continue
+        st = 2 * rec["chosen"]
+        out = run_dir.parent / f"twice-{vdir.name}"
+        one = [f"variants={json.dumps([_variant(vdir.name)])}",
+               *(["scale.bytes=2.5e-4"] if st > 40 else [])]     # the WAN under the cap
+        wall_s, _ = run_case_study(st, [*one, *sets], out, probe)
+        rows += table_rows(st, wall_s, out)
+        for w in rundir.summary(rundir.find_runs(out)[0]).get("warnings", []):
+            notes.append(f"{vdir.name} at {st:g}: {w}")
+    return rows, notes
 
 
 def variant_row(vdir):
@@ -81,7 +129,9 @@ def table_rows(scale_time, wall_s, run_dir):
     rows = []
     for vdir in sorted(rundir.find_runs(run_dir)):
         n, span, lag, lag99, step, cap = variant_row(vdir)
-        rows.append(f"| {scale_time:g} | {vdir.name} | {n} | {span:.1f} s (run {wall_s:.1f} s) "
+        rec = rundir.metadata(vdir).get("scale_auto")
+        st = f"auto: {rec['chosen']:g}" if rec else f"{scale_time:g}"
+        rows.append(f"| {st} | {vdir.name} | {n} | {span:.1f} s (run {wall_s:.1f} s) "
                     f"| {fmt(lag, '.0f')}, {fmt(lag99, '.0f')} ms | {fmt(step, '.3f')}x "
                     f"| {fmt(cap, '.3f')} |")
     return rows
@@ -101,10 +151,16 @@ def sweep_rows(rates=ratesweep.SWEEP_RATES, losses=ratesweep.SWEEP_LOSSES,
     return [ratesweep.SWEEP_HEADER, *lines]
 
 
+def _scale(text):
+    return "auto" if text == "auto" else float(text)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--scale", type=float, action="append",
-                    help=f"scale.time to run (repeatable; default {sorted(SCALES)})")
+    ap.add_argument("--scale", type=_scale, action="append",
+                    help=f"scale.time to run, or auto (repeatable; default {sorted(SCALES)})")
+    ap.add_argument("--twice", action="store_true",
+                    help="after --scale auto, each variant alone at twice its chosen scale")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="extra testbed run --set, for every scale")
     ap.add_argument("--sweep", action="store_true",
@@ -117,15 +173,19 @@ def main():
     extra = args.set + (SMOKE_SETS if args.smoke else [])
     with tempfile.TemporaryDirectory(prefix="emulation_speed-") as tmp:
         base = pathlib.Path(args.out or tmp)
-        rows, costs = [], []
+        rows, costs, pilots = [], [], []
         for st in scales:
-            run_dir = base / f"time{st:g}"
+            run_dir = base / (f"time{st:g}" if st != "auto" else "auto")
             wall_s, c = run_case_study(st, SCALES.get(st, []) + extra, run_dir, not args.smoke)
             rows += table_rows(st, wall_s, run_dir)
-            costs.append(f"scale.time {st:g}: wall {wall_s:.1f} s; {cost.fmt_cost(c)}")
+            costs.append(f"scale.time {st}: wall {wall_s:.1f} s; {cost.fmt_cost(c)}")
+            pilots += filter(None, map(pilot_line, sorted(rundir.find_runs(run_dir))))
+            if st == "auto" and args.twice:
+                more, notes = twice_rows(run_dir, extra, not args.smoke)
+                rows, pilots = rows + more, pilots + notes
         print(HEADER)
         print("\n".join(rows))
-        print("\n".join(costs))
+        print("\n".join(costs + pilots))
         if args.sweep or args.smoke:
             print("\n".join(sweep_rows(**SMOKE_SWEEP) if args.smoke else sweep_rows()))
 

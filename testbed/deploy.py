@@ -31,7 +31,7 @@ import pathlib
 from testbed import config, faultspec, loadgen, units, vllmenv, vllmspec
 from testbed import profile as profiles
 from testbed.errors import ConfigError
-from testbed.experiment import cache_capacity
+from testbed.experiment import AUTO, AUTO_START, cache_capacity
 from testbed.net import spec as netspec
 from testbed.net.linkmodel import (DIRECTIONS, MIN_BURST_BYTES, Link, check_params,
                                    default_police_burst, drops_frames,
@@ -150,9 +150,11 @@ class Deployment:
 def compile(exp, path=None):     # noqa: A001 (the verb of this module)
     """The `Deployment` of one expanded run, the one cross-field check: raises ConfigError
     (naming `path`, the experiment file, and the key) for an emulated link this machine cannot
-    shape (rate, queue) or a fault list that cannot be carried out on these instances."""
+    shape (rate, queue) or a fault list that cannot be carried out on these instances.
+    `scale.time: auto` is compiled at the pilot's first scale (`AUTO_START`); the runner
+    compiles each scale the pilot tries again (testbed/autoscale.py)."""
     try:
-        return _compile(exp)
+        return _compile(exp.at_speed(AUTO_START) if exp.scale.time == AUTO else exp)
     except ConfigError as e:
         if e.path or path is None:
             raise

@@ -240,6 +240,5 @@ def summarize(df, factor):
                     f"at scale.time {factor:g}; mean excess by leg: {legs}; without it "
                     f"the TTFT p50/p90 would be {out['ttft_corrected_p50']:.0f}/"
                     f"{out['ttft_corrected_p90']:.0f} ms: "
-                    + ("lower scale.time" if factor > 1 else "at real speed the processes "
-                       "wait for CPU: fewer instances per machine"))
+                    + fidelity.lower_scale_hint(factor))
     return out, warn

@@ -45,17 +45,30 @@ def _duration(hi, what):
     return at_most(units.duration_s, hi, what)
 
 
+AUTO = "auto"           # scale.time chosen by a pilot before the run (testbed/autoscale.py)
+AUTO_START = 10.0       # the pilot's first scale.time; also what `auto` is compiled at beforehand
+
+
+def _speedup(value):
+    """scale.time: a number in [1e-3, 1000], or `auto`."""
+    if value == AUTO:
+        return AUTO
+    return at_most(positive(units.number), 1000, "1000")(value)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ScaleSpec:
-    time: float = spec(at_most(positive(units.number), 1000, "1000"), 1.0,
-                       "emulate this many times faster than real time (at most 1000)")
+    time: float | str = spec(_speedup, 1.0,
+                             "emulate this many times faster than real time (at most 1000); "
+                             "`auto`: a short pilot picks the largest faithful one on this "
+                             "machine now (backend mininet, profile engine)")
     bytes: float = spec(at_most(positive(units.number), 1, "1"), 1.0,
                         "move this fraction of the real KV bytes (1e-3 = 1/1000; at most 1)")
     tokens: float = spec(at_most(positive(units.number), 1e6, "1e6"), 1.0,
                          "torch engine: divide prompt lengths by this (tiny model, long traces)")
 
     def check(self):
-        if self.time < 1e-3 or self.bytes < 1e-9:
+        if (self.time != AUTO and self.time < 1e-3) or self.bytes < 1e-9:
             raise ValueError("time must be at least 1e-3 and bytes at least 1e-9")
 
 
@@ -448,7 +461,7 @@ class Experiment:
                 raise ValueError("scheduler.roles needs model.engine profile and cache.enabled "
                                  "false (dual-role workers run the profile engines only)")
 
-        why = vllmspec.check(self)
+        why = _auto_unsupported(self) or vllmspec.check(self)
         if why:
             raise ValueError(why)
 
@@ -459,9 +472,23 @@ class Experiment:
             self.model.decode_step, self.model.bs_max, self.model.decode_kv_capacity)
         return m.constant() if self.model.decode_model == "constant" else m
 
+    def at_speed(self, time):
+        """This experiment at `scale.time` `time` (a number: what `auto` resolves to)."""
+        return dataclasses.replace(self, scale=dataclasses.replace(self.scale, time=time))
+
     @property
     def run_label(self):
         return self.label or self.scheduler.policy
+
+
+def _auto_unsupported(exp):
+    """Why `scale.time: auto` cannot apply to `exp` (one line), or ''."""
+    kind, why = exp.backend.kind, {"sim": "runs in virtual time, where scale.time changes "
+                                   "nothing", "ray": "has no pilot yet"}
+    if exp.scale.time == AUTO and (kind != "mininet" or exp.model.engine == "vllm"):
+        return ("scale.time auto: " + (f"backend {kind} {why.get(kind)}: give a number" if
+                kind != "mininet" else "engine vllm computes at real speed: scale.time 1"))
+    return ""
 
 
 def cache_capacity(exp, prof, cluster):

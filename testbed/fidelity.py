@@ -43,6 +43,15 @@ GSO_BYTES = 65536                  # one TSO/GSO packet may pass on HTB credit
 TCP_COUNTERS = {"TcpExt": ("TCPTimeouts", "TCPLossProbes"), "Tcp": ("RetransSegs",)}
 
 
+def lower_scale_hint(factor):
+    """What a guard's warning at scale.time `factor` tells the user to do: which scale would
+    be faithful, as far as one run knows (lower than this one)."""
+    if factor <= 1:
+        return "at real speed the processes wait for CPU: fewer instances per machine"
+    return (f"a faithful scale.time is lower than {factor:g} on this machine now "
+            "(`scale.time: auto` finds it)")
+
+
 # ---------------------------------------------------------------- rate artifacts
 
 def exceeds_link(rate_bps, link_bps, dt_s, read_s=0.0):

@@ -4,16 +4,21 @@
 `vllm-bench` (`testbed.loadgen` describes them): the run's workload is written as a mooncake trace on the
 emulated timeline, the tool's argv is recorded, and the tool starts on the client instance
 through the run's backend; its output goes to the client's log, and the run waits for it to
-exit, bounded like the built-in client's drain.
+exit, bounded like the built-in client's drain. `arrival_zero` times the link schedule and the
+faults from the tool's first request (its own arrival 0).
 """
 
 import json
 import os
 import shlex
+import time
 
 from testbed import vllmenv
 from testbed.loadgen import TOKENIZER, find_aiperf, url
 from testbed.records import RunDir
+
+# An external tool's start-up (aiperf: about 20 s on a loaded 2-core machine) before it sends.
+CLIENT_FIRST_REQUEST_TIMEOUT_S = 120.0
 
 
 def write_trace(run_dir, workload, scale):
@@ -98,3 +103,33 @@ def start_client(run, workload):
     proc = run.backend.spawn("client", argv, rd.log("client"), env=env)
     run.procs["client"] = proc
     return proc
+
+
+def arrival_zero(run, workload, events):
+    """Arrival 0 of `run` (testbed.run.Run) with an external client: start the tool and wait
+    (bounded) for its first request at the front door.
+
+    The tool's start-up (aiperf: seconds) must not shift its requests against link changes
+    and faults, so arrival 0 is the tool's own: the first request's arrival at the front
+    door minus that request's time in the trace (a fixed-schedule replay sends it that long
+    after its own start). If no request comes (the tool exited, or the bound passed),
+    arrival 0 is the tool's start. The measured start-up offset goes to metadata.json."""
+    first_file = run.rd.first_request
+    spawned = time.time()
+    client = start_client(run, workload)
+    deadline = time.monotonic() + CLIENT_FIRST_REQUEST_TIMEOUT_S
+    run.meta["client_spawned_at"] = spawned
+    while not first_file.exists():
+        if client.poll() is not None or time.monotonic() > deadline:
+            events("client_no_first_request", code=client.poll())
+            run.meta["client_start_offset_s"] = None
+            return spawned
+        time.sleep(0.005)     # the tool's start-up: seconds; 5 ms is the anchor's grain
+    first = float(first_file.read_text()) - run.client_clock_offset()   # ours
+    trace_first_s = (run.deployment.scale.emulated_s(float(workload.arrival_s.min()))
+                     if len(workload) else 0.0)
+    start_at = first - trace_first_s
+    run.meta["client_first_request_at"] = first
+    run.meta["client_start_offset_s"] = start_at - spawned
+    events("client_first_request", offset_s=round(start_at - spawned, 6))
+    return start_at

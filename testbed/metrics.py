@@ -364,7 +364,8 @@ def emulation_fidelity(ok: pd.DataFrame, run: RunInfo, events=(), tolerance=0.05
             out["warnings"].append(
                 f"first tokens reached the client {out['first_token_lag_ms']:.0f} ms (median, "
                 f"real-world) after the decode worker made them: the control plane is CPU-bound "
-                f"at scale.time {scale.time:g}; TTFT includes that lag")
+                f"at scale.time {scale.time:g}; TTFT includes that lag; "
+                + fidelity.lower_scale_hint(scale.time))
     wake = decode_wakeups(events, scale)
     if wake:
         out["decode_wakeups"] = wake
@@ -372,13 +373,13 @@ def emulation_fidelity(ok: pd.DataFrame, run: RunInfo, events=(), tolerance=0.05
             out["warnings"].append(
                 f"decode workers woke {wake['late_p50_ms']:.0f} ms (median, real-world) after "
                 f"their schedule: first tokens, last chunks and admissions came that late at "
-                f"scale.time {scale.time:g}")
+                f"scale.time {scale.time:g}; " + fidelity.lower_scale_hint(scale.time))
     for key, what in (("decode_step_ratio", "decode steps"), ("prefill_ratio", "prefills")):
         r = out.get(key)
         if r is not None and abs(r - 1) > tolerance:
             out["warnings"].append(
                 f"{what} took {r:.2f}x their profiled time: this machine could not keep up "
-                f"at scale.time {scale.time:g}; lower it for exact timing")
+                f"at scale.time {scale.time:g}; " + fidelity.lower_scale_hint(scale.time))
     return out
 
 

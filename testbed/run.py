@@ -1,4 +1,5 @@
-"""Run: one experiment file, every variant in turn, on a freshly built system each time.
+"""Run: one experiment file, every variant in turn, on a freshly built system each time
+(`scale.time: auto`: a pilot's network reused, testbed/autoscale.py).
 
 For each expanded run (`config.load_experiment`): compile its `testbed.deploy.Deployment` (once,
 every run before the first starts), write the resolved config, the request list,
@@ -35,8 +36,10 @@ import time
 from testbed import (analysis, clocks, config, deploy, faultspec, fidelity, lifecycle, loadgen,
                      loadrun, ownership, plot, plot_load, replicates, rundir, runinputs, sim,
                      vllmrun)
+from testbed.autoscale import AutoRun, Starts
 from testbed.backend import open_backend, preflight
 from testbed.errors import ConfigError, PrivilegeError, RunInterrupted, WorkerError
+from testbed.experiment import AUTO
 from testbed.faults import write_matrix
 from testbed.inject import Injector
 from testbed.live import serve, view
@@ -49,8 +52,6 @@ from testbed.sim.run import SimRun
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 30.0
-# An external tool's start-up (aiperf: about 20 s on a loaded 2-core machine) before it sends.
-CLIENT_FIRST_REQUEST_TIMEOUT_S = 120.0
 
 
 def _system_cc():
@@ -77,11 +78,14 @@ class Run:
     summary."""
 
     def __init__(self, exp, run_dir, probe=True, cli=False, progress=True, hold=None,
-                 probes=None, deployment=None):
+                 probes=None, deployment=None, backend=None, meta=None):
         """`probes`: the `LinkProbes` shared by the runs of one experiment (a run whose WAN
         was probed already records that probe); by default this run's own. `deployment`: the
         run's compiled `Deployment` (`execute` compiles every run once, before any starts);
-        compiled here when not given."""
+        compiled here when not given. `backend`: one already built and lent (its owner tears
+        it down), carried over to this deployment (testbed/autoscale.py); `meta`: more
+        metadata.json keys."""
+        self.lent, self.extra_meta = backend, meta or {}
         self.exp, self.dir = exp, pathlib.Path(run_dir)
         self.rd = RunDir(run_dir)
         self.cli, self.progress = cli, progress
@@ -128,7 +132,8 @@ class Run:
         """The run's inputs and the metadata so far (testbed/runinputs.py, shared with the
         simulator); returns the request list."""
         workload = runinputs.write_inputs(self.exp, self.deployment, self.rd)
-        self.meta = runinputs.base_metadata(self.exp, self.deployment, workload)
+        self.meta = {**runinputs.base_metadata(self.exp, self.deployment, workload),
+                     **self.extra_meta}
         self.workload_ids = int(workload.id.max()) + 1 if len(workload) else 0
         return workload
 
@@ -136,8 +141,9 @@ class Run:
         """Build the backend, start the workers, probe the link, then drive (or hold)."""
         phases, dep = self.meta["phases_s"], self.deployment
         t0 = time.monotonic()
-        self.backend = open_backend(self.exp.backend.kind, dep, self.registry, events,
-                                    self.exp.backend, run_dir=self.dir).start()
+        self.backend = self.lent.rescale(dep, events) if self.lent else open_backend(
+            self.exp.backend.kind, dep, self.registry, events, self.exp.backend,
+            run_dir=self.dir).start()
         phases["build"] = round(time.monotonic() - t0, 3)
         self._describe_backend()
         t0 = time.monotonic()
@@ -270,7 +276,7 @@ class Run:
         self._wait_ready(["client"])
         start_at = time.time() + 0.1
         tmp = start_file.with_suffix(".tmp")     # read on the client host's clock
-        tmp.write_text(f"{start_at + self._client_clock_offset():.6f}")
+        tmp.write_text(f"{start_at + self.client_clock_offset():.6f}")
         tmp.rename(start_file)
         return start_at
 
@@ -279,7 +285,7 @@ class Run:
         if self.exp.workload.client == "builtin":
             start_at = self._start_client()
         else:       # command or aiperf through the front door (ready with the workers)
-            start_at = self._external_arrival_zero(workload, events)
+            start_at = loadrun.arrival_zero(self, workload, events)
         self.meta["client_start_at"] = start_at
         events("client_started", requests=len(workload))
         progress = view.tracker(self.progress, self.dir, records, len(workload), self.exp.label)
@@ -309,7 +315,7 @@ class Run:
         events("client_finished", code=client.returncode)
         self.meta["dead_workers"] = sorted(n for n, p in self.procs.items() if p in dead)
 
-    def _client_clock_offset(self):
+    def client_clock_offset(self):
         """The client host's clock minus this one's, as the backend measured it (0 on one
         machine): the runner's times to and from the client are moved by it."""
         return clocks.instance_offsets(self.backend.clocks()).get("client", 0.0)
@@ -345,34 +351,6 @@ class Run:
                 events("worker_died", name=name, code=p.returncode)
                 warn(f"warning: {name} exited with code {p.returncode}; "
                      f"its requests fail (see logs/{name}.log)")
-
-    def _external_arrival_zero(self, workload, events):
-        """Start the external tool and wait (bounded) for its first request at the front door.
-
-        The tool's start-up (aiperf: seconds) must not shift its requests against link changes
-        and faults, so arrival 0 is the tool's own: the first request's arrival at the front
-        door minus that request's time in the trace (a fixed-schedule replay sends it that long
-        after its own start). If no request comes (the tool exited, or the bound passed),
-        arrival 0 is the tool's start. The measured start-up offset goes to metadata.json."""
-        first_file = self.rd.first_request
-        spawned = time.time()
-        client = loadrun.start_client(self, workload)
-        deadline = time.monotonic() + CLIENT_FIRST_REQUEST_TIMEOUT_S
-        self.meta["client_spawned_at"] = spawned
-        while not first_file.exists():
-            if client.poll() is not None or time.monotonic() > deadline:
-                events("client_no_first_request", code=client.poll())
-                self.meta["client_start_offset_s"] = None
-                return spawned
-            time.sleep(0.005)     # the tool's start-up: seconds; 5 ms is the anchor's grain
-        first = float(first_file.read_text()) - self._client_clock_offset()   # ours
-        trace_first_s = (self.deployment.scale.emulated_s(float(workload.arrival_s.min()))
-                         if len(workload) else 0.0)
-        start_at = first - trace_first_s
-        self.meta["client_first_request_at"] = first
-        self.meta["client_start_offset_s"] = start_at - spawned
-        events("client_first_request", offset_s=round(start_at - spawned, 6))
-        return start_at
 
     def _hold(self, workload, events):
         """`testbed up`: the front door forwarded to the root namespace's loopback; the link
@@ -432,12 +410,14 @@ def execute(path, overrides=(), out=None, probe=True, cli=False, progress=True, 
     made = ownership.missing_ancestors(top)
     top.mkdir(parents=True, exist_ok=True)
     summaries, probes = [], LinkProbes(probe)   # each distinct WAN probed once, in its first run
+    starts = Starts()           # scale.time auto: each pilot starts where the last one chose
     try:
         with serve.watching(top, metrics_port):     # the exporter, until the figures are made
             for exp, dep in zip(runs, deployments):
                 run_dir = run_path(top, exp, len(runs))
                 summaries.append(_replicate(exp, run_dir, _runner(
-                    exp, dep, run_dir, cli=cli, progress=progress, hold=hold, probes=probes)))
+                    exp, dep, run_dir, starts, cli=cli, progress=progress, hold=hold,
+                    probes=probes)))
             if len(runs) > 1:
                 analysis.write_sweep(top, summaries)
                 plot_load.write_table(top)
@@ -458,11 +438,14 @@ def run_path(top, exp, n_runs):
     return d / f"r{exp.replicate}" if exp.replicates > 1 and n_runs > 1 else d
 
 
-def _runner(exp, dep, run_dir, **kw):
+def _runner(exp, dep, run_dir, starts=None, **kw):
     """The `execute` of one run: in virtual time on backend sim (no network, no processes),
-    else the emulation's `Run`."""
+    else the emulation's `Run` (`scale.time: auto`: after a pilot, which starts at
+    `starts.next`: testbed/autoscale.py)."""
     if exp.backend.kind == "sim":
         return SimRun(exp, run_dir, deployment=dep).execute
+    if exp.scale.time == AUTO:
+        return AutoRun(exp, run_dir, Run, starts=starts, **kw).execute
     return Run(exp, run_dir, deployment=dep, **kw).execute
 
 
@@ -485,6 +468,10 @@ def _check_runs(runs, path, hold, out):
     if hold is not None and len(runs) > 1:
         raise ConfigError(f"testbed up holds one deployment; this file expands to {len(runs)} "
                           "runs (variants/sweep): pick one with --set", path=str(path))
+    if hold is not None and runs[0].scale.time == AUTO:
+        raise ConfigError("testbed up serves clients of its own; scale.time auto needs the "
+                          "workload's run to choose: give a number", path=str(path),
+                          key="scale.time")
     if hold is None and any(exp.workload.client == "none" for exp in runs):
         raise ConfigError("client none (no load generator) is what `testbed up` runs; "
                           "`testbed run` needs a client", path=str(path), key="workload.client")

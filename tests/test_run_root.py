@@ -15,6 +15,7 @@ import time
 
 import pandas as pd
 import pytest
+import yaml
 
 from conftest import assert_decisions_replay, assert_remote_kv_crossed_the_wan
 
@@ -73,6 +74,33 @@ def test_tiny_run_measured_facts(tmp_path):
     # The scheduler's decisions, replayed through the simulator's decision path: the same.
     decisions = assert_decisions_replay(out)
     assert len(decisions) == 12 and {r.kind for r in decisions} == {"local", "remote"}
+    assert leftovers(out) == []
+
+
+def test_auto_scale_runs_a_pilot_on_one_network_and_records_it(tmp_path):
+    """`scale.time: auto`: each pilot step is a run directory of its own, metadata.json records
+    the steps, the run used the choice, and the pilot's network is gone afterwards."""
+    out = tmp_path / "run"
+    r = subprocess.run(tb_cmd("run", str(TINY), "--out", str(out), "--no-progress", "--no-probe",
+                              "--set", "scale.time=auto", "--set", "requests=6"),
+                       capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rec = json.loads((out / "metadata.json").read_text())["scale_auto"]
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("scale.time auto (prfaas): ")]
+    assert len(line) == 1 and f"{rec['chosen']:g}" in line[0]
+    steps = rec["steps"]
+    assert steps[0]["scale"] == 10 and rec["pilot_requests"] == 6
+    for st in steps:     # each step measured: its own summary agrees with the record
+        summary = json.loads((out / "pilot" / f"time{st['scale']:g}" / "summary.json")
+                             .read_text())
+        assert summary["completed"] == 6 and st["wall_s"] > 0
+        assert st["faithful"] == (not summary["warnings"])
+    if rec["faithful"]:
+        assert rec["chosen"] == max(st["scale"] for st in steps if st["faithful"])
+    assert yaml.safe_load((out / "config.yaml").read_text())["scale"]["time"] == rec["chosen"]
+    assert json.loads((out / "summary.json").read_text())["completed"] == 6
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    assert f": tb{rec['network_run_id']}" not in links
     assert leftovers(out) == []
 
 

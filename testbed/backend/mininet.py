@@ -37,6 +37,14 @@ class MininetBackend:
         self.net = Network(self.deployment, self.registry, self.events).start()
         return self
 
+    def rescale(self, deployment, events=None):
+        """The built network carried over to `deployment` (the same instances, another
+        scale.time: `Network.rescale`), its events now in `events`; returns the backend."""
+        self.deployment = deployment
+        self.events = events or self.events
+        self.net.rescale(deployment, events)
+        return self
+
     def spawn(self, host, argv, log_path, env=None):
         return self.net.popen(host, argv, log_path, env=env)
 

@@ -16,7 +16,7 @@ import sys
 from testbed import lifecycle
 from testbed.errors import NetworkError, PrivilegeError
 from testbed.net.calibrate import calibrate, shortfall
-from testbed.net.linkmodel import needs_checksums
+from testbed.net.linkmodel import SETTABLE, needs_checksums
 from testbed.net.ns import disable_checksum_offload, disable_offloads
 from testbed.net.timers import TcpTimers, apply
 from testbed.net.wan import Wan
@@ -89,6 +89,24 @@ class Network:
         if out.strip() != "1":
             raise NetworkError(f"could not enable forwarding on the WAN router: {out.strip()}")
         self._shape(router)
+        return self
+
+    def rescale(self, deployment, events=None):
+        """Carry the built network over to `deployment`: the same instances at another
+        scale.time (testbed/autoscale.py tries several on one network). The WAN takes its
+        links, the hosts' routes its TCP timers, and the calibration's shortfall is re-checked;
+        `events`: the event log of the run it now serves (its link changes are that run's)."""
+        self.deployment = deployment
+        if events is not None:
+            self.events = self.wan.events = events
+        for d, link in deployment.links.items():
+            self.wan.set(d, **{k: v for k, v in link.params().items() if k in SETTABLE})
+        self._scale_tcp_timers()
+        if self.calibration is not None:
+            self.calibration.pop("warning", None)
+            short = shortfall(self.calibration, deployment.links, deployment.scale)
+            if short:
+                self.calibration["warning"] = short
         return self
 
     def _scale_tcp_timers(self):

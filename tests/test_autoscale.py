@@ -1,0 +1,99 @@
+"""`scale.time: auto`: the pilot's search and its record (no root), and refusals."""
+
+import pytest
+
+from testbed import autoscale, deploy, run
+from testbed.autoscale import Step, choose, next_scale
+from testbed.config import load_experiment
+from testbed.errors import ConfigError
+
+CASE = "experiments/paper_case_study.yaml"
+
+
+def _search(faithful_below, cap=None):
+    """The scales the pilot tries on a machine faithful below `faithful_below`, and its choice."""
+    steps = []
+    while (s := next_scale(steps)) is not None:
+        if cap is not None and s > cap:
+            steps.append(Step(s, faithful=False, error="cannot be emulated"))
+        else:
+            steps.append(Step(s, faithful=s < faithful_below))
+    return [s.scale for s in steps], choose(steps)
+
+
+@pytest.mark.parametrize("limit, tried, chosen", [
+    (30, [10, 20, 40, 28], 28),        # double while faithful, then one geometric bisection
+    (25, [10, 20, 40, 28], 20),
+    (45, [10, 20, 40, 80, 57], 40),
+    (8, [10, 5, 7.1], 7.1),            # halve while not, then bisect
+    (6, [10, 5, 7.1], 5),
+    (1.5, [10, 5, 2.5, 1.2, 1.7], 1.2),
+    (0.5, [10, 5, 2.5, 1.2], None),    # nothing faithful down to MIN_SCALE: no choice
+])
+def test_the_search_lands_within_sqrt2_below_the_first_unfaithful_scale(limit, tried, chosen):
+    got_tried, got = _search(limit)
+    assert got_tried == tried and got == chosen
+    if got is not None:    # a scale at most twice the choice was tried and warned
+        assert any(t <= 2 * got and t >= limit for t in got_tried)
+
+
+def test_the_search_stops_at_what_the_link_can_emulate_and_at_the_key_limit():
+    tried, chosen = _search(1e9, cap=50)
+    assert tried == [10, 20, 40, 80, 57] and chosen == 40
+    tried, chosen = _search(1e9)
+    assert tried[-1] == 1000 and chosen == 1000
+
+
+def test_a_step_is_faithful_only_without_any_warning():
+    ok = {"completed": 40, "warnings": [],
+          "emulation": {"ttft_excess_ms": {"share_p90": 0.012}, "first_token_lag_ms": 4.0}}
+    step = autoscale.step_of(20, ok, 3.21)
+    assert step.faithful and step.excess_share_p90 == 0.012 and step.first_token_lag_ms == 4.0
+    bad = dict(ok, warnings=["first tokens reached the client 80 ms ..."])
+    assert not autoscale.step_of(40, bad, 2.0).faithful
+    assert not autoscale.step_of(40, dict(ok, completed=0), 2.0).faithful
+
+
+def test_the_record_says_what_twice_the_choice_did():
+    steps = [Step(10, True, 0.01), Step(20, True, 0.02), Step(40, False, 0.31, warnings=("w",)),
+             Step(28, True, 0.04)]
+    assert autoscale.faithful_hint(steps, 28) == "40 was not faithful (TTFT excess 31% of p90)"
+    line = autoscale.choice_line("prfaas", steps, 28, 12.3)
+    assert line == ("scale.time auto (prfaas): 28, the largest faithful of 10, 20, 40!, 28 "
+                    "(! warned; pilot 12.3 s)")
+    assert "no unfaithful scale" in autoscale.faithful_hint(steps[:2], 20)
+
+
+def test_auto_validates_and_compiles_at_the_pilots_first_scale():
+    exp = load_experiment(CASE, ["scale.time=auto"])[0]
+    assert exp.scale.time == "auto"
+    assert deploy.compile(exp).scale.time == autoscale.AUTO_START
+    assert exp.at_speed(28).scale.time == 28
+
+
+@pytest.mark.parametrize("sets, why", [
+    (["scale.time=auto", "backend.kind=sim"], "backend sim runs in virtual time"),
+    (["scale.time=fast"], "scale.time"),
+])
+def test_auto_is_refused_where_it_cannot_apply_in_one_line(sets, why):
+    with pytest.raises(ConfigError, match=why) as e:
+        load_experiment(CASE, sets)
+    assert "\n" not in str(e.value) and "scale.time" in str(e.value)
+
+
+def test_auto_is_refused_by_up_and_for_vllm_before_anything_starts():
+    with pytest.raises(ConfigError, match="testbed up .* scale.time auto"):
+        run.execute("tests/data/tiny.yaml", ["scale.time=auto"], hold=run.Hold())
+    with pytest.raises(ConfigError, match="engine vllm computes at real speed"):
+        load_experiment(CASE, ["scale.time=auto", "model.engine=vllm"])
+
+
+def test_a_later_pilot_starts_at_the_last_choice_and_still_brackets():
+    starts = autoscale.Starts()
+    assert starts.next == autoscale.AUTO_START
+    starts.chose(None)                 # nothing faithful: the start stays
+    starts.chose(20)
+    steps = []
+    while (s := next_scale(steps, starts.next)) is not None:
+        steps.append(Step(s, faithful=s < 16))
+    assert [s.scale for s in steps] == [20, 10, 14] and choose(steps) == 14
