@@ -6,8 +6,8 @@ workers/recovery.Flight.
 A decode instance's fault acts on its continuous batch (`engine.DecodeInstance`):
 
 - **pause** freezes it: no step ends until the resume, and the step in progress then ends
-  as late as the pause was long; a request whose KV completes meanwhile waits for the
-  resume; its health checks get no answer. With failover, once a check marks it down every
+  as late as the pause was long; KV pieces sent to it wait for the resume (a stopped worker
+  reads nothing: its receive window fills and the sender blocks); its health checks get no answer. With failover, once a check marks it down every
   request on it is rerouted as Flight's `_on_down` decides (`reroute_decode`): one without a
   token is prefilled again for another decode instance (its stream on the frozen one is
   cancelled), one with tokens fails;
@@ -29,11 +29,12 @@ from workers import redispatch
 class DecodeState:
     """One decode instance's fault state."""
 
-    __slots__ = ("dead", "on")
+    __slots__ = ("dead", "on", "held")
 
     def __init__(self):
         self.dead = False
         self.on = set()             # requests whose decode stream is open on it
+        self.held = []              # KV pieces for it, due while it was frozen
 
 
 class DecodeFaults:
@@ -61,6 +62,15 @@ class DecodeFaults:
         if cancel and r.slot is not None:
             self.c.decode[r.d.name].remove(r.slot)
             r.slot = None
+
+    def decode_frozen(self, r, piece):
+        """Hold a KV piece due for a frozen decode instance until its resume (`piece`: the
+        arguments of `piece`): a stopped worker reads nothing, so its receive window fills
+        and the prefill worker's sender blocks."""
+        if r.d is None or r.d.name not in self.dstate or self.c.decode[r.d.name].frozen_at is None:
+            return False
+        self.dstate[r.d.name].held.append(piece)
+        return True
 
     def _stream_broke(self, r, d, attempt):
         if r.failed or r.d is not d or r.attempt != attempt:
@@ -94,8 +104,11 @@ class DecodeFaults:
         if a.phase == "inject":
             if not self.dstate[name].dead:
                 model.freeze()
-        else:
-            model.thaw()
+            return
+        model.thaw()
+        held, self.dstate[name].held = self.dstate[name].held, []
+        for piece in held:          # not the ones moved (or failed) while it was frozen
+            self.piece(*piece)
 
     def _decode_kill(self, name, a):
         if a.phase != "inject":

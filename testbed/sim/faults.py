@@ -110,6 +110,9 @@ class SimRecovery(DecodeFaults):
             self.loop.at(ready, self.piece, inst, kills, st.paused_total, r, attempt, ready,
                          link, flow, nbytes, last)
             return
+        if self.decode_frozen(r, (inst, kills, pt0, r, attempt, ready, link, flow, nbytes,
+                                  last)):
+            return
         link.push(flow, nbytes, last)
 
     def _failed(self, r, error):
