@@ -27,6 +27,7 @@ import asyncio
 import collections
 import time
 
+from testbed import eventloop
 from testbed.proto import testbed_pb2 as pb
 from testbed.proto import testbed_pb2_grpc as pbg
 from workers import common, control, kvwire, status, stepclock, tokens, vllm_api, vllm_engine
@@ -405,4 +406,4 @@ async def main():
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    eventloop.run(main())
