@@ -33,6 +33,7 @@ import socket
 import statistics
 import time
 
+from testbed import eventloop
 from testbed.calibfit import Measurements, Sample
 from workers import vllm_api
 from workers import vllm_server
@@ -197,8 +198,8 @@ def run(python, model_dir, plan, log_path, progress, budget_s, seed=0, url=None)
                            "server": {"url": url} if url else
                            {k: plan[k] for k in server_keys}})
     if url:
-        skipped = asyncio.run(_session_run(Running(url), url.rstrip("/"), plan, m, progress,
-                                           budget_s, seed))
+        skipped = eventloop.run(_session_run(Running(url), url.rstrip("/"), plan, m, progress,
+                                             budget_s, seed))
         m.info["skipped"] = skipped
         return m, skipped
     spec = ServerSpec(python=python, model_dir=str(model_dir), role="both", host="127.0.0.1",
@@ -209,7 +210,7 @@ def run(python, model_dir, plan, log_path, progress, budget_s, seed=0, url=None)
     server = VllmServer(spec, log_path)
     server.start()
     try:
-        skipped = asyncio.run(_session_run(server, spec.url, plan, m, progress, budget_s, seed))
+        skipped = eventloop.run(_session_run(server, spec.url, plan, m, progress, budget_s, seed))
     finally:
         with contextlib.suppress(Exception):
             server.stop()

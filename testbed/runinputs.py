@@ -18,7 +18,7 @@ from importlib import metadata
 
 import yaml
 
-from testbed import __version__, config
+from testbed import __version__, config, eventloop
 from testbed.records import RunDir
 from testbed.workload import generate
 
@@ -38,7 +38,7 @@ def git_revision():
 
 def versions():
     out = {"testbed": __version__, "python": platform.python_version()}
-    for pkg in ("torch", "grpcio", "pyroute2", "pandas", "numpy", "seaborn"):
+    for pkg in ("torch", "grpcio", "uvloop", "pyroute2", "pandas", "numpy", "seaborn"):
         with contextlib.suppress(metadata.PackageNotFoundError):
             out[pkg] = metadata.version(pkg)
     return out
@@ -58,8 +58,11 @@ def write_inputs(exp, dep, run_dir):
 
 def base_metadata(exp, dep, workload):
     """metadata.json's keys every run has (the backend adds what it measured)."""
-    return {"name": exp.name, "label": exp.label, "git_revision": git_revision(),
+    meta = {"name": exp.name, "label": exp.label, "git_revision": git_revision(),
             "kernel": platform.release(), "host": platform.node(),
             "versions": versions(), "argv": sys.argv, "start_time": time.time(),
             "scale": dep.scale.to_dict(), "requests": len(workload),
             "backend": exp.backend.kind}
+    if exp.backend.kind != "sim":       # the event loop its processes run (TESTBED_LOOP)
+        meta["event_loop"] = eventloop.kind()
+    return meta

@@ -16,9 +16,9 @@ the pool's counters; the simulator keeps the same book) and serves:
 At exit it writes `cache_<name>.json` (store statistics and byte counters) in the run directory.
 """
 
-import asyncio
 import json
 
+from testbed import eventloop
 from testbed.proto import testbed_pb2 as pb
 from testbed.proto import testbed_pb2_grpc as pbg
 from testbed.records import RunDir
@@ -86,4 +86,4 @@ async def main():
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    eventloop.run(main())

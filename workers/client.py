@@ -18,6 +18,7 @@ import time
 import grpc
 import pandas as pd
 
+from testbed import eventloop
 from testbed.records import RecordLog, RequestRecord, SentRecord
 from testbed.proto import testbed_pb2 as pb
 from testbed.proto import testbed_pb2_grpc as pbg
@@ -184,7 +185,7 @@ def main():
                    help="say ready, then read the Unix time of arrival 0 from this file")
     args = p.parse_args()
     common.die_with_orchestrator()
-    asyncio.run(run(args))
+    eventloop.run(run(args))
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import asyncio
 import collections
 import time
 
+from testbed import eventloop
 from testbed.proto import testbed_pb2 as pb
 from testbed.proto import testbed_pb2_grpc as pbg
 from workers import common, control, kvwire, status, stepclock, tokens, vllm_api, vllm_engine
@@ -197,6 +198,36 @@ class DecodeService(pbg.DecodeServicer):
 
     def reap(self):
         self.kv.reap_orphans()
+
+    def steady(self):
+        """No request of the batch was cancelled: it stays as it is until a step ends one."""
+        return not any(s.finished for s in self.batch)
+
+    def emit_run(self, run):
+        """The steps [(tokens, stamp, step_s)] of an unchanged batch (`PacedClock._run`): the
+        same as one `emit` each. Every step before the last only appends its stamp when
+        nothing else would happen at it (no token ids, no request's first or last token, no
+        flush due); otherwise each goes through `emit`."""
+        head, k = 0, len(run) - 1
+        if k and self._quiet(run, k):
+            stamps = [stamp for _, stamp, _ in run[:k]]
+            for _, _, step_s in run[:k]:
+                self.busy_s += step_s
+            for slot in self.batch:
+                slot.times.extend(stamps)
+            head = k
+        for tokens, stamp, step_s in run[head:]:
+            self.emit(tokens, stamp, step_s)
+
+    def _quiet(self, run, k):
+        """Nothing but a stamp happens at the first `k` steps of `run` (see `emit`)."""
+        last = run[k - 1][1]
+        if any(tokens for tokens, _, _ in run[:k]) or (
+                self.token_streams and last - self.last_flush >= self.flush_s):
+            return False
+        return all(s.times and len(s.times) + k < s.output_len and not s.finished and (
+            s.client in self.token_streams or last - self.slot_flush.get(s.rid, 0.0)
+            < self.flush_s) for s in self.batch)
 
     def emit(self, tokens, now, step_s):
         """One step's tokens, stamped `now` (Unix time): append, send what is due, and let
@@ -405,4 +436,4 @@ async def main():
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    eventloop.run(main())

@@ -16,6 +16,7 @@ import time
 
 import grpc
 
+from testbed import eventloop
 from testbed.proto import testbed_pb2 as pb
 from testbed.proto import testbed_pb2_grpc as pbg
 from workers import common, control, decode, prefill, status
@@ -99,4 +100,4 @@ async def main():
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    eventloop.run(main())

@@ -44,6 +44,7 @@ import time
 import grpc
 from aiohttp import web
 
+from testbed import eventloop
 from testbed.proto import testbed_pb2 as pb
 from testbed.proto import testbed_pb2_grpc as pbg
 from testbed.records import RecordLog, SentRecord
@@ -483,7 +484,7 @@ def main():
                    help="written (Unix time) when the first completion request arrives")
     args = p.parse_args()
     common.die_with_orchestrator()
-    asyncio.run(main_async(args))
+    eventloop.run(main_async(args))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ instance takes the next request as soon as compute ends, and the transfer finish
 import asyncio
 import time
 
+from testbed import eventloop
 from testbed.proto import testbed_pb2 as pb
 from testbed.proto import testbed_pb2_grpc as pbg
 from workers import common, control, kvwire, status, vllm_engine
@@ -217,4 +218,4 @@ async def main():
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    eventloop.run(main())

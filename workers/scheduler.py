@@ -22,6 +22,7 @@ import time
 
 import grpc
 
+from testbed import eventloop
 from testbed import profile as profiles
 from testbed.proto import testbed_pb2 as pb
 from testbed.proto import testbed_pb2_grpc as pbg
@@ -133,4 +134,4 @@ async def main():
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    eventloop.run(main())

@@ -36,6 +36,7 @@ by the hosts' `dc` label, the WAN shaped on each host's NIC by a shaping agent
 
 from typing import Protocol
 
+from testbed import eventloop
 from testbed.backend.mininet import MininetBackend
 from testbed.backend.raycluster import RayBackend
 from testbed.backend.rayplacement import preflight as ray_preflight
@@ -81,6 +82,8 @@ def open_backend(name, deployment, registry, events, spec=None, run_dir=None):
 
 def preflight(spec, deployment):
     """Check, before anything is made, that the backend can run `deployment` (ray: the extra
-    is installed, the cluster answers, the placement can be met); ConfigError otherwise."""
+    is installed, the cluster answers, the placement can be met) and that `TESTBED_LOOP`
+    names an event loop (testbed/eventloop.py); ConfigError otherwise."""
+    eventloop.kind()
     if spec.kind == "ray":
         ray_preflight(spec, deployment)

@@ -24,6 +24,7 @@ import os
 import socket
 import threading
 
+from testbed import eventloop
 from testbed.errors import NetworkError
 
 CLONE_NEWNET = 0x40000000
@@ -119,7 +120,7 @@ class Forward:
         return self
 
     def _run(self):
-        self._loop = asyncio.new_event_loop()
+        self._loop = eventloop.new_loop()
         try:
             self._loop.run_until_complete(self._serve())
         finally:

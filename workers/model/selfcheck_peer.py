@@ -24,6 +24,7 @@ import time
 import numpy as np
 import torch
 
+from testbed import eventloop
 from workers import kvwire
 from workers.model.config import HybridConfig
 from workers.model.hybrid import HybridModel, RequestState
@@ -162,10 +163,10 @@ def main(argv=None):
     a = p.parse_args(argv)
     torch.set_num_threads(1)   # two peers share the machine's cores
     if a.role == "decode":
-        asyncio.run(run_decode(a.dir, a.listen))
+        eventloop.run(run_decode(a.dir, a.listen))
     else:
         host, port = a.connect.rsplit(":", 1)
-        asyncio.run(run_prefill(a.dir, host, int(port)))
+        eventloop.run(run_prefill(a.dir, host, int(port)))
     return 0
 
 
