@@ -21,6 +21,9 @@ the last request is complete. Each trial is short (~0.1-0.3 s), so raw and worke
 alternate `--repeat` times; the table shows median goodputs and the median (and range) of the
 ratio of each worker trial to the raw trial just before it, which cancels slow load changes;
 the load average before and after is printed, because other work on the machine moves both.
+Beside each side's CPU (a share of a core over the trial), the receiver's CPU time per payload
+byte (ns/byte, median over trials) says what the path costs whatever the rate it reached: the
+receiver is what limits the worker path, so this is the number that travels between machines.
 Its numbers are not part of the test suite's pass/fail (its `--smoke` run is).
 """
 
@@ -159,7 +162,7 @@ def kv_runner(host, layers, requests, n_streams):
 
 
 def row(chunk, n_streams, total, raw, kv):
-    """One table row from alternated (wall, send CPU, receive CPU) trials."""
+    """One table row from alternated (wall, send CPU, receive CPU, receive CPU s) trials."""
     ratios = sorted(r[0] / k[0] for r, k in zip(raw, kv))   # t_raw / t_worker
 
     def med(trials, i):
@@ -170,7 +173,9 @@ def row(chunk, n_streams, total, raw, kv):
             "ratio": statistics.median(ratios),
             "ratio_min": ratios[0], "ratio_max": ratios[-1],
             "raw_cpu": (med(raw, 1), med(raw, 2)),
-            "worker_cpu": (med(kv, 1), med(kv, 2))}
+            "worker_cpu": (med(kv, 1), med(kv, 2)),
+            "raw_recv_ns_per_byte": 1e9 * med(raw, 3) / total,
+            "worker_recv_ns_per_byte": 1e9 * med(kv, 3) / total}
 
 
 async def sender(host, tokens, requests, chunks, streams, repeat):
@@ -191,7 +196,7 @@ async def sender(host, tokens, requests, chunks, streams, repeat):
         if done["failed"]:
             raise SystemExit(f"kv_transfer: {done['failed']} requests arrived incomplete")
         wall = done["t_done"] - t0
-        return wall, cpu / wall, done["cpu_s"] / wall
+        return wall, cpu / wall, done["cpu_s"] / wall, done["cpu_s"]
 
     rows = []
     for chunk in chunks:
@@ -243,17 +248,20 @@ def print_table(a, res, load_before):
           f"{a.repeat} alternated trials; {os.cpu_count()} cores; load average {load} before, "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} after")
     print("| chunk bytes | streams | MB per trial | raw socket Gbps | worker path Gbps | ratio "
-          "| ratio range | raw CPU send / recv | worker CPU send / recv |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| ratio range | raw CPU send / recv | worker CPU send / recv "
+          "| recv ns/byte raw / worker |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in res["rows"]:
         print(f"| {r['chunk_bytes']} | {r['streams']} | {r['bytes'] / 1e6:.1f} | "
               f"{r['raw_gbps']:.2f} | {r['worker_gbps']:.2f} | "
               f"{r['ratio']:.2f} | "
               f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f} | "
               f"{r['raw_cpu'][0]:.2f} / {r['raw_cpu'][1]:.2f} | "
-              f"{r['worker_cpu'][0]:.2f} / {r['worker_cpu'][1]:.2f} |")
+              f"{r['worker_cpu'][0]:.2f} / {r['worker_cpu'][1]:.2f} | "
+              f"{r['raw_recv_ns_per_byte']:.3f} / {r['worker_recv_ns_per_byte']:.3f} |")
     print("# CPU = process CPU time (user + system) / trial wall time, per side: 1.00 is one "
-          "core busy the whole trial")
+          "core busy the whole trial; recv ns/byte = the receiving process's CPU time per "
+          "payload byte (median over trials; 1 ns/byte = 1 CPU-second per GB)")
 
 
 def parse_args(argv=None):

@@ -116,3 +116,27 @@ def test_warm_waits_for_a_late_listener_and_reports_an_absent_one():
         pool.close()
         server.close()
     asyncio.run(main())
+
+
+def test_a_large_payload_sent_in_pieces_arrives_when_its_last_byte_does():
+    """The receiver holds wake-ups while a large payload is read (SO_RCVLOWAT): never past what
+    the frame still needs, so a payload sent in pieces with pauses between completes, and its
+    last byte's arrival time is after the last piece was sent."""
+    async def main():
+        port = _free_port()
+        server, frames, errors = await _receiver(port)
+        payload = os.urandom(3 << 20)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        wire = kvwire.header(5, 0, kvwire.FLAG_LAST, payload) + payload
+        cuts = [0, 100, 1 << 20, (3 << 20) - 10, len(wire)]
+        for a, b in zip(cuts, cuts[1:]):
+            writer.write(wire[a:b])
+            await writer.drain()
+            await asyncio.sleep(0.05)
+        await _until(lambda: frames)
+        writer.close()
+        server.close()
+        assert errors == []
+        assert frames[0][:4] == (5, 0, kvwire.FLAG_LAST, payload)
+        assert frames[0][5] - frames[0][4] >= 0.14     # it took the three pauses to arrive
+    asyncio.run(main())

@@ -120,18 +120,25 @@ class _Receiver(asyncio.BufferedProtocol):
     turn, not two per frame. Each read fills the rest of the current target (header or
     payload) and, past it, a small staging buffer: the frames that follow, when small (a
     layer header, a conv tail), are taken from there with no syscall of their own, and of a
-    large payload at most `STAGE_BYTES` are copied, the rest is read in place.
+    large payload at most `STAGE_BYTES` are copied, the rest is read in place. A short read
+    drained the socket: no further read (it would only say EAGAIN). While a large payload is
+    read, SO_RCVLOWAT holds wake-ups until more of it is queued (never past what it still
+    needs, so its last byte wakes it as before): loopback, 4 streams, 2031 -> 693 per 3 s.
     """
 
     READS_PER_WAKEUP = 64
     STAGE_BYTES = 8192
+    LOWAT_MIN = 32 << 10
+    LOWAT_MAX = 1 << 20
 
     def __init__(self, on_frame, on_error, payload_buffer):
         self.on_frame, self.on_error, self.payload_buffer = on_frame, on_error, payload_buffer
         self.head = memoryview(bytearray(HEADER.size))
         self.stage = memoryview(bytearray(self.STAGE_BYTES))
         self.transport = None
-        self.fd = None
+        self.fd = self.sock = None
+        self.asked = 0
+        self.lowat = 1
         self._expect_header()
 
     def _expect_header(self):
@@ -143,18 +150,35 @@ class _Receiver(asyncio.BufferedProtocol):
         if sock is not None:
             self.fd = sock.fileno()
             if sock.family in (socket.AF_INET, socket.AF_INET6):
+                self.sock = sock
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 keepalive(sock)
 
     def get_buffer(self, sizehint):
+        self.asked = len(self.buf) - self.pos
         return self.buf[self.pos:]
 
     def buffer_updated(self, nbytes):
         try:
+            drained = nbytes < self.asked      # the kernel had no more: no readv to find that
             self._advance(nbytes)
-            self._read_more()
-        except FrameError as e:
+            if not drained:
+                self._read_more()
+            self._wake_at()
+        except (FrameError, OSError) as e:
             self._fail(e)
+
+    def _wake_at(self):
+        """Ask the kernel not to wake this connection before the rest of a large payload (up
+        to LOWAT_MAX bytes) is queued (SO_RCVLOWAT): fewer, larger reads. Never more than the
+        current target still needs, so the frame's last byte wakes it as before."""
+        if self.sock is None or self.transport.is_closing():
+            return
+        need = len(self.buf) - self.pos if self.frame is not None else 1
+        want = min(need, self.LOWAT_MAX) if need >= self.LOWAT_MIN else 1
+        if want != self.lowat:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+            self.lowat = want
 
     def _read_more(self):
         if self.fd is None:
@@ -176,6 +200,8 @@ class _Receiver(asyncio.BufferedProtocol):
             self._advance(k)
             if n > k:
                 self._consume(self.stage[:n - k])
+            if n < len(rest) + self.STAGE_BYTES:
+                return                          # drained: the next readv would not block less
 
     def _advance(self, n):
         """`n` bytes were read into the rest of the current target."""

@@ -191,6 +191,17 @@ def read_record(frame, magic):
     return meta
 
 
+def _byte_view(t):
+    """A writable memoryview of the bytes of a fresh contiguous CPU tensor. The tensor is made
+    with its dtype and shape at once (not bytes viewed as it later): per tensor that is one
+    torch call instead of three, which showed at ~30 tensors per request."""
+    if not t.numel():
+        return memoryview(bytearray(0))
+    if t.dtype == torch.bfloat16:           # numpy has no bfloat16: the same bytes as int16
+        t = t.view(torch.int16)
+    return memoryview(t.numpy()).cast("B")
+
+
 class _Pending:
     """A layer being received: its header and the tensors filled so far."""
 
@@ -202,13 +213,15 @@ class _Pending:
         for d in meta["tensors"]:
             if d["dtype"] not in DTYPES:
                 raise StateWireError(f"{where}: tensor {d['name']!r} has unknown dtype {d['dtype']!r}")
+            if not all(isinstance(n, int) and n >= 0 for n in d["shape"]):
+                raise StateWireError(f"{where}: tensor {d['name']!r} has shape {d['shape']}")
             want = math.prod(d["shape"]) * ITEMSIZE[d["dtype"]]
             if want != d["nbytes"] or d["chunks"] != math.ceil(d["nbytes"] / self.chunk):
                 raise StateWireError(f"{where}: tensor {d['name']!r} header inconsistent "
                                      f"(shape {d['shape']} {d['dtype']} = {want} bytes, "
                                      f"header says {d['nbytes']} in {d['chunks']} chunks)")
-            self.bufs.append(torch.empty(d["nbytes"], dtype=torch.uint8))
-            self.views.append(memoryview(self.bufs[-1].numpy()))
+            self.bufs.append(torch.empty(d["shape"], dtype=DTYPES[d["dtype"]]))
+            self.views.append(_byte_view(self.bufs[-1]))
         self.t = 0          # tensor being filled
         self.off = 0        # bytes of it filled
         self.crc = 0        # crc32 of those bytes
@@ -257,10 +270,7 @@ class _Pending:
             self._skip_empty()
 
     def tensors(self):
-        out = {}
-        for d, buf in zip(self.meta["tensors"], self.bufs):
-            out[d["name"]] = buf.view(DTYPES[d["dtype"]]).view(d["shape"])
-        return out
+        return {d["name"]: buf for d, buf in zip(self.meta["tensors"], self.bufs)}
 
 
 class LayerAssembler:
