@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from testbed import lifecycle  # noqa: E402
+from testbed import eventloop, lifecycle  # noqa: E402
 from testbed.net.ns import ns_popen, ns_run  # noqa: E402
 from testbed.net.pair import veth_pair  # noqa: E402
 from workers import kvwire  # noqa: E402
@@ -285,9 +285,9 @@ def parse_args(argv=None):
 def main(argv=None):
     a = parse_args(argv)
     if a.role == "recv":
-        return asyncio.run(receiver(a.host))
+        return eventloop.run(receiver(a.host))
     if a.role == "send":
-        return asyncio.run(sender(a.host, a.tokens, a.requests, a.chunks, a.streams, a.repeat))
+        return eventloop.run(sender(a.host, a.tokens, a.requests, a.chunks, a.streams, a.repeat))
     if os.geteuid() != 0:
         sys.exit("kv_transfer: needs root (two network namespaces and a veth)")
     lifecycle.sigterm_unwinds()   # so `finally` tears the namespaces down on SIGTERM too
