@@ -95,14 +95,16 @@ async def start_grpc(inst, add_servicer, service):
     return server
 
 
-def grpc_options(scale_time=1.0):
+def grpc_options(scale=None):
     """Many concurrent streams on one channel; no message-size surprises for token chunks.
     Reconnect quickly after an outage (gRPC's default backoff grows to 120 s, which would
     stretch a 10 s link cut into minutes of an instance looking down): 100 ms growing to 1 s,
-    real-world. Those are the emulated system's timers, so a channel of a run at `scale_time`
-    waits 1/scale_time of them, as the health checks do (a restarted worker listening again is
-    then reached within 1 s real-world, not within scale_time seconds)."""
-    backoff = lambda ms: max(1, round(ms / scale_time))     # noqa: E731
+    real-world. Those are the emulated system's timers, so a channel of a run at `scale`
+    (a testbed.scale.Scale; None: real speed) waits them on the emulated clock, as the health
+    checks do (a restarted worker listening again is then reached within 1 s real-world, not
+    within scale.time seconds)."""
+    def backoff(ms):
+        return max(1, round((scale.emulated_s(ms / 1e3) if scale else ms / 1e3) * 1e3))
     return [("grpc.max_concurrent_streams", 10000),
             ("grpc.max_receive_message_length", 64 << 20),
             ("grpc.max_send_message_length", 64 << 20),

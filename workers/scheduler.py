@@ -41,7 +41,7 @@ class SchedulerService(pbg.SchedulerServicer):
         prof = profiles.load(rt.profile)
         self.router = Router.of_runtime(rt, prof)
         instances = self.router.remote + self.router.local + self.router.decode
-        opts = common.grpc_options(scale.time)
+        opts = common.grpc_options(scale)
         self.channels = {i.name: grpc.aio.insecure_channel(i.addr, options=opts) for i in instances}
         self.prefill_stub = {i.name: pbg.PrefillStub(self.channels[i.name])
                              for i in instances if i.role == "prefill"}

@@ -22,6 +22,7 @@ deployment. Both are plain classes here (unit-testable without Ray); the backend
   without stopping (killed, its driver gone). `testbed clean` undoes what is left.
 """
 
+import asyncio
 import concurrent.futures
 import contextlib
 import os
@@ -245,6 +246,10 @@ class ShapingAgent:
         # pyroute2's sync objects belong to the thread that made them; Ray may run an actor's
         # calls on different threads, so every call runs on this one
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="agent")
+        # Ray installs uvloop's policy in its workers when uvloop is importable; pyroute2 opens
+        # its netlink socket as an asyncio datagram endpoint, which uvloop refuses (AF_NETLINK:
+        # "cannot open a UDP handle, invalid family 16"), so this process uses asyncio's loop
+        asyncio.set_event_loop_policy(asyncio.DefaultEventLoopPolicy())
 
     def _on_thread(self, fn, *args):
         return self._thread.submit(fn, *args).result()
