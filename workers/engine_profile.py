@@ -40,6 +40,7 @@ class ProfilePrefillEngine(PrefillEngine):
         self.chunks = max(1, int(self.profile.stream_chunks))
         self.clock_factor = 1.0    # > 1: a slowed instance (the `slow` fault, workers/control.py)
         self.free_at = 0.0         # scheduled end of the last compute (monotonic)
+        _payload(1)                # draw the payload buffer in start-up, not on a request's clock
 
     def compute_s(self, input_len, cached=0):
         """T_prefill(L | P cached) / scale.time (`Profile.t_prefill_cached`, docs/cache.md)."""
