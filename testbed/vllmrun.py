@@ -25,8 +25,10 @@ WHY = {"NixlConnector": "vLLM's NixlConnector runs over UCX's TCP transport on C
                         "tcp,self), pulled by the decode instance from the prefill instance's "
                         "IP, so the KV crosses the shaped WAN; on GPU hosts the same connector "
                         "uses RDMA where UCX finds it; the testbed's subclass (workers/vllm_plugin/"
-                        "tb_nixl.py) only paces NIXL's progress thread "
-                        "(nixl_progress_delay_us)"}
+                        "tb_nixl.py) paces NIXL's progress thread "
+                        "(nixl_progress_delay_us) and puts the thread that runs the forward "
+                        "pass back on the instance's CPUs (vLLM's NixlConnector pins it to the "
+                        "last core of each NUMA node on CPU)"}
 
 
 def ensure_model(rt):
