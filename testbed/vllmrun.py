@@ -26,9 +26,19 @@ WHY = {"NixlConnector": "vLLM's NixlConnector runs over UCX's TCP transport on C
                         "IP, so the KV crosses the shaped WAN; on GPU hosts the same connector "
                         "uses RDMA where UCX finds it; the testbed's subclass (workers/vllm_plugin/"
                         "tb_nixl.py) paces NIXL's progress thread "
-                        "(nixl_progress_delay_us) and puts the thread that runs the forward "
-                        "pass back on the instance's CPUs (vLLM's NixlConnector pins it to the "
-                        "last core of each NUMA node on CPU)"}
+                        "and keeps the instance on its CPUs (`changes`)"}
+# What the testbed changes in each vLLM server, and why (metadata.json `vllm.changes`)
+CHANGES = {
+    "nixl_progress_delay_us": "NIXL's UCX progress thread sleeps this long between polls "
+                              "(workers/vllm_plugin/tb_nixl.py; NIXL's own: 0, a core per "
+                              "idle instance)",
+    "forward_pass_cpus": "the worker thread that runs the forward pass is put back on the "
+                         "instance's CPUs after NixlConnector's construction, which pins it to "
+                         "the last core of each NUMA node on CPU (tb_nixl.py)",
+    "shm_busy_loop_s": "EngineCore's and the worker's shared-memory queue readers spin at most "
+                       "this long before they block (workers/vllm_plugin/tb_shm.py, a vLLM "
+                       "general plugin; vLLM's own: 1 s, spinning on the CPUs another instance "
+                       "computes on)"}
 
 
 def ensure_model(rt):
@@ -98,5 +108,6 @@ def metadata(rd, rt):
                                             "warm_failed")} for name, r in _records(rd).items()}
     return {"connector": rt.vllm.connector, "why": WHY[rt.vllm.connector],
             "nixl_progress_delay_us": rt.vllm.nixl_progress_delay_us,
+            "shm_busy_loop_s": rt.vllm.shm_busy_loop_s, "changes": CHANGES,
             "model_dir": rt.vllm.model_dir, "dtype": rt.vllm.dtype, "servers": servers,
             "connector_bytes": sum(s["connector_bytes"] or 0 for s in servers.values())}

@@ -55,7 +55,7 @@ def test_server_command_line_and_environment():
     e = vs.env(_spec(kv_cache_space_gib=2, cpus="1"),
                base={"PYTHONPATH": "/repo", "OMP_NUM_THREADS": "1", "PATH": "/bin"})
     assert e["PYTHONPATH"] == vs.PLUGIN_DIR and "OMP_NUM_THREADS" not in e
-    assert e["TESTBED_NIXL_PROGRESS_DELAY_US"] == "1000"
+    assert e["TESTBED_NIXL_PROGRESS_DELAY_US"] == "1000" and e["TESTBED_SHM_BUSY_LOOP_S"] == "0"
     assert e["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "10.1.0.5"   # the pull crosses the WAN to it
     assert e["VLLM_CPU_KVCACHE_SPACE"] == "2" and e["VLLM_CPU_OMP_THREADS_BIND"] == "1"
     assert e["UCX_TLS"] == "tcp,self" and e["HF_HUB_OFFLINE"] == "1"

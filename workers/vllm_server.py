@@ -60,6 +60,7 @@ class ServerSpec:
     seed: int = 0
     kv_dump_dir: str | None = None  # verification: KVDumpNixlConnector dumps the KV blocks
     nixl_progress_delay_us: int = 1000  # 0: NIXL's own progress thread, polling without pause
+    shm_busy_loop_s: float = 0.0    # spin of EngineCore's and the worker's queue readers; 1: vLLM's
 
     @property
     def url(self):
@@ -118,8 +119,9 @@ def env(spec, base=None):
               # connectors it knows by name, not for the testbed's subclasses
               "VLLM_SSM_CONV_STATE_LAYOUT": "DS",
               "VLLM_LOGGING_LEVEL": e.get("VLLM_LOGGING_LEVEL", "INFO")})
-    # the testbed's connector module and its settings
-    e.update(PYTHONPATH=PLUGIN_DIR, TESTBED_NIXL_PROGRESS_DELAY_US=str(spec.nixl_progress_delay_us))
+    # the testbed's connector module, its general plugin (tb_shm.py) and their settings
+    e.update(PYTHONPATH=PLUGIN_DIR, TESTBED_NIXL_PROGRESS_DELAY_US=str(spec.nixl_progress_delay_us),
+             TESTBED_SHM_BUSY_LOOP_S=f"{spec.shm_busy_loop_s:g}")
     if spec.kv_dump_dir:
         e["TESTBED_KV_DUMP_DIR"] = spec.kv_dump_dir
     return e
