@@ -36,9 +36,9 @@ CHANGES = {
                          "instance's CPUs after NixlConnector's construction, which pins it to "
                          "the last core of each NUMA node on CPU (tb_nixl.py)",
     "shm_busy_loop_s": "EngineCore's and the worker's shared-memory queue readers spin at most "
-                       "this long before they block (workers/vllm_plugin/tb_shm.py, a vLLM "
-                       "general plugin; vLLM's own: 1 s, spinning on the CPUs another instance "
-                       "computes on)"}
+                       "this long, then wait for the queue's notification 1-10 ms at a time "
+                       "(workers/vllm_plugin/tb_shm.py, a vLLM general plugin; vLLM's own: "
+                       "spin 1 s, on the CPUs another instance computes on, then block)"}
 
 
 def ensure_model(rt):

@@ -14,7 +14,7 @@ a kv_consumer decode instance, NixlConnector over UCX TCP), started once for the
 - Each instance computes on the CPU it was bound to (the testbed's NixlConnector undoes
   NixlConnector's pinning of the forward pass to the last core), and between requests its
   EngineCore and worker take next to no CPU (the testbed's vLLM plugin: the shared-memory
-  queue readers block instead of spinning for 1 s after every step).
+  queue readers sleep instead of spinning for 1 s after every step).
 - The launcher's stop leaves none of the server's processes (EngineCore, workers) behind.
 
 Skipped without the vLLM venv (`make vllm`; `make test` installs it).
@@ -233,7 +233,7 @@ def test_each_instance_computes_on_its_own_cpu(pair):
 
 
 def test_an_instance_between_requests_takes_next_to_no_cpu(pair):
-    """After a request, EngineCore and its worker block on their queues: with vLLM's own
+    """After a request, EngineCore and its worker sleep on their queues: with vLLM's own
     readers the worker spins for 1 s after every step (measured: 0.94-0.97 of a core in the
     half second after a prefill)."""
     pfx, _, model, _, servers = pair
