@@ -460,7 +460,7 @@ def _vllm(exp):
         pathlib.Path(path).expanduser().resolve()), dtype=v.dtype, max_model_len=v.max_model_len,
         max_num_seqs=v.max_num_seqs, kv_cache_space_gib=v.kv_cache_space_gib, cpus=v.cpus,
         connector=v.connector, nixl_progress_delay_us=v.nixl_progress_delay_us,
-        start_timeout_s=v.start_timeout)
+        shm_busy_loop_s=v.shm_busy_loop_s, start_timeout_s=v.start_timeout)
 
 
 def _runtime(exp, prof, scale, instances):

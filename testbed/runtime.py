@@ -146,6 +146,7 @@ class VllmRuntime:
     cpus: str = "auto"
     connector: str = "NixlConnector"
     nixl_progress_delay_us: int = 1000
+    shm_busy_loop_s: float = 0.0
     start_timeout_s: float = 600.0
     http_port: int = 8100           # on the instance's own IP
     side_port: int = 5600           # the connector's side channel (NIXL handshake)

@@ -25,8 +25,20 @@ WHY = {"NixlConnector": "vLLM's NixlConnector runs over UCX's TCP transport on C
                         "tcp,self), pulled by the decode instance from the prefill instance's "
                         "IP, so the KV crosses the shaped WAN; on GPU hosts the same connector "
                         "uses RDMA where UCX finds it; the testbed's subclass (workers/vllm_plugin/"
-                        "tb_nixl.py) only paces NIXL's progress thread "
-                        "(nixl_progress_delay_us)"}
+                        "tb_nixl.py) paces NIXL's progress thread "
+                        "and keeps the instance on its CPUs (`changes`)"}
+# What the testbed changes in each vLLM server, and why (metadata.json `vllm.changes`)
+CHANGES = {
+    "nixl_progress_delay_us": "NIXL's UCX progress thread sleeps this long between polls "
+                              "(workers/vllm_plugin/tb_nixl.py; NIXL's own: 0, a core per "
+                              "idle instance)",
+    "forward_pass_cpus": "the worker thread that runs the forward pass is put back on the "
+                         "instance's CPUs after NixlConnector's construction, which pins it to "
+                         "the last core of each NUMA node on CPU (tb_nixl.py)",
+    "shm_busy_loop_s": "EngineCore's and the worker's shared-memory queue readers spin at most "
+                       "this long, then wait for the queue's notification 1-10 ms at a time "
+                       "(workers/vllm_plugin/tb_shm.py, a vLLM general plugin; vLLM's own: "
+                       "spin 1 s, on the CPUs another instance computes on, then block)"}
 
 
 def ensure_model(rt):
@@ -96,5 +108,6 @@ def metadata(rd, rt):
                                             "warm_failed")} for name, r in _records(rd).items()}
     return {"connector": rt.vllm.connector, "why": WHY[rt.vllm.connector],
             "nixl_progress_delay_us": rt.vllm.nixl_progress_delay_us,
+            "shm_busy_loop_s": rt.vllm.shm_busy_loop_s, "changes": CHANGES,
             "model_dir": rt.vllm.model_dir, "dtype": rt.vllm.dtype, "servers": servers,
             "connector_bytes": sum(s["connector_bytes"] or 0 for s in servers.values())}

@@ -37,6 +37,12 @@ class VllmSpec:
         "pause of NIXL's UCX progress thread between polls, us (the testbed's NixlConnector, "
         "workers/vllm_plugin/tb_nixl.py); 0: NIXL's own, which polls without pause and holds "
         "a core per idle instance")
+    shm_busy_loop_s: float = spec(
+        at_most(units.duration_s, 60, "60s"), 0.0,
+        "how long vLLM's shared-memory queue readers (EngineCore and its worker, every step) "
+        "spin after a message before they sleep between looks (the testbed's vLLM plugin, "
+        "workers/vllm_plugin/tb_shm.py); 1s: vLLM's own, which spins on a core another "
+        "instance computes on")
     start_timeout: float = spec(at_most(positive(units.duration_s), 3600, "1h"), 600.0,
                                 "bound on every server's start-up (load, compile, /health) "
                                 "plus the KV-connector handshakes warmed before the workload")

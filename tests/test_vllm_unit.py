@@ -48,21 +48,19 @@ def _spec(**kw):
 def test_server_command_line_and_environment():
     a = vs.argv(_spec(role="decode", dtype="bfloat16", nixl_progress_delay_us=0))
     cfg = json.loads(a[a.index("--kv-transfer-config") + 1])
-    assert cfg == {"kv_connector": "NixlConnector", "kv_role": "kv_consumer",
-                   "kv_buffer_device": "cpu"}
+    # the testbed's NixlConnector also unpaced: it keeps the forward pass on its CPUs
+    assert cfg == {"kv_connector": "TestbedNixlConnector", "kv_connector_module_path": "tb_nixl",
+                   "kv_role": "kv_consumer", "kv_buffer_device": "cpu"}
     assert a[a.index("--dtype") + 1] == "bfloat16" and "--enforce-eager" in a
-    a = vs.argv(_spec(role="decode"))      # by default the progress thread is paced
-    cfg = json.loads(a[a.index("--kv-transfer-config") + 1])
-    assert (cfg["kv_connector"], cfg["kv_connector_module_path"]) == vs.PACED
     e = vs.env(_spec(kv_cache_space_gib=2, cpus="1"),
                base={"PYTHONPATH": "/repo", "OMP_NUM_THREADS": "1", "PATH": "/bin"})
     assert e["PYTHONPATH"] == vs.PLUGIN_DIR and "OMP_NUM_THREADS" not in e
-    assert e["TESTBED_NIXL_PROGRESS_DELAY_US"] == "1000"
+    assert e["TESTBED_NIXL_PROGRESS_DELAY_US"] == "1000" and e["TESTBED_SHM_BUSY_LOOP_S"] == "0"
     assert e["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "10.1.0.5"   # the pull crosses the WAN to it
     assert e["VLLM_CPU_KVCACHE_SPACE"] == "2" and e["VLLM_CPU_OMP_THREADS_BIND"] == "1"
     assert e["UCX_TLS"] == "tcp,self" and e["HF_HUB_OFFLINE"] == "1"
     e = vs.env(_spec(nixl_progress_delay_us=0), base={"PYTHONPATH": "/repo"})
-    assert "PYTHONPATH" not in e and "TESTBED_NIXL_PROGRESS_DELAY_US" not in e
+    assert e["PYTHONPATH"] == vs.PLUGIN_DIR and e["TESTBED_NIXL_PROGRESS_DELAY_US"] == "0"
 
 
 def test_the_dumping_connector_is_nixl_plus_its_module_on_the_servers_path(tmp_path):

@@ -60,7 +60,8 @@ def spec_for(rt, inst, role):
                          max_model_len=v.max_model_len, max_num_seqs=v.max_num_seqs,
                          kv_cache_space_gib=v.kv_cache_space_gib, cpus=cpus_for(rt, inst.name),
                          connector=v.connector, seed=rt.seed,
-                         nixl_progress_delay_us=v.nixl_progress_delay_us)
+                         nixl_progress_delay_us=v.nixl_progress_delay_us,
+                         shm_busy_loop_s=v.shm_busy_loop_s)
 
 
 def vocab_size(model_dir):

@@ -60,6 +60,7 @@ class ServerSpec:
     seed: int = 0
     kv_dump_dir: str | None = None  # verification: KVDumpNixlConnector dumps the KV blocks
     nixl_progress_delay_us: int = 1000  # 0: NIXL's own progress thread, polling without pause
+    shm_busy_loop_s: float = 0.0    # spin of EngineCore's and the worker's queue readers; 1: vLLM's
 
     @property
     def url(self):
@@ -67,28 +68,27 @@ class ServerSpec:
 
 
 PLUGIN_DIR = str(pathlib.Path(__file__).resolve().parent / "vllm_plugin")
-# NixlConnector subclasses of the testbed's (workers/vllm_plugin/): the progress thread paced,
-# and, for verification, the KV blocks dumped on both ends: (class, module)
-PACED = ("TestbedNixlConnector", "tb_nixl")
+# NixlConnector subclasses of the testbed's (workers/vllm_plugin/): the progress thread paced
+# and the instance kept on its CPUs, and, for verification, the KV blocks dumped on both ends:
+# (class, module)
+TESTBED = ("TestbedNixlConnector", "tb_nixl")
 DUMP = ("KVDumpNixlConnector", "tb_kvdump")
 
 
 def plugin(spec):
-    """(class, module) of the testbed's connector this server loads, or None (vLLM's own)."""
-    if spec.kv_dump_dir:
-        return DUMP
-    return PACED if spec.nixl_progress_delay_us > 0 else None
+    """(class, module) of the testbed's connector this server loads. Always one of the
+    testbed's: vLLM's own NixlConnector moves the forward pass off the instance's CPUs
+    (workers/vllm_plugin/tb_nixl.py)."""
+    return DUMP if spec.kv_dump_dir else TESTBED
 
 
 def kv_transfer_config(spec):
     conf = {"kv_connector": spec.connector, "kv_role": ROLES[spec.role],
             "kv_buffer_device": "cpu"}
+    if spec.connector != "NixlConnector":
+        raise ValueError(f"the testbed's connectors extend NixlConnector, not {spec.connector}")
     ours = plugin(spec)
-    if ours is not None:
-        if spec.connector != "NixlConnector":
-            raise ValueError(f"the testbed's connectors extend NixlConnector, not "
-                             f"{spec.connector}")
-        conf.update(kv_connector=ours[0], kv_connector_module_path=ours[1])
+    conf.update(kv_connector=ours[0], kv_connector_module_path=ours[1])
     return conf
 
 
@@ -119,9 +119,9 @@ def env(spec, base=None):
               # connectors it knows by name, not for the testbed's subclasses
               "VLLM_SSM_CONV_STATE_LAYOUT": "DS",
               "VLLM_LOGGING_LEVEL": e.get("VLLM_LOGGING_LEVEL", "INFO")})
-    if plugin(spec) is not None:    # the testbed's connector module and its settings
-        e.update(PYTHONPATH=PLUGIN_DIR,
-                 TESTBED_NIXL_PROGRESS_DELAY_US=str(spec.nixl_progress_delay_us))
+    # the testbed's connector module, its general plugin (tb_shm.py) and their settings
+    e.update(PYTHONPATH=PLUGIN_DIR, TESTBED_NIXL_PROGRESS_DELAY_US=str(spec.nixl_progress_delay_us),
+             TESTBED_SHM_BUSY_LOOP_S=f"{spec.shm_busy_loop_s:g}")
     if spec.kv_dump_dir:
         e["TESTBED_KV_DUMP_DIR"] = spec.kv_dump_dir
     return e

@@ -1,4 +1,4 @@
-"""TestbedNixlConnector: vLLM's NixlConnector whose NIXL progress thread sleeps between polls.
+"""TestbedNixlConnector: vLLM's NixlConnector, its progress thread paced, its CPU binding kept.
 
 Loaded inside a vLLM server (`kv_connector_module_path: tb_nixl`, this folder on the server's
 PYTHONPATH: `workers.vllm_server` sets both), so it imports vLLM and nothing of the testbed.
@@ -13,6 +13,17 @@ sets `model.vllm.nixl_progress_delay_us`, 1000 by default), each agent this proc
 gets that delay instead: idle CPU fell to 0.04 of a core per instance, and a 12.6 MB pull on
 loopback took 82-108 ms against 69-392 ms without it (docs/vllm.md). The transfer protocol,
 the handshake and the bytes are NixlConnector's, unchanged: this class is that class.
+
+It also keeps the instance on the CPUs it was bound to. On CPU, NixlConnector's worker side
+pins the thread that constructs it to the last core of each NUMA node
+(`os.sched_setaffinity(0, ...)` in nixl/base_worker.py, meant to leave the other cores to the
+forward pass). That thread is the worker's main thread, which is also the thread that runs
+the forward pass (OpenMP's initial thread, bound to the first of VLLM_CPU_OMP_THREADS_BIND's
+CPUs at start-up). So every instance computed on the last core whatever its binding: with two
+instances on 2 cores bound to CPUs 0 and 1 (`model.vllm.cpus: auto`), both computed on CPU 1
+and CPU 0 held only their EngineCores, and a prefill beside a decode took up to 12x its
+calibrated time (docs/vllm.md). The worker side here restores the thread's CPUs as they were
+before NixlConnector's construction; threads NIXL started meanwhile keep theirs.
 """
 
 from __future__ import annotations
@@ -50,4 +61,11 @@ if progress_delay_us() > 0:
 
 
 class TestbedNixlConnector(NixlConnector):
-    """NixlConnector (pull mode), its agents' progress thread paced (see the module)."""
+    """NixlConnector (pull mode), its agents' progress thread paced and the constructing
+    thread left on its own CPUs (see the module)."""
+
+    def __init__(self, *args, **kwargs):
+        cpus = os.sched_getaffinity(0)
+        super().__init__(*args, **kwargs)
+        if os.sched_getaffinity(0) != cpus:
+            os.sched_setaffinity(0, cpus)
