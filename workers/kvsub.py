@@ -107,11 +107,11 @@ class Subscriber:
         pub.seq.next = seq
 
 
-def run(pubs, sub, poller, zmq):
+def run(pubs, sub, poller):
     by_sock = {p.sub: p for p in pubs}
     while True:
         for sock, _ in poller.poll(POLL_MS):
-            topic, seqb, payload = sock.recv_multipart()
+            _topic, seqb, payload = sock.recv_multipart()
             sub.deliver(by_sock[sock], seq_of(seqb), payload)
 
 
@@ -131,7 +131,7 @@ def main(argv=None):
     sub = Subscriber(sys.stdout.buffer)
     sub.emit({"kind": "up", "instances": [pub.name for pub in pubs]})
     try:
-        run(pubs, sub, poller, zmq)
+        run(pubs, sub, poller)
     except (KeyboardInterrupt, BrokenPipeError):
         return 0
 
