@@ -1,11 +1,14 @@
-"""vLLM's KV events without vLLM: the batch decoder, the sequence handling, the view.
+"""vLLM's KV events without vLLM: the batch decoder, the sequence handling, the view, the
+placement it feeds and its replay.
 
 Batches are recorded ones (tests/data/kv_events/: payloads a vLLM 0.32 CPU server published,
-captured by tests/test_vllm.py's subscriber with TESTBED_KV_EVENTS_RECORD=DIR) and constructed ones (`_pack`, a msgpack writer
-of the few types vLLM's msgspec encoder uses for a `KVEventBatch`).
+captured by tests/test_vllm.py's subscriber with TESTBED_KV_EVENTS_RECORD=DIR) and constructed
+ones (`_pack`, a msgpack writer of the few types vLLM's msgspec encoder uses for a
+`KVEventBatch`).
 """
 
 import asyncio
+import dataclasses
 import json
 import pathlib
 import struct
@@ -13,8 +16,12 @@ import sys
 
 import pytest
 
+from testbed.proto import testbed_pb2 as pb
+from testbed.sim import replay
 from workers import kvevents as ke
+from workers import policy
 from workers.kvfeed import KvEventFeed
+from workers.kvplace import KvPlacer
 from workers.kvsub import Subscriber
 from workers.kvview import CacheView, prompt_keys
 
@@ -256,3 +263,28 @@ def test_the_feed_reads_framed_records_from_its_subscriber(tmp_path):
     assert asyncio.run(go())
     assert json.loads((tmp_path / "kv_events.json").read_text())["batches"] == 1
     assert (tmp_path / "rows.csv").read_text().count("\n") == 2
+
+
+def test_a_placement_by_the_view_is_recorded_and_replays(tmp_path):
+    """KvPlacer on a view fed by constructed batches: the request goes where its prefix is
+    (though that instance is busier), its decision line carries the hits, and the replay
+    (testbed/sim/replay.py) decides the same from the line alone."""
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 4096}))
+    insts = [policy.Instance(name=n, role="prefill", dc="local", accelerator="cpu", addr="")
+             for n in ("p0", "p1")] + [
+        policy.Instance(name="d0", role="decode", dc="local", accelerator="cpu", addr="")]
+    insts[0].outstanding_s = 0.005     # 5 ms queued, against 8 ms the 8-token hit saves
+    router = policy.Router("prfaas", 4096, insts, lambda i, n: n * 1e-3)
+    lines, view = [], CacheView(["p0", "p1"])
+    placer = KvPlacer(router, view, 5, str(tmp_path), 4, lines.append)
+    req = pb.Request(id=1, input_len=40, prefix_blocks=[7, 8])
+    ids = placer.prompt(req)
+    view.apply("p0", ke.decode_batch(batch(stored([1, 2], None, ids[:8], 4))))
+    kind, p, _, route = placer.place(req, 1.0)
+    assert (p.name, req.cached_len) == ("p0", 8)
+    assert route == {"cached_len": 8, "cache_source": "local"}
+    (rec,) = lines
+    assert rec.cache["hits"] == {"p0": 8} and rec.cache["prefix_blocks"] == 2
+    fresh = policy.Router("prfaas", 4096, [dataclasses.replace(i, outstanding_s=0.0)
+                                           for i in insts], lambda i, n: n * 1e-3)
+    assert replay.decide(fresh, rec) == replay.outcome(rec) == ("prfaas", "local", "p0", "d0", "")

@@ -26,6 +26,15 @@ from workers.kvview import prefix_blocks
 from workers.vllm_engine import prompt_ids, vocab_size
 
 
+def choose(router, hits, input_len, uncached):
+    """(kind, prefill, decode): the cluster by `router`'s rule on `uncached`, then the least
+    queued work + T(input_len - hit) there; LookupError if nothing is up. The replay
+    (testbed/sim/replay.py) calls it on a recorded decision's hits."""
+    def cost(p):
+        return p.outstanding_s + router.predict_s(p, max(input_len - hits.get(p.name, 0), 1))
+    return router.route_to(router.wants_remote(uncached), uncached, cost)
+
+
 class KvPlacer:
     """Place requests by a `CacheView` (the instances' own KV events)."""
 
@@ -46,13 +55,10 @@ class KvPlacer:
         h_local = max((hits[p.name] for p in r.local if not p.down), default=0)
         uncached = L - h_local
         rec = r.book(req.id, now, uncached)
-        rec.cache = {"source": SOURCE, "block_size": self.view.block_size(),
+        rec.cache = {"source": SOURCE, "block_size": self.view.block_size(), "input_len": L,
                      "hits": {n: h for n, h in hits.items() if h}}
-
-        def cost(p):
-            return p.outstanding_s + r.predict_s(p, max(L - hits[p.name], 1))
         try:
-            kind, p, d = r.route_to(r.wants_remote(uncached), uncached, cost)
+            kind, p, d = choose(r, hits, L, uncached)
         except LookupError as e:
             rec.error = str(e)
             self.write(rec)
