@@ -55,7 +55,7 @@ class InstanceCounts:
     removed: int = 0                # blocks announced removed that the view held
     cleared: int = 0                # AllBlocksCleared
     orphans: int = 0                # stored blocks whose parent the view did not know
-    resyncs: int = 0                # the view of this instance dropped after lost events
+    resyncs: int = 0                # its view dropped: lost events, or a restarted server
 
 
 class InstanceView:
