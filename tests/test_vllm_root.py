@@ -19,6 +19,7 @@ import subprocess
 import pandas as pd
 import pytest
 
+from conftest import assert_decisions_replay
 from test_run_root import ROOT, leftovers, tb_cmd
 from testbed import vllmenv
 
@@ -79,7 +80,8 @@ def test_the_prefill_instances_kv_events_feed_the_scheduler_view(run):
     """rp0 publishes in the PrfaaS host; the scheduler's subscriber, in the local DC, gets every
     batch across the WAN router. The view then holds each prompt's whole blocks (128 tokens)
     as rp0 reported them: no prompt shares a block with another here, nothing was evicted
-    (1 GiB of KV cache), and the warm-up's 32-token prompt fills no block."""
+    (1 GiB of KV cache), and the warm-up's 32-token prompt fills no block. Each decision's
+    line carries the hits it read and replays from them."""
     meta = json.loads((run / "metadata.json").read_text())
     view = meta["cache_view"]
     df = pd.read_parquet(run / "requests.parquet")
@@ -92,5 +94,7 @@ def test_the_prefill_instances_kv_events_feed_the_scheduler_view(run):
     live = rows[rows.replayed == 0]
     delay = live.applied - live.ts
     assert (rows.inst == "rp0").sum() >= 8 and 0 <= delay.median() < 1.0, rows
+    recs = assert_decisions_replay(run)
+    assert all(r.cache["source"] == "vllm_kv_events" and "input_len" in r.cache for r in recs)
     print(f"KV events: {len(rows)} batches, {rows.bytes.sum()} B, publish->view p50 "
           f"{delay.median() * 1e3:.1f} ms, max {delay.max() * 1e3:.1f} ms")
