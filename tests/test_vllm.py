@@ -258,6 +258,7 @@ async def _kv_events(pfx, dec, model, model_dir, port, replay, tmp):
     async with aiohttp.ClientSession() as session:   # a batch before the subscriber joins
         await _served(session, pfx, dec, model, placer.prompt(_req(0, 200, [401])))
     await feed.start()
+    got["up"] = await feed.wait_up(60)      # connected, and caught up by a replay
     _record(feed, placer.prompt(_req(4, 300, [701])))
     try:
         async with aiohttp.ClientSession() as session:
@@ -306,7 +307,8 @@ def test_kv_events_feed_the_view_that_places_requests(pair, tmp_path):
     then holds the prompt's whole blocks by token ids; the view's hit for a second request is
     what vLLM's own `cached_tokens` reports for it, and placement sends it to the instance
     that holds it though that instance is busier; after a reset the view drops them. The
-    subscriber joined after the module's other tests: their batches came by replay."""
+    subscriber joined after the module's other tests: it caught up with their batches by a
+    replay before it reported up."""
     pfx, dec, model, shape, servers = pair
     spec = servers[0].spec
     got, summary = asyncio.run(_kv_events(pfx, dec, model, spec.model_dir, spec.kv_events_port,
@@ -314,14 +316,15 @@ def test_kv_events_feed_the_view_that_places_requests(pair, tmp_path):
     print("kv events:", got, json.dumps({k: summary[k] for k in (
         "batches", "events", "payload_bytes", "gap", "replay", "replayed_batches", "resync",
         "delay_s")}))
-    assert got["held"] and got["hits_first"] == {"p0": 640, "p1": 0}
+    assert got["up"] and got["held"] and got["hits_first"] == {"p0": 640, "p1": 0}
     kind, p, _, route = got["place_second"]
     assert (p.name, route["cached_len"], route["cache_source"]) == ("p0", 512, "local")
     assert got["cached_second"] == 512          # vLLM's own count: the view's hit
     assert got["place_other"][1].name == "p1" and got["place_other"][3]["cached_len"] == 0
     assert got["reset"] and got["dropped"] and got["hits_after"] == {"p0": 0}
     assert summary["source"] == "vllm_kv_events" and summary["events"]["cleared"] >= 1
-    assert summary["gap"] >= 1 and summary["replayed_batches"] > 0 and summary["resync"] == 0
+    assert summary["replay"] >= 1 and summary["replayed_batches"] > 0 and summary["resync"] == 0
+    assert summary["delay_s"]["n"] >= 2     # the test's own batches came live
     assert summary["instances"]["p0"]["block_size"] == BLOCK
     assert 0 <= summary["delay_s"]["p50"] < 1.0
 

@@ -190,6 +190,16 @@ def test_no_replay_answer_resyncs_and_a_restart_is_reported():
     assert kinds == ["gap", "resync", "batch", "restarted", "batch"]
 
 
+def test_catch_up_delivers_what_the_publisher_buffered_and_no_answer_is_no_loss():
+    pub, out = FakePub("rp0", [(0, b"a"), (1, b"b")]), Out()
+    sub = Subscriber(out)
+    sub.catch_up(pub)
+    assert _seqs(records(out.data)) == [(0, True), (1, True)] and pub.quiet_checked
+    silent, out2 = FakePub("lp0", [], answer=False), Out()
+    Subscriber(out2).catch_up(silent)
+    assert out2.data == b"" and silent.seq.next == 0
+
+
 def _feed_of(*records_):
     feed = KvEventFeed([("rp0", "e", "r"), ("lp0", "e", "r")], "python")
     for h, p in records_:

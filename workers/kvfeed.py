@@ -144,6 +144,10 @@ class KvEventFeed:
         except asyncio.TimeoutError:
             return False
 
+    async def wait_up(self, timeout_s):
+        """Wait (bounded) until the subscriber is connected and caught up (its `up` record)."""
+        return await self.wait_until(lambda: self.up_at is not None, timeout_s)
+
     def summary(self, requests=None):
         """kv_events.json: the source of the view, the totals and the delays (seconds)."""
         d = self.delays

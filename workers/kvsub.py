@@ -12,7 +12,11 @@ number (`workers.kvevents.Sequencer`). A gap (joined late, or messages dropped) 
 replay request to the instance's replay endpoint (vLLM's ROUTER: the first missing sequence
 number as 8 bytes, answered with every buffered batch from there and an end marker, seq -1).
 What the replay cannot cover (the publisher's buffer has moved on, or no answer within
-REPLAY_TIMEOUT_S) is reported as `resync`: the scheduler drops that instance's view.
+REPLAY_TIMEOUT_S) is reported as `resync`: the scheduler drops that instance's view. zmq drops
+what a PUB socket sends before a subscription reaches it, and a lost batch shows as a gap only
+when another follows; so the subscriber also catches up (a replay from the next number) once
+at the start, before it reports `up`, and once whenever a publisher has been quiet for QUIET_S
+after a batch.
 
 It writes records (`workers.kvevents.frame`) to stdout: `batch` (instance, seq, receive time,
 whether replayed, the raw payload), `gap`, `resync`, `restarted` (sequence 0 again: a new
@@ -26,6 +30,7 @@ import time
 from workers.kvevents import DUPLICATE, GAP, RESTARTED, Sequencer, frame, seq_of
 
 REPLAY_TIMEOUT_S = 2.0
+QUIET_S = 1.0
 POLL_MS = 200
 
 
@@ -39,6 +44,7 @@ class Publisher:
         self.sub.setsockopt(zmq.RCVHWM, 0)
         self.sub.connect(endpoint)
         self.seq = Sequencer()
+        self.last_s, self.quiet_checked = time.monotonic(), False   # the last live batch
 
     def replay(self, start):
         """[(seq, payload)] the publisher still buffers from `start`, or None (no answer)."""
@@ -101,6 +107,18 @@ class Subscriber:
         if pub.seq.next < seq:              # the buffer ended before the live batch
             self._resync(pub, seq, "replay ended early")
 
+    def catch_up(self, pub):
+        """Ask for what the publisher buffered past the last batch delivered: a batch published
+        before this SUB socket's subscription reached the publisher (zmq drops it), or the last
+        of a burst lost with nothing after it to show the gap. No answer: nothing known lost."""
+        got = pub.replay(pub.seq.next)
+        if got:
+            self.emit({"kind": "replay", "inst": pub.name, "from": pub.seq.next,
+                       "batches": len(got)})
+            for s, payload in got:
+                self.deliver(pub, s, payload, replayed=True)
+        pub.quiet_checked = True
+
     def _resync(self, pub, seq, why):
         self.emit({"kind": "resync", "inst": pub.name, "lost_from": pub.seq.next,
                    "lost_to": seq - 1, "why": why})
@@ -108,11 +126,18 @@ class Subscriber:
 
 
 def run(pubs, sub, poller):
+    """Deliver live batches; a publisher quiet for QUIET_S since its last one is caught up once
+    (`Subscriber.catch_up`), so a lost last batch shows within about QUIET_S."""
     by_sock = {p.sub: p for p in pubs}
     while True:
         for sock, _ in poller.poll(POLL_MS):
             _topic, seqb, payload = sock.recv_multipart()
-            sub.deliver(by_sock[sock], seq_of(seqb), payload)
+            pub = by_sock[sock]
+            sub.deliver(pub, seq_of(seqb), payload)
+            pub.last_s, pub.quiet_checked = time.monotonic(), False
+        for pub in pubs:
+            if not pub.quiet_checked and time.monotonic() - pub.last_s > QUIET_S:
+                sub.catch_up(pub)
 
 
 def main(argv=None):
@@ -129,6 +154,8 @@ def main(argv=None):
     for pub in pubs:
         poller.register(pub.sub, zmq.POLLIN)
     sub = Subscriber(sys.stdout.buffer)
+    for pub in pubs:        # connected, and caught up with what was published before
+        sub.catch_up(pub)
     sub.emit({"kind": "up", "instances": [pub.name for pub in pubs]})
     try:
         run(pubs, sub, poller)
