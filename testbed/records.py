@@ -67,6 +67,7 @@ class RunDir:
     CONTROL = "control"                 # control/<instance>.json (the `slow` fault)
     STATUS = "status"                   # status/<instance>.json: live state, only under --metrics
     VLLM = "vllm"                       # vllm/<instance>.json: a vLLM server's PIDs and bytes
+    KV_EVENTS, KV_EVENTS_SUMMARY = "kv_events.csv", "kv_events.json"   # vLLM: workers/kvfeed.py
     AIPERF = "aiperf"                   # aiperf's artifact directory
     AIPERF_RECORDS = "profile_export.jsonl"
     AIPERF_AGGREGATE = "profile_export_aiperf.json"
@@ -495,6 +496,5 @@ def read_events(path, clock=None) -> list[Event]:
                 continue
             detail = row.get("detail") or ""
             fields = dict(kv.partition("=")[::2] for kv in detail.split(" ") if "=" in kv)
-            out.append(Event(clocks.event_time(t, fields, offsets), row["kind"], fields,
-                             detail))
+            out.append(Event(clocks.event_time(t, fields, offsets), row["kind"], fields, detail))
     return sorted(out, key=lambda e: e[0])

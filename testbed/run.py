@@ -175,6 +175,7 @@ class Run:
         self.meta["wan_counters"] = self.counters
         if self.rt.vllm is not None:
             self.meta["vllm"] = vllmrun.metadata(self.rd, self.rt)
+        self.meta["cache_view"] = vllmrun.cache_view(self.rd, self.rt)
         rundir.write_metadata(self.dir, self.meta)
         events.close()
 

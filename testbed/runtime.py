@@ -150,6 +150,8 @@ class VllmRuntime:
     start_timeout_s: float = 600.0
     http_port: int = 8100           # on the instance's own IP
     side_port: int = 5600           # the connector's side channel (NIXL handshake)
+    kv_events_port: int = 5557      # KV-event publisher (the scheduler's view subscribes)
+    kv_replay_port: int = 5558      # its replay endpoint
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -9,7 +9,10 @@
   when the workers are ready and again while the run goes (`refresh`), so a server that a
   `restart` fault starts is on the record too;
 - `metadata(rd, rt)`: which connector ran and why, and per server its start-up time and the
-  KV bytes its connector reports (metadata.json `vllm`).
+  KV bytes its connector reports (metadata.json `vllm`);
+- `cache_view(rd, rt)`: what fed the scheduler's cache view (metadata.json `cache_view`): the
+  instances' KV events with vLLM (the scheduler's kv_events.json), the pools' answers with the
+  prefix cache, else nothing.
 """
 
 import contextlib
@@ -111,3 +114,16 @@ def metadata(rd, rt):
             "shm_busy_loop_s": rt.vllm.shm_busy_loop_s, "changes": CHANGES,
             "model_dir": rt.vllm.model_dir, "dtype": rt.vllm.dtype, "servers": servers,
             "connector_bytes": sum(s["connector_bytes"] or 0 for s in servers.values())}
+
+
+def cache_view(rd, rt):
+    """metadata.json `cache_view`: its source and, for vLLM, what the KV events measured."""
+    if rt.vllm is not None:
+        try:
+            return json.loads((rd / rd.KV_EVENTS_SUMMARY).read_text())
+        except (OSError, ValueError) as e:
+            return {"source": "vllm_kv_events", "missing": f"{rd.KV_EVENTS_SUMMARY}: {e}"}
+    if rt.cache.enabled:
+        return {"source": "cache_pools", "why": "each request's Lookup in both clusters' "
+                                                "prefix cache pools (docs/cache.md)"}
+    return {"source": "none", "why": "no prefix cache: placement is cache-oblivious"}

@@ -29,7 +29,7 @@ PENDING_CYCLES = []
 HEAVY = {"mininet", "pyroute2", "matplotlib", "seaborn", "torch", "ray", "vllm", "grpc",
          "transformers", "tokenizers",
          "netfilterqueue", "aiohttp", "numpy", "scipy", "pandas",
-         "pyarrow"}
+         "pyarrow", "zmq"}       # zmq: the vLLM venv only (workers/kvsub.py)
 HEAVY_PROJECT = {
     "workers.engine_torch": "torch", "workers.model.config": "torch",
     "workers.model.hybrid": "torch", "workers.roles": "numpy and the planner",

@@ -15,6 +15,11 @@ a kv_consumer decode instance, NixlConnector over UCX TCP), started once for the
   NixlConnector's pinning of the forward pass to the last core), and between requests its
   EngineCore and worker take next to no CPU (the testbed's vLLM plugin: the shared-memory
   queue readers sleep instead of spinning for 1 s after every step).
+- The prefill server's KV events (zmq, `--kv-events-config`) feed the scheduler's cache view
+  through the scheduler's own subscriber (workers/kvfeed.py, workers/kvsub.py): a served prompt's
+  blocks are in the view as the engine reported them, a second request with its prefix is
+  placed on that instance with the hit vLLM then reports, and after /reset_prefix_cache the
+  view drops them.
 - The launcher's stop leaves none of the server's processes (EngineCore, workers) behind.
 
 Skipped without the vLLM venv (`make vllm`; `make test` installs it).
@@ -35,7 +40,11 @@ import pytest
 from test_vllm_unit import _running
 from testbed import cli, vllmenv, vllmrun
 from testbed import profile as profiles
+from testbed.proto import testbed_pb2 as pb
+from workers import policy
 from workers import vllm_api as api
+from workers.kvfeed import KvEventFeed
+from workers.kvplace import KvPlacer
 from workers import vllm_server as vs
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
@@ -61,14 +70,16 @@ def pair(tmp_path_factory):
     d = tmp_path_factory.mktemp("vllm")
     model_dir = vllmrun.ensure_default_model()     # the one the root tests' runs use too
     shape = json.loads((model_dir / "config.json").read_text())
-    ports = _free_ports(4)
+    ports = _free_ports(6)
     dump = d / "kv"
     dump.mkdir()
     cpus = sorted(os.sched_getaffinity(0))       # each a CPU of its own, as `cpus: auto`
+    events = {"prefill": dict(kv_events_port=ports[4], kv_replay_port=ports[5],
+                              kv_events_topic="p0", dev_mode=True), "decode": {}}
     servers = [vs.VllmServer(vs.ServerSpec(
         python=vllmenv.find_python(), model_dir=str(model_dir), role=role, host="127.0.0.1",
         port=ports[i], side_port=ports[i + 2], max_model_len=4096, kv_cache_space_gib=1,
-        kv_dump_dir=str(dump), cpus=str(cpus[-i])), d / f"{role}.log")
+        kv_dump_dir=str(dump), cpus=str(cpus[-i]), **events[role]), d / f"{role}.log")
         for i, role in enumerate(("prefill", "decode"))]
     for s in servers:
         s.start()
@@ -250,6 +261,124 @@ def test_an_instance_between_requests_takes_next_to_no_cpu(pair):
 
     cores = asyncio.run(prefill_then_idle())
     assert cores < 0.25, f"EngineCore + worker took {cores:.2f} of a core while idle"
+
+
+SEED, BLOCK = 5, 128
+
+
+def _req(rid, n, prefix):
+    return pb.Request(id=rid, input_len=n, prefix_blocks=prefix)
+
+
+def _router():
+    """p0 (the module's server, fed by its events, already busy) and p1 (an idle instance
+    with nothing cached) in the local cluster; T(l) = 1 ms per token."""
+    insts = [policy.Instance(name=n, role="prefill", dc="local", accelerator="cpu", addr="")
+             for n in ("p0", "p1")]
+    insts[0].outstanding_s = 0.1
+    insts.append(policy.Instance(name="d0", role="decode", dc="local", accelerator="cpu",
+                                 addr=""))
+    return policy.Router("prfaas", 4096, insts, lambda i, l: l * 1e-3)
+
+
+async def _served(session, pfx, dec, model, ids):
+    """The PD flow on the module's pair (the decode's pull frees the prefill's blocks);
+    the prefill's `cached_tokens`."""
+    params, cached = await api.prefill_reply(session, pfx, model, ids)
+    await api.generate(session, dec, model, ids, 1, params, cache_salt=f"s{random.random()}")
+    return cached
+
+
+async def _reset(session, pfx, timeout_s=60):
+    """POST /reset_prefix_cache until vLLM reports success (it refuses while a request still
+    holds blocks: a prefill's blocks stay until the decode's pull is acknowledged)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        async with session.post(f"{pfx}/reset_prefix_cache") as r:
+            if r.status == 200 and (await r.json()).get("success"):
+                return True
+        await asyncio.sleep(0.5)
+    return False
+
+
+async def _kv_events(pfx, dec, model, model_dir, port, replay, tmp):
+    import aiohttp  # reason: as above
+    feed = KvEventFeed([("p0", f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay}")],
+                       vllmenv.find_python(), rows_path=tmp / "kv_events.csv")
+    placer = KvPlacer(_router(), feed.view, SEED, model_dir, BLOCK, lambda rec: None)
+    got = {}
+    async with aiohttp.ClientSession() as session:   # a batch before the subscriber joins
+        await _served(session, pfx, dec, model, placer.prompt(_req(0, 200, [401])))
+    await feed.start()
+    got["up"] = await feed.wait_up(60)      # connected, and caught up by a replay
+    _record(feed, placer.prompt(_req(4, 300, [701])))
+    try:
+        async with aiohttp.ClientSession() as session:
+            first = _req(1, 700, [501, 502, 503, 504])      # 4 shared blocks, 5 whole vLLM blocks
+            ids = placer.prompt(first)
+            got["cached_first"] = await _served(session, pfx, dec, model, ids)
+            t_reply = time.time()
+            got["held"] = await feed.wait_until(lambda: feed.view.holds("p0", ids), 30)
+            got["reply_to_view_s"] = time.time() - t_reply
+            got["hits_first"] = feed.view.hit_tokens(ids, ["p0", "p1"])
+            second = _req(2, 900, [501, 502, 503, 504])
+            got["place_second"] = placer.place(second, time.time())
+            got["cached_second"] = await _served(session, pfx, dec, model, placer.prompt(second))
+            got["place_other"] = placer.place(_req(3, 900, [601, 602]), time.time())
+            got["reset"] = await _reset(session, pfx)
+            other = placer.prompt(_req(4, 300, [701]))      # one more step publishes the clear
+            await _served(session, pfx, dec, model, other)
+            got["dropped"] = await feed.wait_until(
+                lambda: feed.view.holds("p0", other) and not feed.view.holds("p0", ids[:128]), 30)
+            got["hits_after"] = feed.view.hit_tokens(ids, ["p0"])
+    finally:
+        await feed.close(tmp / "kv_events.json", requests=4)
+    return got, json.loads((tmp / "kv_events.json").read_text())
+
+
+def _record(feed, prompt):
+    """With TESTBED_KV_EVENTS_RECORD=DIR, the live batches' payloads go to DIR (as
+    tests/data/kv_events/ was recorded), with the last prompt's token ids."""
+    out = os.environ.get("TESTBED_KV_EVENTS_RECORD")
+    if not out:
+        return
+    out = pathlib.Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "meta.json").write_text(json.dumps({"block_size": BLOCK, "prompt": prompt}))
+    handle = feed.handle
+
+    def keep(header, payload, now=None):
+        if header["kind"] == "batch" and not header["replayed"]:
+            (out / f"{header['seq']:06d}.bin").write_bytes(payload)
+        handle(header, payload, now)
+    feed.handle = keep
+
+
+def test_kv_events_feed_the_view_that_places_requests(pair, tmp_path):
+    """Measured on the module's prefill server: its events reach the subscriber's view, which
+    then holds the prompt's whole blocks by token ids; the view's hit for a second request is
+    what vLLM's own `cached_tokens` reports for it, and placement sends it to the instance
+    that holds it though that instance is busier; after a reset the view drops them. The
+    subscriber joined after the module's other tests: it caught up with their batches by a
+    replay before it reported up."""
+    pfx, dec, model, shape, servers = pair
+    spec = servers[0].spec
+    got, summary = asyncio.run(_kv_events(pfx, dec, model, spec.model_dir, spec.kv_events_port,
+                                          spec.kv_replay_port, tmp_path))
+    print("kv events:", got, json.dumps({k: summary[k] for k in (
+        "batches", "events", "payload_bytes", "gap", "replay", "replayed_batches", "resync",
+        "delay_s")}))
+    assert got["up"] and got["held"] and got["hits_first"] == {"p0": 640, "p1": 0}
+    kind, p, _, route = got["place_second"]
+    assert (p.name, route["cached_len"], route["cache_source"]) == ("p0", 512, "local")
+    assert got["cached_second"] == 512          # vLLM's own count: the view's hit
+    assert got["place_other"][1].name == "p1" and got["place_other"][3]["cached_len"] == 0
+    assert got["reset"] and got["dropped"] and got["hits_after"] == {"p0": 0}
+    assert summary["source"] == "vllm_kv_events" and summary["events"]["cleared"] >= 1
+    assert summary["replay"] >= 1 and summary["replayed_batches"] > 0 and summary["resync"] == 0
+    assert summary["delay_s"]["n"] >= 2     # the test's own batches came live
+    assert summary["instances"]["p0"]["block_size"] == BLOCK
+    assert 0 <= summary["delay_s"]["p50"] < 1.0
 
 
 def test_stop_leaves_no_server_process(pair):

@@ -5,8 +5,9 @@ WAN, and vLLM's own `vllm bench serve` as the client (through the OpenAI front d
 one start-up of the servers (minutes on 2 cores) checks both. Asserts on what was measured:
 every request's records (client clock), the KV bytes the decode instance's connector reports
 (its /metrics) against the bytes the kernel counted on the WAN router in the KV direction,
-bench serve's own TTFT against the testbed's records of the same requests, and nothing left
-on the machine after.
+bench serve's own TTFT against the testbed's records of the same requests, the scheduler's
+cache view fed by the instances' KV events across the WAN, and nothing left on the machine
+after.
 
 Two servers only (the 3-server variants of experiments/vllm_small.yaml are run by hand and
 measured in docs/vllm.md). Skipped without `make vllm`.
@@ -18,6 +19,7 @@ import subprocess
 import pandas as pd
 import pytest
 
+from conftest import assert_decisions_replay
 from test_run_root import ROOT, leftovers, tb_cmd
 from testbed import vllmenv
 
@@ -72,3 +74,27 @@ def test_vllm_bench_serve_agrees_with_the_records_on_real_engines(run):
     assert 0 <= cmp["ttft_diff_ms_median"] <= 0.05 * ours, (cmp, ours)
     print(f"TTFT p50: bench serve {theirs:.1f} ms, records {ours:.1f} ms; paired median "
           f"+{cmp['ttft_diff_ms_median']:.1f} ms")
+
+
+def test_the_prefill_instances_kv_events_feed_the_scheduler_view(run):
+    """rp0 publishes in the PrfaaS host; the scheduler's subscriber, in the local DC, gets every
+    batch across the WAN router. The view then holds each prompt's whole blocks (128 tokens)
+    as rp0 reported them: no prompt shares a block with another here, nothing was evicted
+    (1 GiB of KV cache), and the warm-up's 32-token prompt fills no block. Each decision's
+    line carries the hits it read and replays from them."""
+    meta = json.loads((run / "metadata.json").read_text())
+    view = meta["cache_view"]
+    df = pd.read_parquet(run / "requests.parquet")
+    assert view["source"] == "vllm_kv_events" and view["resync"] == 0, view
+    assert view["requests_placed"] == 8 and view["events"]["stored"] >= 8, view
+    rp0 = view["instances"]["rp0"]
+    assert rp0["block_size"] == 128 and rp0["orphans"] == 0
+    assert rp0["blocks_held"] == (df.input_len // 128).sum(), (rp0, df.input_len.tolist())
+    rows = pd.read_csv(run / "kv_events.csv")
+    live = rows[rows.replayed == 0]
+    delay = live.applied - live.ts
+    assert (rows.inst == "rp0").sum() >= 8 and 0 <= delay.median() < 1.0, rows
+    recs = assert_decisions_replay(run)
+    assert all(r.cache["source"] == "vllm_kv_events" and "input_len" in r.cache for r in recs)
+    print(f"KV events: {len(rows)} batches, {rows.bytes.sum()} B, publish->view p50 "
+          f"{delay.median() * 1e3:.1f} ms, max {delay.max() * 1e3:.1f} ms")

@@ -85,7 +85,7 @@ class Router:
                                                                       max(l, 1))),
                    max_local=rt.scheduler.failover_max_local)
 
-    def _want_remote(self, uncached):
+    def wants_remote(self, uncached):
         if self.policy == "naive":
             return True
         if self.policy == "homogeneous":
@@ -94,7 +94,7 @@ class Router:
 
     def route(self, uncached):
         """(kind, prefill Instance, decode Instance), or raise LookupError if nothing is up."""
-        return self.route_to(self._want_remote(uncached), uncached)
+        return self.route_to(self.wants_remote(uncached), uncached)
 
     def route_to(self, remote, uncached, cost=None):
         """Route to PrfaaS (`remote`) or local prefill, failing over as `route` does; within

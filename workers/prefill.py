@@ -59,6 +59,8 @@ class PrefillService(pbg.PrefillServicer):
                                                      queue.put_nowait((seq, data, last)), arrived)
                     reply.start = done.get("start", reply.start)
                     reply.model_s = done.get("model_s", 0.0)
+                    if "cached_len" in done:    # the engine's own prefix cache (vLLM) says
+                        reply.cached_len = done["cached_len"]
                 finally:
                     reply.end = time.time()
                     self.busy_s += reply.end - reply.start

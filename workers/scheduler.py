@@ -14,7 +14,10 @@ Each request's first routing is a line of the run's decisions.jsonl (`Router.rou
 the book the router read and what it chose), written as the simulator writes it, so the two
 backends' decisions can be replayed against each other (testbed/sim/replay.py). With the
 prefix cache the placement decides instead (workers/placement.py) and records its line, with
-what the pools answered, the same way (`CachePlacer.plan` and `.settle`).
+what the pools answered, the same way (`CachePlacer.plan` and `.settle`). With vLLM instances
+the scheduler's cache view is fed by their own KV events (workers/kvfeed.py, a subscriber it
+owns) and placement reads it (workers/kvplace.py); with the profile and torch engines the view
+is the pools' answers (above) or there is none.
 """
 
 import asyncio
@@ -27,8 +30,10 @@ from testbed import profile as profiles
 from testbed.proto import testbed_pb2 as pb
 from testbed.proto import testbed_pb2_grpc as pbg
 from testbed.records import RecordLog, RunDir
-from workers import common
+from workers import common, control
 from workers.adaptive import ThresholdController
+from workers.kvfeed import KvEventFeed, endpoints
+from workers.kvplace import KvPlacer
 from workers.placement import CachePlacer, profile_prefill_s
 from workers.policy import Router
 from workers.recovery import Flight, Health
@@ -56,6 +61,17 @@ class SchedulerService(pbg.SchedulerServicer):
         if rt.cache.enabled:
             self.placer = CachePlacer(rt, self.router, profile_prefill_s(scale, prof), log,
                                       write=self.decisions.write)
+        self.kv_feed = self.kv_placer = None    # vLLM: the instances' KV events feed the view
+        if rt.vllm is not None:
+            self._kv_events(rt, log)
+
+    def _kv_events(self, rt, log):
+        """The subscriber this scheduler owns (workers/kvfeed.py) and the placement it feeds."""
+        rd = RunDir(rt.dir)
+        self.kv_feed = KvEventFeed(endpoints(rt), rt.vllm.python, rows_path=rd / rd.KV_EVENTS,
+                                   events=control.event_log(rt, "scheduler"), log=log)
+        self.kv_placer = KvPlacer(self.router, self.kv_feed.view, rt.seed, rt.vllm.model_dir,
+                                  rt.cache.block, self.decisions.write)
 
     def route(self, req, kind=""):
         """(kind, prefill Instance, decode Instance) for a request; LookupError if none is up.
@@ -70,12 +86,17 @@ class SchedulerService(pbg.SchedulerServicer):
         """A request's first routing: (kind, prefill, decode, its Route's cache fields). With the
         cache, the placement policy (workers/placement.py) looks up both pools, may move a prefix
         and fills the request's cached_len / decode_cached_len."""
+        if self.kv_placer is not None:
+            return self.kv_placer.place(req, time.time())
         if self.placer is None:
             return (*self.router.route_recorded(req.id, req.input_len - req.cached_len,
                                                 time.time(), self.decisions.write), {})
         return await self.placer.place(req)
 
-    def close(self):
+    async def close(self):
+        if self.kv_feed is not None:
+            rd = RunDir(self.rt.dir)
+            await self.kv_feed.close(rd / rd.KV_EVENTS_SUMMARY, self.kv_placer.placed)
         self.decisions.close()
 
     def predict_s(self, p, req):
@@ -113,6 +134,8 @@ async def main():
     service = SchedulerService(rt, log)
     server = await common.start_grpc(inst, pbg.add_SchedulerServicer_to_server, service)
     # before the first request; a vLLM worker serves gRPC once its server is healthy
+    if service.kv_feed is not None:     # subscribed before the workers' warm-up requests
+        await service.kv_feed.start()
     await common.connect_all(service.channels, log, common.WARM_TIMEOUT_S if rt.vllm is None
                              else rt.vllm.start_timeout_s)
     tasks = []
@@ -129,8 +152,12 @@ async def main():
         tasks.append(asyncio.create_task(roles.run()))
     common.mark_ready(rt, args.name)
     log.info("scheduler up on %s, policy %s", inst.addr, rt.scheduler.policy)
-    await common.serve_until_signalled(
-        server, lambda: [t.cancel() for t in tasks] + [service.close()])
+
+    async def cleanup():
+        for t in tasks:
+            t.cancel()
+        await service.close()
+    await common.serve_until_signalled(server, cleanup)
 
 
 if __name__ == "__main__":

@@ -49,6 +49,12 @@ async def _post(session, url, body):
 
 async def prefill(session, url, model, token_ids, request_id=None):
     """Run the prefill; the `kv_transfer_params` the decode instance pulls the KV with."""
+    return (await prefill_reply(session, url, model, token_ids, request_id))[0]
+
+
+async def prefill_reply(session, url, model, token_ids, request_id=None):
+    """(`kv_transfer_params`, prompt tokens vLLM's prefix cache served: its `cached_tokens`,
+    0 when the server does not report it)."""
     body = completion(token_ids, 1, model=model, kv_transfer_params=dict(REMOTE_DECODE))
     if request_id is not None:
         body["request_id"] = str(request_id)
@@ -57,7 +63,8 @@ async def prefill(session, url, model, token_ids, request_id=None):
     if not params:
         raise VllmRequestError(f"{url}: no kv_transfer_params in the prefill reply (is it "
                                f"started with a kv_producer connector?)")
-    return params
+    details = (out.get("usage") or {}).get("prompt_tokens_details") or {}
+    return params, int(details.get("cached_tokens") or 0)
 
 
 async def _choice(session, url, model, token_ids, max_tokens, params, **extra):

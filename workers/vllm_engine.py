@@ -61,7 +61,9 @@ def spec_for(rt, inst, role):
                          kv_cache_space_gib=v.kv_cache_space_gib, cpus=cpus_for(rt, inst.name),
                          connector=v.connector, seed=rt.seed,
                          nixl_progress_delay_us=v.nixl_progress_delay_us,
-                         shm_busy_loop_s=v.shm_busy_loop_s)
+                         shm_busy_loop_s=v.shm_busy_loop_s,
+                         kv_events_port=v.kv_events_port, kv_replay_port=v.kv_replay_port,
+                         kv_events_topic=inst.name)
 
 
 def vocab_size(model_dir):
@@ -156,9 +158,9 @@ class VllmPrefill(PrefillEngine):
         v = self.vllm
         ids = v.prompt(request)
         start = time.time()
-        params = await api.prefill(v.session, v.url, v.model, ids)
+        params, cached = await api.prefill_reply(v.session, v.url, v.model, ids)
         emit(0, json.dumps({"params": params, "ids": ids}).encode(), True)
-        return {"kv_bytes": 0, "start": start}
+        return {"kv_bytes": 0, "start": start, "cached_len": cached}
 
 
 async def warm_pairs(decode: VllmInstance, prefill_urls, deadline_s, log):

@@ -61,6 +61,10 @@ class ServerSpec:
     kv_dump_dir: str | None = None  # verification: KVDumpNixlConnector dumps the KV blocks
     nixl_progress_delay_us: int = 1000  # 0: NIXL's own progress thread, polling without pause
     shm_busy_loop_s: float = 0.0    # spin of EngineCore's and the worker's queue readers; 1: vLLM's
+    kv_events_port: int = 0         # KV-event publisher (zmq PUB) on every interface; 0: none
+    kv_replay_port: int = 0         # its replay endpoint (zmq ROUTER)
+    kv_events_topic: str = ""
+    dev_mode: bool = False          # VLLM_SERVER_DEV_MODE: /reset_prefix_cache (tests)
 
     @property
     def url(self):
@@ -92,13 +96,24 @@ def kv_transfer_config(spec):
     return conf
 
 
+def kv_events_config(spec):
+    """--kv-events-config: publish on every interface of the instance's host (vLLM binds an
+    endpoint with `*` and connects to any other), replay buffer on the next port."""
+    return {"enable_kv_cache_events": True, "publisher": "zmq",
+            "endpoint": f"tcp://*:{spec.kv_events_port}",
+            "replay_endpoint": f"tcp://*:{spec.kv_replay_port}", "topic": spec.kv_events_topic}
+
+
 def argv(spec):
+    events = ["--kv-events-config", json.dumps(kv_events_config(spec))] \
+        if spec.kv_events_port else []
     return [spec.python, "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model_dir,
             "--host", spec.host, "--port", str(spec.port), "--dtype", spec.dtype,
             "--enforce-eager", "--max-model-len", str(spec.max_model_len),
             "--max-num-seqs", str(spec.max_num_seqs), "--seed", str(spec.seed),
             "--disable-uvicorn-access-log",
-            "--kv-transfer-config", json.dumps(kv_transfer_config(spec))]
+            "--enable-prompt-tokens-details",      # the reply's cached_tokens: vLLM's own hit
+            "--kv-transfer-config", json.dumps(kv_transfer_config(spec)), *events]
 
 
 def env(spec, base=None):
@@ -122,6 +137,8 @@ def env(spec, base=None):
     # the testbed's connector module, its general plugin (tb_shm.py) and their settings
     e.update(PYTHONPATH=PLUGIN_DIR, TESTBED_NIXL_PROGRESS_DELAY_US=str(spec.nixl_progress_delay_us),
              TESTBED_SHM_BUSY_LOOP_S=f"{spec.shm_busy_loop_s:g}")
+    if spec.dev_mode:
+        e["VLLM_SERVER_DEV_MODE"] = "1"
     if spec.kv_dump_dir:
         e["TESTBED_KV_DUMP_DIR"] = spec.kv_dump_dir
     return e

@@ -3,6 +3,7 @@
     run directory: runtime.json -> Router.of_runtime (the router testbed/sim/cluster.py builds)
                    decisions.jsonl -> per record: Router.set_book(record), Router.route -> ?=
                    (prefix cache: + CachePlacer.choose on the record's view and link -> ?=)
+                   (vLLM's KV events: workers.kvplace.choose on the record's hits -> ?=)
 
 Both backends write decisions.jsonl the same way (`workers.policy.Router.route_recorded`: one
 `testbed.records.DecisionRecord` per request's first routing, with the book the router read:
@@ -22,6 +23,7 @@ import logging
 from testbed import profile as profiles
 from testbed.records import DecisionRecord, RunDir, read_decisions
 from testbed.runtime import WorkerRuntime
+from workers import kvfeed, kvplace
 from workers.placement import CachePlacer, CacheView, plan_fields, profile_prefill_s
 from workers.policy import Router
 
@@ -74,7 +76,7 @@ def deciders_of(run_dir):
 def outcome(rec: DecisionRecord) -> tuple:
     """What a record says was decided: (policy, kind, prefill, decode, error), or under the
     prefix cache (policy, placement, the cluster, the plan)."""
-    if rec.cache:
+    if rec.cache and rec.cache.get("source") != kvfeed.SOURCE:
         c = rec.cache
         return rec.policy, c["placement"], c["remote"], c["plan"]
     return rec.policy, rec.kind, rec.prefill, rec.decode, rec.error
@@ -93,11 +95,14 @@ def place(placer, clock, rec: DecisionRecord) -> tuple:
 def decide(router: Router, rec: DecisionRecord, placer=None, clock=None) -> tuple:
     """`router`'s decision on the record's book and length (with the cache, `placer`'s), as
     `outcome` spells it."""
-    if rec.cache:
+    by_events = rec.cache.get("source") == kvfeed.SOURCE     # vLLM: the hits its view gave
+    if rec.cache and not by_events:
         return place(placer, clock, rec)
     router.set_book(rec)
     try:
-        kind, p, d = router.route(rec.uncached_len)
+        kind, p, d = kvplace.choose(router, rec.cache["hits"], rec.cache["input_len"],
+                                    rec.uncached_len) if by_events else \
+            router.route(rec.uncached_len)
     except LookupError as e:
         return router.policy, "", "", "", str(e)
     return router.policy, kind, p.name, d.name, ""
