@@ -17,7 +17,6 @@ import pathlib
 import time
 
 import grpc
-import pyarrow.parquet as pq
 
 from testbed import eventloop
 from testbed.records import RecordLog, RequestRecord, SentRecord
@@ -139,6 +138,8 @@ async def _read_start(path, timeout_s=60.0):
 def read_workload(path):
     """The rows of workload.parquet in order, each a namedtuple of its columns (plain ints,
     floats and lists). pyarrow alone: pandas would add ~0.4 s of CPU to every client's start."""
+    import pyarrow.parquet as pq  # reason: pyarrow starts a thread at import; the worker
+    # launcher (testbed/net/zygote.py) imports this module and must stay one thread to fork
     table = pq.read_table(path)
     Row = collections.namedtuple("Row", table.column_names)
     return [Row(**r) for r in table.to_pylist()]
