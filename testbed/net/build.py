@@ -20,6 +20,7 @@ from testbed.net.linkmodel import SETTABLE, needs_checksums
 from testbed.net.ns import disable_checksum_offload, disable_offloads
 from testbed.net.timers import TcpTimers, apply
 from testbed.net.wan import Wan
+from testbed.net.zygote import Zygote, forkable
 
 
 def _mininet():
@@ -46,6 +47,7 @@ class Network:
         self.wan = None
         self.calibration = None      # testbed.net.calibrate, once the WAN is shaped
         self.tcp_timers = {}
+        self.zygote = None           # the worker launcher (testbed.net.zygote)
 
     def start(self):
         if os.geteuid() != 0:
@@ -58,6 +60,8 @@ class Network:
         self.net = Mininet(topo=None, switch=LinuxBridge, controller=None, build=False,
                            autoSetMacs=False, waitConnected=False)
         self.registry.on_close(self.stop, "network")
+        # Started first: its imports overlap the build; from the main thread (see Zygote.start).
+        self.zygote = Zygote(self.registry).start()
         # Build node by node so each shell PID and bridge is on record before the next exists.
         for name in self.topo.switches():
             self.net.addSwitch(name, **self.topo.nodeInfo(name))
@@ -167,11 +171,19 @@ class Network:
     def popen(self, role, argv, log_path, env=None):
         """Start `argv` inside host `role`, output to `log_path`; the PID goes on record.
 
-        Mininet runs `mnexec -da <host shell pid> argv` as a child of this process (not of the
-        host's shell); mnexec joins the namespace, calls setsid() and execs `argv`, so the
+        A worker of the profile engine (`python -m <module in zygote.FORKABLE>`) is forked by
+        the worker launcher (testbed/net/zygote.py), which joins the host's namespaces, calls
+        setsid() and sets the parent-death signal as mnexec does; its handle is Popen-like.
+        Anything else: Mininet runs `mnexec -da <host shell pid> argv` as a child of this
+        process (not of the host's shell); mnexec joins the namespace, calls setsid() and execs `argv`, so the
         parent-death signal set here (before the exec) ties `argv` to this process. The
         environment names this process (ORCHESTRATOR_ENV) for the worker's own watch.
         """
+        if self.zygote is not None and forkable(argv):
+            proc = self.zygote.spawn(self.host(role).pid, argv, log_path,
+                                     lifecycle.orchestrator_env(env))
+            self.registry.add_process(proc.pid, f"{role}: {' '.join(map(str, argv[:4]))}")
+            return proc
         log = open(log_path, "ab")
         try:
             proc = self.host(role).popen(argv, stdout=log, stderr=subprocess.STDOUT,
@@ -196,6 +208,9 @@ class Network:
             setLogLevel(os.environ.get("TESTBED_MININET_LOG", "error"))
 
     def stop(self):
+        if self.zygote is not None:
+            zygote, self.zygote = self.zygote, None
+            zygote.stop()
         if self.wan is not None:
             wan, self.wan = self.wan, None
             wan.stop()

@@ -17,6 +17,7 @@ import pathlib
 import threading
 import time
 
+from testbed.net.zygote import LAUNCHER_MODULE as LAUNCHER
 from testbed.profiling import pyspy
 from testbed.rundir import RunDir
 
@@ -161,6 +162,8 @@ class Proc:
             return m.split(".", 1)[1]
         if m == "testbed.cli":      # pyroute2 forks the orchestrator for namespace work
             return "orchestrator" if self.is_root else "orchestrator fork"
+        if m == LAUNCHER:
+            return "worker launcher"
         if m == "testbed.net.proberoles":
             return "link probe"
         if m == "testbed.live.exporter":
@@ -219,9 +222,10 @@ class Sampler:
                 continue
             p = self.procs.setdefault((pid, st[4]), Proc(pid, st[4]))
             p.is_root = pid == self.root
-            if p.is_root or not (p.is_python and p.module.startswith(("workers.", "testbed.net"))):
-                p.argv = read_cmdline(pid) or p.argv    # fork, mnexec, exec: until it is
-                # itself (a zombie's cmdline is empty)
+            if p.is_root or not (p.is_python and p.module.startswith(("workers.", "testbed.net"))
+                                 and p.module != LAUNCHER):
+                p.argv = read_cmdline(pid) or p.argv    # fork, mnexec, exec, the launcher's
+                # fork: until it is itself (a zombie's cmdline is empty)
             p.samples.append((now, st[1] + st[2], st[2]))
             p.sys_s = st[2]
             p.threads_max = max(p.threads_max, st[3])

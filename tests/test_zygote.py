@@ -1,0 +1,135 @@
+"""The worker launcher (testbed/net/zygote.py): workers forked from one pre-imported process.
+
+Unit: the forkable modules leave one thread after import (a process with threads must not
+fork). Root (setns, the cmdline's PR_SET_MM): a real launcher forks a small module into another
+network namespace, and the handle behaves as a Popen: exit codes, a crash, signals to the
+process group, the PID on record, and nothing left when the launcher dies.
+"""
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from testbed import lifecycle
+from testbed.net.zygote import FORKABLE, Zygote, forkable
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TARGET = """
+import os, sys, time
+what = sys.argv[1]
+print("hello", os.environ.get("ZYG_MARK"), os.readlink("/proc/self/ns/net"), flush=True)
+if what == "sleep":
+    time.sleep(60)
+elif what == "exit":
+    sys.exit(int(sys.argv[2]))
+elif what == "crash":
+    raise RuntimeError("boom")
+"""
+
+
+def test_forkable_modules_leave_one_thread():
+    code = (f"import os\nfor m in {FORKABLE!r}: __import__(m)\n"
+            "print(len(os.listdir('/proc/self/task')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert out.stdout.strip() == "1"
+
+
+def test_forkable_argv():
+    assert forkable([sys.executable, "-m", "workers.decode", "--name", "d0"]) == "workers.decode"
+    assert forkable([sys.executable, "-m", "workers.vllm_server"]) is None
+    assert forkable(["/other/python", "-m", "workers.decode"]) is None
+
+
+class _Registry:
+    def __init__(self):
+        self.pids = []
+
+    def add_process(self, pid, what):
+        self.pids.append(pid)
+
+
+@pytest.fixture
+def launcher(tmp_path, monkeypatch):
+    (tmp_path / "zyg_target.py").write_text(TARGET)
+    monkeypatch.setenv("PYTHONPATH", f"{ROOT}:{tmp_path}")
+    host = subprocess.Popen(["unshare", "-n", "sleep", "60"])    # a host: its own netns
+    _until(lambda: os.readlink(f"/proc/{host.pid}/ns/net") != os.readlink("/proc/self/ns/net"))
+    z = Zygote(_Registry()).start()
+    yield z, host.pid, tmp_path
+    z.stop()
+    host.kill()
+    host.wait()
+
+
+def _until(cond, timeout_s=5.0):
+    """Wait for `cond()` (a child's setup, a signal's effect), at most `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def _spawn(z, host_pid, tmp_path, *args):
+    env = dict(os.environ, ZYG_MARK="m1")
+    return z.spawn(host_pid, [sys.executable, "-m", "zyg_target", *args],
+                   tmp_path / "w.log", env)
+
+
+@pytest.mark.root
+def test_exit_code_log_namespace(launcher):
+    z, host_pid, tmp = launcher
+    p = _spawn(z, host_pid, tmp, "exit", "3")
+    assert p.wait(timeout=10) == 3 and p.returncode == 3
+    log = (tmp / "w.log").read_text()
+    assert f"hello m1 {os.readlink(f'/proc/{host_pid}/ns/net')}" in log
+    assert z.registry.pids == [z.proc.pid]      # the network records the children (build.py)
+
+
+@pytest.mark.root
+def test_crash_is_seen(launcher):
+    z, host_pid, tmp = launcher
+    p = _spawn(z, host_pid, tmp, "crash")
+    assert p.wait(timeout=10) == 1
+    assert "RuntimeError: boom" in (tmp / "w.log").read_text()
+
+
+@pytest.mark.root
+def test_signals_group_and_cmdline(launcher):
+    z, host_pid, tmp = launcher
+    p = _spawn(z, host_pid, tmp, "sleep")
+    _until(lambda: b"-m\0zyg_target\0sleep" in pathlib.Path(f"/proc/{p.pid}/cmdline").read_bytes())
+    assert p.poll() is None and os.getpgid(p.pid) == p.pid      # setsid: its own group
+    assert lifecycle.proc_start_time(p.pid) == p.start
+    os.killpg(p.pid, signal.SIGSTOP)                # a `pause` fault
+    _until(lambda: pathlib.Path(f"/proc/{p.pid}/stat").read_text().split(")")[1].split()[0] == "T")
+    os.killpg(p.pid, signal.SIGCONT)
+    with pytest.raises(subprocess.TimeoutExpired):
+        p.wait(timeout=0.2)
+    p.terminate()
+    assert p.wait(timeout=10) == -signal.SIGTERM
+
+
+@pytest.mark.root
+def test_children_die_with_the_launcher(launcher):
+    z, host_pid, tmp = launcher
+    procs = [_spawn(z, host_pid, tmp, "sleep") for _ in range(3)]
+    z.proc.kill()                                   # as if the orchestrator's chain died
+    for p in procs:
+        assert p.wait(timeout=10) == -signal.SIGKILL
+        _until(lambda: lifecycle.proc_start_time(p.pid) != p.start)    # gone, not only reported
+
+
+@pytest.mark.root
+def test_stop_leaves_nothing(launcher):
+    z, host_pid, tmp = launcher
+    p = _spawn(z, host_pid, tmp, "sleep")
+    z.stop()
+    assert z.proc.returncode == 0
+    assert p.wait(timeout=10) == -signal.SIGKILL
+    assert lifecycle.proc_start_time(p.pid) != p.start
