@@ -102,14 +102,14 @@ def _round(x):
     return float(f"{x:.2g}")
 
 
-def next_scale(steps, start=AUTO_START, fits=None):
+def next_scale(steps, start=AUTO_START, fits=None, ceiling=MAX_SCALE):
     """The next scale.time to try after `steps` (the pilot so far), or None when done.
     Upward from the largest faithful scale by its measured headroom (`autojudge.jump`; x2
     when the step measured none), downward from the smallest unfaithful one by half, and
     between the two once by their geometric mean. `fits(scale)`: whether the pilot's budget
-    allows a step there (default: always)."""
+    allows a step there (default: always); `ceiling`: the largest scale the links allow."""
     if not steps:
-        return start
+        return min(start, ceiling)
     ok = [s for s in steps if s.faithful]
     bad = [s for s in steps if not s.faithful]
     tried = {s.scale for s in steps}
@@ -117,7 +117,7 @@ def next_scale(steps, start=AUTO_START, fits=None):
     hi = min((s.scale for s in bad), default=None)
     if hi is None:
         factor = 2.0 if lo.margin is None else autojudge.jump(lo.margin)
-        nxt = _round(min(factor * lo.scale, MAX_SCALE))
+        nxt = min(_round(factor * lo.scale), ceiling)
     elif lo is None:
         nxt = _round(hi / 2)
         nxt = nxt if nxt >= MIN_SCALE else None
@@ -130,14 +130,38 @@ def next_scale(steps, start=AUTO_START, fits=None):
     return nxt
 
 
+def ceiling(exp):
+    """The largest scale.time (two significant digits, rounded down) at which `exp` compiles:
+    its emulated WAN within what this machine can shape (`deploy.compile`)."""
+    def compiles(scale):
+        try:
+            deploy.compile(exp.at_speed(scale))
+            return True
+        except ConfigError:
+            return False
+    if compiles(MAX_SCALE):
+        return MAX_SCALE
+    lo, hi = MIN_SCALE, MAX_SCALE
+    for _ in range(40):         # log-space bisection: well below 1% apart
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if compiles(mid) else (lo, mid)
+    digit = 10 ** (math.floor(math.log10(lo)) - 1)
+    top = math.floor(lo / digit + 1e-9) * digit
+    return top if compiles(top) else top - digit
+
+
 def choose(steps):
     """The largest faithful scale tried, or None when none was."""
     return max((s.scale for s in steps if s.faithful), default=None)
 
 
-def faithful_hint(steps, chosen):
-    """What a scale above the choice did: the basis of 'a run at twice it would warn'."""
+def faithful_hint(steps, chosen, top=MAX_SCALE):
+    """What a scale above the choice did: the basis of 'a run at twice it would warn'
+    (`top`: the pilot's ceiling)."""
     above = [s for s in steps if s.scale > chosen and not s.faithful]
+    if not above and chosen >= top:
+        return (f"{chosen:g} is the most the links allow (a faster run needs a lower "
+                f"scale.bytes)")
     if not above:
         return "no unfaithful scale was reached (the budget or the limit stopped the search)"
     s = min(above, key=lambda s: s.scale)
@@ -193,6 +217,8 @@ class AutoRun:
         self.start = self.starts.next
         self.backend, self.steps, self.record = None, [], {}
         self.look = autojudge.outlook(exp.at_speed(AUTO_START))
+        self.ceiling = ceiling(exp)
+        self.record["ceiling"] = self.ceiling
         self.record["outlook"] = dataclasses.asdict(self.look)
         self.spent_s = 0.0           # the pilot's steps so far, wall seconds
 
@@ -215,7 +241,7 @@ class AutoRun:
                 "pilot_s": round(pilot_s, 3), "budget_share": autojudge.PILOT_SHARE,
                 "expected_run_s": self._expected_run_s(scale),
                 "pilot_requests": self._pilot_requests(), "start": self.start,
-                "above": faithful_hint(self.steps, scale),
+                "above": faithful_hint(self.steps, scale, self.ceiling),
                 "steps": [s.as_dict() for s in self.steps]}}
             run = self.make_run(exp, self.dir, deployment=deploy.compile(exp),
                                 backend=self.backend, meta=meta, **self.kw)
@@ -242,7 +268,7 @@ class AutoRun:
     def _pilot(self, registry, events, pilot_dir):
         """Step until `next_scale` says done or the budget is spent; returns the choice
         (None: none faithful)."""
-        while (s := next_scale(self.steps, self.start, self._fits)) is not None:
+        while (s := next_scale(self.steps, self.start, self._fits, self.ceiling)) is not None:
             t0 = time.monotonic()
             self.steps.append(self._step(s, registry, events, pilot_dir))
             self.spent_s += time.monotonic() - t0
