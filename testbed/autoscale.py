@@ -62,7 +62,7 @@ class Step:
     cpu_s: float | None = None                # the step's processes (workers, client), reaped
     error: str | None = None                  # the scale could not be run (link, workers)
     steady_excess_p90_ms: float | None = None  # after the warm-up (testbed/autojudge.py)
-    steady_share: float | None = None         # of the measured run's expected TTFT p90
+    steady_share: float | None = None         # judged: x length factor / the run's p90
     span_s: float | None = None               # the requests' span, wall seconds
     load: float | None = None                 # the machine's 1-minute load when it started
 
@@ -77,10 +77,10 @@ class Step:
         return autojudge.margin(self.steady_share, self.first_token_lag_ms)
 
 
-def step_of(scale, summary, wall_s, cpu_s=None, requests=None, expected_p90_ms=None, load=None):
+def step_of(scale, summary, wall_s, cpu_s=None, requests=None, look=None, load=None):
     """The `Step` of a pilot run from its summary.json (`testbed.analysis.analyse`) and, when
-    given, its requests table: judged on the steady excess against `expected_p90_ms`, the
-    measured run's expected TTFT p90 (testbed/autojudge.py); without them, on every warning."""
+    given, its requests table: judged on the steady excess against the measured run's
+    `autojudge.Outlook` `look` (testbed/autojudge.py); without them, on every warning."""
     emu = summary.get("emulation") or {}
     warnings = tuple(summary.get("warnings") or ())
     share = (emu.get("ttft_excess_ms") or {}).get("share_p90")
@@ -88,7 +88,7 @@ def step_of(scale, summary, wall_s, cpu_s=None, requests=None, expected_p90_ms=N
     if requests is None:
         faithful, steady_share = not warnings and summary.get("completed", 0) > 0, None
     else:
-        faithful, steady_share = autojudge.judge(summary, steady, expected_p90_ms)
+        faithful, steady_share = autojudge.judge(summary, steady, look)
     span = summary.get("duration_s")
     return Step(scale, faithful=faithful, excess_share_p90=share,
                 first_token_lag_ms=emu.get("first_token_lag_ms"), warnings=warnings,
@@ -219,7 +219,8 @@ class AutoRun:
         self.look = autojudge.outlook(exp.at_speed(AUTO_START))
         self.ceiling = ceiling(exp)
         self.record["ceiling"] = self.ceiling
-        self.record["outlook"] = dataclasses.asdict(self.look)
+        self.record["outlook"] = {**dataclasses.asdict(self.look),
+                                  "length_factor": self.look.length_factor}
         self.spent_s = 0.0           # the pilot's steps so far, wall seconds
 
     def execute(self):
@@ -301,4 +302,4 @@ class AutoRun:
         table = RunDir(run.dir).requests
         requests = pd.read_parquet(table) if table.exists() else None
         return step_of(scale, summary, time.monotonic() - t0, children_cpu_s() - cpu0,
-                       requests, self.look.ttft_p90_ms, load)
+                       requests, self.look, load)

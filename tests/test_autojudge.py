@@ -34,7 +34,7 @@ def _look(outlooks, name):
 def _step(name, scale, outlooks):
     st = RECORDED[name]["steps"][scale]
     return autoscale.step_of(float(scale), st["summary"], st["wall_s"], None,
-                             pd.DataFrame(st["requests"]), _look(outlooks, name).ttft_p90_ms)
+                             pd.DataFrame(st["requests"]), _look(outlooks, name))
 
 
 @pytest.mark.parametrize("name", sorted(RECORDED))
@@ -54,13 +54,25 @@ def test_the_steady_excess_leaves_out_the_warm_up():
 
 
 @pytest.mark.parametrize("name, scale", [("case-homogeneous", "28"), ("case-homogeneous", "20"),
-                                         ("case-naive", "28"), ("case-prfaas", "40")])
+                                         ("case-naive", "28")])
 def test_steps_that_warned_only_for_their_own_short_queue_are_faithful(name, scale, outlooks):
-    """These steps warned (TTFT excess 9-24% of the pilot's own p90) and nothing else; the
-    full runs at 28 (homogeneous) and 40 (naive) did not warn."""
+    """These steps warned (TTFT excess 9-11% of the pilot's own p90) and nothing else; full
+    runs at 28 (homogeneous) and 40 (naive) had 0.2% and 1.2-1.6%."""
     step = _step(name, scale, outlooks)
+    assert _look(outlooks, name).above_capacity
     assert step.excess_share_p90 > autojudge.WARN_SHARE
     assert step.faithful and step.steady_share < autojudge.WARN_SHARE
+
+
+def test_above_capacity_the_steady_excess_counts_four_times(outlooks):
+    """prfaas at 40x: the pilot's steady excess p90 was 479 ms (1.6% of the run's 29 s); the
+    full run at 40x (2026-12-02 22:47) measured 1878 ms, 6.5%, and warned. Times 4 the pilot
+    says so; many_instances, below capacity, counts its excess once."""
+    step = _step("case-prfaas", "40", outlooks)
+    assert step.steady_excess_p90_ms == pytest.approx(479, abs=1)
+    assert not step.faithful and step.steady_share == pytest.approx(4 * 479 / 29415, rel=0.01)
+    assert "TTFT excess 6.5% of p90" in autoscale.why_not(step)
+    assert not outlooks["many"].above_capacity and outlooks["many"].length_factor == 1.0
 
 
 def test_every_other_guard_still_decides(outlooks):
@@ -76,7 +88,7 @@ def test_many_instances_keeps_its_bound_near_the_full_runs():
     look = autojudge.Outlook(150, 3495.1, 1.1)
     st = RECORDED["many-1"]["steps"]["20"]
     step = autoscale.step_of(20.0, st["summary"], st["wall_s"], None,
-                             pd.DataFrame(st["requests"]), look.ttft_p90_ms)
+                             pd.DataFrame(st["requests"]), look)
     assert not step.faithful and step.steady_share == pytest.approx(0.0504, abs=1e-3)
 
 
@@ -120,16 +132,14 @@ def test_the_budget_allows_a_measurement_and_its_confirmation_then_20_percent(ou
     assert autojudge.within_budget([s10, s14], 46.0, long_run, 40, 12)
 
 
-def test_the_search_on_recorded_steps_jumps_then_confirms(outlooks):
-    """prfaas, the recorded steps as the machine's answers: 10 measures 20x headroom, the
-    jump goes to 40 (recorded faithful), and the budget ends the pilot there: two steps,
-    where the old search took four (10, 20, 40, 28) and chose 28."""
+def test_the_search_on_recorded_steps_jumps_by_the_headroom(outlooks):
+    """prfaas: at 10x the steady excess (x4) is 1% of the run's p90 and the lag 2.4 ms: 5x
+    headroom, a jump of sqrt(5) to 22; 40x (recorded unfaithful) after a faithful 10 gives
+    the geometric mean 20, unless the budget (two steps here) has ended the pilot."""
+    s10, s40 = _step("case-prfaas", "10", outlooks), _step("case-prfaas", "40", outlooks)
+    assert s10.faithful and s10.margin == pytest.approx(5, rel=0.02)
+    assert autoscale.next_scale([s10], 10) == 22
+    assert autoscale.next_scale([s10, s40], 10) == 20
     look = _look(outlooks, "case-prfaas")
-    steps = []
-
-    def fits(scale):
-        return autojudge.within_budget(steps, sum(x.wall_s for x in steps), look, 40, scale)
-
-    while (s := autoscale.next_scale(steps, 10, fits)) is not None:
-        steps.append(_step("case-prfaas", f"{s:g}", outlooks))
-    assert [s.scale for s in steps] == [10, 40] and autoscale.choose(steps) == 40
+    assert autoscale.next_scale([s10, s40], 10, lambda s: autojudge.within_budget(
+        [s10, s40], s10.wall_s + s40.wall_s, look, 40, s)) is None
