@@ -77,11 +77,18 @@ def pilot_line(vdir):
     if not rec:
         return None
     span = meta["end_time"] - meta["start_time"]
-    tried = ", ".join(f"{s['scale']:g}{'' if s['faithful'] else '!'}" for s in rec["steps"])
+    tried = ", ".join(f"{s['scale']:g}{'' if s['faithful'] else '!'}{_share(s)}"
+                      for s in rec["steps"])
     return (f"{vdir.name}: chose {rec['chosen']:g} of {tried}; pilot {rec['pilot_s']:.1f} s "
             f"(+ network build {rec.get('network_build_s', 0):.1f} s, reused) = "
             f"{100 * rec['pilot_s'] / span:.0f}% of the variant's span {span:.1f} s; "
             f"above: {rec['above']}")
+
+
+def _share(step):
+    """A step's steady TTFT excess as a share of the run's expected p90, in brackets."""
+    share = step.get("steady_share")
+    return "" if share is None else f" ({100 * share:.2g}%)"
 
 
 def _variant(label):

@@ -8,32 +8,36 @@ module never imports it: layers point down), and `AutoRun` drives one expanded r
 2. pilot steps, each a short `Run` (the first `PILOT_REQUESTS` requests of the same workload,
    no link probe) on that same network, carried over to the step's scale (`rescale`: the WAN's
    links and the hosts' TCP timers; the workers start afresh, since runtime.json is in
-   emulated units). A step is faithful when its analysis has no warning at all: the TTFT
-   excess (`emulation.ttft_excess_ms`, p90 under 5% of the TTFT p90), the first-token lag,
-   decode wake-ups, step and prefill ratios, KV transfers, TCP timeouts, start-up;
+   emulated units). A step is judged as testbed/autojudge.py says: every guard of the run
+   (first-token lag, decode wake-ups, step and prefill ratios, KV transfers, TCP timeouts,
+   start-up) but the TTFT excess as the run has it; that one on the requests after the
+   warm-up, against the TTFT p90 the planner expects of the measured run, not the pilot's;
 3. the measured run at the chosen scale, on the same network again; its metadata.json
    records the pilot (`scale_auto`) and `testbed run` prints the choice in one line.
 
 The search (`next_scale`, pure): start at `AUTO_START` (10; a later run of the same experiment
-at the previous run's choice: `Starts`), double while faithful, halve while not, and once
-there is a faithful scale a below an unfaithful one b = 2a, try their geometric mean once; the
-largest faithful scale tried is the choice. So a scale twice the choice was
-tried and warned, unless the link (`deploy.compile`: the emulated rate this machine can
-shape) or the 1000 limit capped the search first, which the record says. Four steps on a
-machine where 10 and 20 are faithful and 40 is not (10, 20, 40, 28). Stepping, rather than a
-CPU-cost model, because the guards are what defines faithful: a model of CPU per request
-would need calibrating per machine, load and deployment, and would still have to be checked
-by a run.
+at the previous run's choice: `Starts`); from a faithful step jump up by the headroom its
+guards measured (`autojudge.jump`: 1.4-4x; 2x when a step measured none), halve while not
+faithful, and once there is a faithful scale a below an unfaithful one b > 1.5 a, try their
+geometric mean once; the largest faithful scale tried is the choice. The pilot stops before a
+step that would take it past `autojudge.PILOT_SHARE` of the measured run's expected wall time,
+after at least `autojudge.MIN_STEPS` (a measurement and the jump it predicts), so a scale
+twice the choice was tried and warned only where the budget allowed the search to bracket;
+the record says what the scale above did (`faithful_hint`). Stepping rather than a CPU-cost
+model, because the guards are what defines faithful; the jump uses what one step measured.
 """
 
 import dataclasses
 import math
+import os
 import pathlib
 import secrets
 import sys
 import time
 
-from testbed import deploy, lifecycle
+import pandas as pd
+
+from testbed import autojudge, deploy, lifecycle
 from testbed.backend import open_backend
 from testbed.errors import ConfigError, RunInterrupted, TestbedError
 from testbed.experiment import AUTO, AUTO_START
@@ -51,26 +55,46 @@ class Step:
     """One pilot step: the scale tried and what its guards said (real-world ms)."""
     scale: float
     faithful: bool
-    excess_share_p90: float | None = None     # p90 excess / TTFT p90
+    excess_share_p90: float | None = None     # p90 excess / its own TTFT p90 (the run's guard)
     first_token_lag_ms: float | None = None   # median
     warnings: tuple = ()
     wall_s: float = 0.0
     cpu_s: float | None = None                # the step's processes (workers, client), reaped
     error: str | None = None                  # the scale could not be run (link, workers)
+    steady_excess_p90_ms: float | None = None  # after the warm-up (testbed/autojudge.py)
+    steady_share: float | None = None         # judged: x length factor / the run's p90
+    span_s: float | None = None               # the requests' span, wall seconds
+    load: float | None = None                 # the machine's 1-minute load when it started
 
     def as_dict(self):
         return {**dataclasses.asdict(self), "warnings": list(self.warnings)}
 
+    @property
+    def margin(self):
+        """The guards' headroom at this step (None: not measured)."""
+        if self.steady_share is None and self.first_token_lag_ms is None:
+            return None
+        return autojudge.margin(self.steady_share, self.first_token_lag_ms)
 
-def step_of(scale, summary, wall_s, cpu_s=None):
-    """The `Step` of a pilot run from its summary.json (`testbed.analysis.analyse`)."""
+
+def step_of(scale, summary, wall_s, cpu_s=None, requests=None, look=None, load=None):
+    """The `Step` of a pilot run from its summary.json (`testbed.analysis.analyse`) and, when
+    given, its requests table: judged on the steady excess against the measured run's
+    `autojudge.Outlook` `look` (testbed/autojudge.py); without them, on every warning."""
     emu = summary.get("emulation") or {}
     warnings = tuple(summary.get("warnings") or ())
     share = (emu.get("ttft_excess_ms") or {}).get("share_p90")
-    return Step(scale, faithful=not warnings and summary.get("completed", 0) > 0,
-                excess_share_p90=share, first_token_lag_ms=emu.get("first_token_lag_ms"),
-                warnings=warnings, wall_s=round(wall_s, 3),
-                cpu_s=None if cpu_s is None else round(cpu_s, 3))
+    steady = None if requests is None else autojudge.steady_excess_p90_ms(requests)
+    if requests is None:
+        faithful, steady_share = not warnings and summary.get("completed", 0) > 0, None
+    else:
+        faithful, steady_share = autojudge.judge(summary, steady, look)
+    span = summary.get("duration_s")
+    return Step(scale, faithful=faithful, excess_share_p90=share,
+                first_token_lag_ms=emu.get("first_token_lag_ms"), warnings=warnings,
+                wall_s=round(wall_s, 3), cpu_s=None if cpu_s is None else round(cpu_s, 3),
+                steady_excess_p90_ms=steady, steady_share=steady_share,
+                span_s=None if span is None else round(span / scale, 3), load=load)
 
 
 def _round(x):
@@ -78,24 +102,52 @@ def _round(x):
     return float(f"{x:.2g}")
 
 
-def next_scale(steps, start=AUTO_START):
-    """The next scale.time to try after `steps` (the pilot so far), or None when done."""
+def next_scale(steps, start=AUTO_START, fits=None, ceiling=MAX_SCALE):
+    """The next scale.time to try after `steps` (the pilot so far), or None when done.
+    Upward from the largest faithful scale by its measured headroom (`autojudge.jump`; x2
+    when the step measured none), downward from the smallest unfaithful one by half, and
+    between the two once by their geometric mean. `fits(scale)`: whether the pilot's budget
+    allows a step there (default: always); `ceiling`: the largest scale the links allow."""
     if not steps:
-        return start
-    ok = [s.scale for s in steps if s.faithful]
-    bad = [s.scale for s in steps if not s.faithful]
+        return min(start, ceiling)
+    ok = [s for s in steps if s.faithful]
+    bad = [s for s in steps if not s.faithful]
     tried = {s.scale for s in steps}
-    lo, hi = max(ok, default=None), min(bad, default=None)
+    lo = max(ok, key=lambda s: s.scale, default=None)
+    hi = min((s.scale for s in bad), default=None)
     if hi is None:
-        nxt = _round(min(2 * lo, MAX_SCALE))
+        factor = 2.0 if lo.margin is None else autojudge.jump(lo.margin)
+        nxt = min(_round(factor * lo.scale), ceiling)
     elif lo is None:
         nxt = _round(hi / 2)
         nxt = nxt if nxt >= MIN_SCALE else None
-    elif hi > 1.5 * lo:
-        nxt = _round(math.sqrt(lo * hi))
+    elif hi > 1.5 * lo.scale:
+        nxt = _round(math.sqrt(lo.scale * hi))
     else:
         nxt = None
-    return nxt if nxt is not None and nxt not in tried else None
+    if nxt is None or nxt in tried or (fits is not None and not fits(nxt)):
+        return None
+    return nxt
+
+
+def ceiling(exp):
+    """The largest scale.time (two significant digits, rounded down) at which `exp` compiles:
+    its emulated WAN within what this machine can shape (`deploy.compile`)."""
+    def compiles(scale):
+        try:
+            deploy.compile(exp.at_speed(scale))
+            return True
+        except ConfigError:
+            return False
+    if compiles(MAX_SCALE):
+        return MAX_SCALE
+    lo, hi = MIN_SCALE, MAX_SCALE
+    for _ in range(40):         # log-space bisection: well below 1% apart
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if compiles(mid) else (lo, mid)
+    digit = 10 ** (math.floor(math.log10(lo)) - 1)
+    top = math.floor(lo / digit + 1e-9) * digit
+    return top if compiles(top) else top - digit
 
 
 def choose(steps):
@@ -103,15 +155,28 @@ def choose(steps):
     return max((s.scale for s in steps if s.faithful), default=None)
 
 
-def faithful_hint(steps, chosen):
-    """What a scale twice the choice did: the basis of 'a run at twice it would warn'."""
+def faithful_hint(steps, chosen, top=MAX_SCALE):
+    """What a scale above the choice did: the basis of 'a run at twice it would warn'
+    (`top`: the pilot's ceiling)."""
     above = [s for s in steps if s.scale > chosen and not s.faithful]
+    if not above and chosen >= top:
+        return (f"{chosen:g} is the most the links allow (a faster run needs a lower "
+                f"scale.bytes)")
     if not above:
-        return "no unfaithful scale was reached (the search stopped at its limit)"
+        return "no unfaithful scale was reached (the budget or the limit stopped the search)"
     s = min(above, key=lambda s: s.scale)
-    why = s.error or (f"TTFT excess {100 * s.excess_share_p90:.0f}% of p90"
-                      if s.excess_share_p90 is not None else f"{len(s.warnings)} warning(s)")
-    return f"{s.scale:g} was not faithful ({why})"
+    return f"{s.scale:g} was not faithful ({why_not(s)})"
+
+
+def why_not(step):
+    """Why a step was not faithful, in a few words."""
+    if step.error:
+        return step.error
+    share = step.steady_share if step.steady_share is not None else step.excess_share_p90
+    if share is not None and share > autojudge.WARN_SHARE:
+        return f"TTFT excess {100 * share:.2g}% of p90"
+    others = [w for w in step.warnings if not w.startswith(autojudge.WARN_PREFIX)]
+    return f"{len(others)} warning(s): {others[0][:60]}" if others else "no request completed"
 
 
 def choice_line(label, steps, chosen, pilot_s):
@@ -151,6 +216,12 @@ class AutoRun:
         self.starts = starts if starts is not None else Starts()
         self.start = self.starts.next
         self.backend, self.steps, self.record = None, [], {}
+        self.look = autojudge.outlook(exp.at_speed(AUTO_START))
+        self.ceiling = ceiling(exp)
+        self.record["ceiling"] = self.ceiling
+        self.record["outlook"] = {**dataclasses.asdict(self.look),
+                                  "length_factor": self.look.length_factor}
+        self.spent_s = 0.0           # the pilot's steps so far, wall seconds
 
     def execute(self):
         pilot_dir = self.dir / PILOT_DIR
@@ -168,9 +239,10 @@ class AutoRun:
             exp = self.exp.at_speed(scale)
             meta = {"scale_auto": {
                 **self.record, "chosen": scale, "faithful": chosen is not None,
-                "pilot_s": round(pilot_s, 3),
+                "pilot_s": round(pilot_s, 3), "budget_share": autojudge.PILOT_SHARE,
+                "expected_run_s": self._expected_run_s(scale),
                 "pilot_requests": self._pilot_requests(), "start": self.start,
-                "above": faithful_hint(self.steps, scale),
+                "above": faithful_hint(self.steps, scale, self.ceiling),
                 "steps": [s.as_dict() for s in self.steps]}}
             run = self.make_run(exp, self.dir, deployment=deploy.compile(exp),
                                 backend=self.backend, meta=meta, **self.kw)
@@ -183,10 +255,24 @@ class AutoRun:
         n = self.exp.requests
         return min(n, PILOT_REQUESTS) if n is not None else PILOT_REQUESTS
 
+    def _expected_run_s(self, scale):
+        first = next((s for s in self.steps if s.span_s is not None), None)
+        if first is None:
+            return None
+        return round(autojudge.expected_run_s(first, self.look, self._pilot_requests(),
+                                              scale), 3)
+
+    def _fits(self, scale):
+        return autojudge.within_budget(self.steps, self.spent_s, self.look,
+                                       self._pilot_requests(), scale)
+
     def _pilot(self, registry, events, pilot_dir):
-        """Step until `next_scale` says done; returns the choice (None: none faithful)."""
-        while (s := next_scale(self.steps, self.start)) is not None:
+        """Step until `next_scale` says done or the budget is spent; returns the choice
+        (None: none faithful)."""
+        while (s := next_scale(self.steps, self.start, self._fits, self.ceiling)) is not None:
+            t0 = time.monotonic()
             self.steps.append(self._step(s, registry, events, pilot_dir))
+            self.spent_s += time.monotonic() - t0
         self.starts.chose(choose(self.steps))
         return choose(self.steps)
 
@@ -202,7 +288,7 @@ class AutoRun:
             self.backend = open_backend(exp.backend.kind, dep, registry, events, exp.backend,
                                         run_dir=pilot_dir).start()
             self.record["network_build_s"] = round(time.monotonic() - t0, 3)
-        t0, cpu0 = time.monotonic(), children_cpu_s()
+        t0, cpu0, load = time.monotonic(), children_cpu_s(), os.getloadavg()[0]
         run = self.make_run(exp, pilot_dir / f"time{scale:g}", deployment=dep,
                             backend=self.backend, probe=False, progress=False)
         try:
@@ -213,4 +299,7 @@ class AutoRun:
             print(f"scale.time auto: the pilot at {scale:g} failed: {e}", file=sys.stderr)
             return Step(scale, faithful=False, wall_s=round(time.monotonic() - t0, 3),
                         error=f"{type(e).__name__}: {e}")
-        return step_of(scale, summary, time.monotonic() - t0, children_cpu_s() - cpu0)
+        table = RunDir(run.dir).requests
+        requests = pd.read_parquet(table) if table.exists() else None
+        return step_of(scale, summary, time.monotonic() - t0, children_cpu_s() - cpu0,
+                       requests, self.look, load)

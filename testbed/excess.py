@@ -53,6 +53,7 @@ LEGS = ("send", "route", "prefill_queue", "prefill", "kv_transfer", "decode_admi
 ENGINE_LEGS = ("prefill_queue", "prefill", "decode_admission", "first_step")
 REAL_ENGINES = ("vllm",)    # computed at real speed: their own legs are no excess
 WARN_SHARE = 0.05           # warn when the p90 excess exceeds this share of the TTFT p90
+WARN_PREFIX = "the emulation added"   # that warning's start (testbed/autojudge.py)
 NAMED_SHARE = 0.10          # a leg is named in the warning from this share of the mean excess
 TCP_RTO_MAX_S = 120.0       # Linux's TCP_RTO_MAX: the longest a backed-off retransmission waits
 WAN_LEGS = {"route": (1, 2), "prefill_queue": (2, 3), "prefill": (3, 4), "kv_transfer": (4, 5)}
@@ -235,7 +236,7 @@ def summarize(df, factor):
         named = sorted(((v["excess_mean_ms"], leg) for leg, v in out["legs"].items()
                         if v["excess_mean_ms"] >= NAMED_SHARE * out["mean"]), reverse=True)
         legs = ", ".join(f"{leg} {m:.0f} ms" for m, leg in named)
-        warn.append(f"the emulation added {out['p90']:.0f} ms (p90, real-world) to TTFTs, "
+        warn.append(f"{WARN_PREFIX} {out['p90']:.0f} ms (p90, real-world) to TTFTs, "
                     f"{100 * out['share_p90']:.0f}% of the TTFT p90 ({_p(ttft, 90):.0f} ms), "
                     f"at scale.time {factor:g}; mean excess by leg: {legs}; without it "
                     f"the TTFT p50/p90 would be {out['ttft_corrected_p50']:.0f}/"

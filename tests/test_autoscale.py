@@ -97,3 +97,18 @@ def test_a_later_pilot_starts_at_the_last_choice_and_still_brackets():
     while (s := next_scale(steps, starts.next)) is not None:
         steps.append(Step(s, faithful=s < 16))
     assert [s.scale for s in steps] == [20, 10, 14] and choose(steps) == 14
+
+
+def test_the_pilot_stops_at_the_largest_scale_the_links_allow():
+    """The case study's WAN (100 Gbit/s at scale.bytes 1e-3) is 5 Gbit/s emulated at 50x: the
+    jump from a faithful 40 with room to spare goes to 50, not to a scale that cannot run."""
+    exp = load_experiment(CASE, ["scale.time=auto"])[0]
+    assert autoscale.ceiling(exp) == 50
+    smaller = load_experiment(CASE, ["scale.time=auto", "scale.bytes=2.5e-4"])[0]
+    assert autoscale.ceiling(smaller) == 200
+    steps = [Step(40, True, 0.001, first_token_lag_ms=2.0)]
+    assert next_scale(steps, ceiling=50) == 50
+    steps.append(Step(50, True, 0.002, first_token_lag_ms=3.0))
+    assert next_scale(steps, ceiling=50) is None
+    assert "the most the links allow" in autoscale.faithful_hint(steps, 50, 50)
+    assert next_scale([], start=80, ceiling=50) == 50

@@ -1,0 +1,166 @@
+"""`scale.time: auto`: how one pilot step is judged, how far the next step jumps, and what the
+pilot may cost (issue 22, item 2).
+
+Place in the architecture: below `testbed.autoscale` (which runs the steps), above the
+analysis it reads. Pure functions of what a step's run directory holds (summary.json and
+requests.parquet, `testbed.analysis`) and of the experiment, so the unit tests feed recorded
+steps and need no root.
+
+- **The steady excess.** A pilot is short (`PILOT_REQUESTS`), and its first requests pay for
+  the workers' warm-up: on 2026-12-02 the first half of a 40-request pilot had 2-4x the TTFT
+  excess of the second half, and the second half's p90 was within 0.5-1.5x of the full run's
+  at the same scale (homogeneous 28x: 247 ms against 321; many_instances 10x: 100-113 against
+  98-121). So the TTFT excess is judged on the requests after the first `WARMUP_SHARE`.
+- **Against the measured run's TTFT.** The run's guard is the excess p90 as a share of the
+  run's own TTFT p90. A run offered above capacity queues for its whole length (the case
+  study: TTFT p90 29-167 s over 600 requests), a 40-request pilot only for 40 (7-17 s), so the
+  same excess is a 5-10x larger share in the pilot. `outlook` predicts the
+  measured run's p90 from the planner over the measured run's own request list (not the
+  pilot's: its 40 lengths gave prfaas a Lambda_max 16% low): the TTFT model below capacity,
+  the queue's 0.9 N (1/Lambda_max - 1/lambda) above it; never less than the step's own p90.
+- **Above capacity, with room for the run's length.** Offered above capacity, the measured run
+  keeps every instance busy for its whole length and its backlog grows, a load the pilot's 40
+  requests never reach: prfaas at 40x (2026-12-02 22:47) had a steady excess p90 of 473 ms
+  in the pilot and 1878 ms in the run (6.5% of its p90: a warning), at 28x 187 and 618 ms;
+  homogeneous and naive 1.2-1.3x, many_instances (below capacity) 0.6-1.0x. So above the
+  planner's Lambda_max the steady excess counts `ABOVE_CAPACITY_FACTOR` (4) times.
+- **Every other guard as the run has it** (first-token lag, decode wake-ups, step and prefill
+  ratios, KV transfers, TCP timeouts, start-up): a step with any of their warnings is not
+  faithful.
+- **The jump** after a faithful step: the guards' headroom `margin` (the bound over the
+  measured value, the least of the TTFT excess and the first-token lag), and real-world
+  excess grows at least in proportion to scale.time (an emulated delay times the scale) and
+  faster as the CPU fills up (2.2-7.8x from one scale to twice it, the full runs of
+  2026-12-02), so the next scale is the scale x margin ** (1 / `GROWTH`), between `JUMP_MIN`
+  and `JUMP_MAX`.
+- **The budget**: the pilot may cost `PILOT_SHARE` of the measured run's expected wall time
+  (`expected_run_s`, from the first step's fixed costs and its span, scaled to the run's
+  requests). It stops before a step that would overrun it, after at least `MIN_STEPS`.
+"""
+
+import dataclasses
+import math
+
+import numpy as np
+
+from testbed import excess, metrics
+from testbed.workload import generate
+
+WARN_SHARE, WARN_PREFIX = excess.WARN_SHARE, excess.WARN_PREFIX    # the run's TTFT guard
+
+WARMUP_SHARE = 0.5       # the pilot's first half (by request id) is its warm-up
+LAG_BOUND_MS = 50.0      # the first-token lag's bound (testbed.metrics warns above it)
+GROWTH = 2.0             # real-world excess ~ scale ** GROWTH near the bound
+JUMP_MIN, JUMP_MAX = 1.4, 4.0
+ABOVE_CAPACITY_FACTOR = 4.0   # a run offered above capacity: its excess up to 4x the pilot's
+PILOT_SHARE = 0.20       # of the measured run's expected wall time
+MIN_STEPS = 2            # one to measure the headroom, one to confirm the jump
+
+
+def steady_excess_p90_ms(requests):
+    """The TTFT excess p90 (real-world ms) of the completed requests after the warm-up
+    (`requests`: requests.parquet as `testbed.analysis` wrote it), or None."""
+    if "excess_ms" not in requests:
+        return None
+    ok = requests[(requests.status == "ok") & requests.excess_ms.notna()].sort_values("id")
+    steady = ok.iloc[int(len(ok) * WARMUP_SHARE):]
+    return float(np.percentile(steady.excess_ms, 90)) if len(steady) else None
+
+
+def queue_p90_ms(requests, rate, capacity):
+    """The TTFT p90 of `requests` offered at `rate` above `capacity` (req/s): the 90th request
+    in a hundred waits for 0.9 N of them to be served while 0.9 N arrived."""
+    if not capacity or rate <= capacity:
+        return None
+    return 0.9 * requests * (1 / capacity - 1 / rate) * 1e3
+
+
+@dataclasses.dataclass(frozen=True)
+class Outlook:
+    """What the planner expects of the measured run: its request count, its TTFT p90
+    (real-world ms; None: no prediction) and the rate it serves them at (req/s, the offered
+    rate or, above it, Lambda_max)."""
+    requests: int
+    ttft_p90_ms: float | None = None
+    serve_rate: float | None = None
+    above_capacity: bool = False
+
+    @property
+    def length_factor(self):
+        """How much more excess the measured run may show than the pilot's steady part."""
+        return ABOVE_CAPACITY_FACTOR if self.above_capacity else 1.0
+
+
+def outlook(exp):
+    """The `Outlook` of the measured run `exp`, from its whole request list."""
+    wl = generate(exp.workload, exp.seed, requests=exp.requests, duration_s=exp.duration)
+    pred = metrics.predicted(exp, wl.input_len.to_numpy(), wl.output_len.to_numpy(),
+                             wl.arrival_s.to_numpy())
+    ttft = pred.get("ttft") or {}
+    rate, cap = ttft.get("rate"), pred.get("lambda_max_expected", pred.get("lambda_max"))
+    if not rate:
+        return Outlook(len(wl))
+    serve = min(rate, cap) if cap else rate
+    p90 = ttft.get("p90_ttft_ms") or queue_p90_ms(ttft["requests"], rate, cap)
+    return Outlook(len(wl), None if p90 is None else float(p90), serve,
+                   above_capacity=bool(cap) and rate > cap)
+
+
+def judge(summary, steady_ms, look):
+    """(faithful, share): the step's steady excess, times the run's `length_factor`, as a
+    share of the TTFT p90 the measured run will have (`look`: its `Outlook`; None: the
+    step's own p90); faithful when that share is within the run's bound and no other guard
+    warned."""
+    others = [w for w in summary.get("warnings") or () if not w.startswith(WARN_PREFIX)]
+    own = summary.get("p90_ttft_ms") or 0.0
+    base = max(own, (look.ttft_p90_ms if look else None) or 0.0)
+    factor = look.length_factor if look else 1.0
+    share = factor * steady_ms / base if steady_ms is not None and base > 0 else None
+    within = share is None or share <= WARN_SHARE
+    return (summary.get("completed", 0) > 0 and not others and within), share
+
+
+def margin(share, lag_ms):
+    """The guards' headroom: how far the measured values are below their bounds (>1: room)."""
+    m = [WARN_SHARE / share if share else math.inf,
+         LAG_BOUND_MS / lag_ms if lag_ms else math.inf]
+    return min(m)
+
+
+def jump(headroom):
+    """The factor to the next scale after a faithful step with `headroom`."""
+    if not math.isfinite(headroom):
+        return JUMP_MAX
+    return min(JUMP_MAX, max(JUMP_MIN, headroom ** (1 / GROWTH)))
+
+
+def expected_run_s(first, look, pilot_requests, scale):
+    """The measured run's expected wall time (s) at `scale`, from the first pilot step
+    (`first`: its scale, wall_s and span_s, the requests' span) and the run's `Outlook`: the
+    step's fixed costs (start, stop, analysis) plus its span in real-world seconds and the
+    rest of the run's requests at the rate the planner expects them served."""
+    fixed = max(first.wall_s - first.span_s, 0.0)
+    span_real = first.span_s * first.scale
+    more = max(look.requests - pilot_requests, 0)
+    if look.serve_rate:
+        span_real += more / look.serve_rate
+    else:                 # no planner: the pilot's pace
+        span_real *= look.requests / max(pilot_requests, 1)
+    return fixed + span_real / scale
+
+
+def step_cost_s(first, scale):
+    """A pilot step's expected wall time at `scale`."""
+    return max(first.wall_s - first.span_s, 0.0) + first.span_s * first.scale / scale
+
+
+def within_budget(steps, spent_s, look, pilot_requests, scale):
+    """Whether one more step at `scale` keeps the pilot within `PILOT_SHARE` of the measured
+    run's expected wall time (at `scale`, the run's likely scale)."""
+    if len(steps) < MIN_STEPS:
+        return True
+    first = next((s for s in steps if s.span_s is not None), None)
+    if first is None:
+        return True
+    budget = PILOT_SHARE * expected_run_s(first, look, pilot_requests, scale)
+    return spent_s + step_cost_s(first, scale) <= budget
