@@ -71,18 +71,34 @@ def run_case_study(scale_time, sets, out, probe=True):
 
 
 def pilot_line(vdir):
-    """One variant's `scale_auto` record in one line, or None for a fixed scale."""
+    """One variant's `scale_auto` record in one line, or None for a fixed scale. One variant
+    ran the experiment's pilot (its steps); the others took a scale from it."""
     meta = rundir.metadata(vdir)
     rec = meta.get("scale_auto")
     if not rec:
         return None
     span = meta["end_time"] - meta["start_time"]
+    if "steps" not in rec:
+        return (f"{vdir.name}: {rec['chosen']:g} from the pilot of {rec['piloted']} "
+                f"({rec['pilot_chosen']} x {rec['factor']:.3g}, its room); no pilot of its "
+                f"own; span {span:.1f} s")
     tried = ", ".join(f"{s['scale']:g}{'' if s['faithful'] else '!'}{_share(s)}"
                       for s in rec["steps"])
-    return (f"{vdir.name}: chose {rec['chosen']:g} of {tried}; pilot {rec['pilot_s']:.1f} s "
-            f"(+ network build {rec.get('network_build_s', 0):.1f} s, reused) = "
-            f"{100 * rec['pilot_s'] / span:.0f}% of the variant's span {span:.1f} s; "
-            f"above: {rec['above']}")
+    return (f"{vdir.name}: pilot on {rec['piloted']}: {rec['pilot_chosen']} of {tried}; "
+            f"pilot {rec['pilot_s']:.1f} s (+ network build {rec.get('network_build_s', 0):.1f}"
+            f" s, reused); span {span:.1f} s; above: {rec.get('above')}")
+
+
+def pilot_share(run_dir):
+    """The pilot's wall time over the measured runs' (metadata start to end), in one line."""
+    pilot, runs = 0.0, 0.0
+    for vdir in rundir.find_runs(run_dir):
+        meta = rundir.metadata(vdir)
+        if meta.get("scale_auto"):
+            pilot += meta["scale_auto"].get("pilot_s", 0.0)
+            runs += meta["end_time"] - meta["start_time"]
+    return (f"pilot {pilot:.1f} s over the runs' {runs:.1f} s: {100 * pilot / runs:.0f}%"
+            if runs else None)
 
 
 def _share(step):
@@ -187,6 +203,7 @@ def main():
             rows += table_rows(st, wall_s, run_dir)
             costs.append(f"scale.time {st}: wall {wall_s:.1f} s; {cost.fmt_cost(c)}")
             pilots += filter(None, map(pilot_line, sorted(rundir.find_runs(run_dir))))
+            pilots += filter(None, [pilot_share(run_dir)])
             if st == "auto" and args.twice:
                 more, notes = twice_rows(run_dir, extra, not args.smoke)
                 rows, pilots = rows + more, pilots + notes

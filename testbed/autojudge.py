@@ -33,9 +33,10 @@ steps and need no root.
   faster as the CPU fills up (2.2-7.8x from one scale to twice it, the full runs of
   2026-12-02), so the next scale is the scale x margin ** (1 / `GROWTH`), between `JUMP_MIN`
   and `JUMP_MAX`.
-- **The budget**: the pilot may cost `PILOT_SHARE` of the measured run's expected wall time
-  (`expected_run_s`, from the first step's fixed costs and its span, scaled to the run's
-  requests). It stops before a step that would overrun it, after at least `MIN_STEPS`.
+- **The budget**: the pilot may cost `PILOT_SHARE` of the measured runs' expected wall time
+  (`expected_run_s`, from the first step's fixed costs and its span, scaled to each run's
+  requests; every run that shares the pilot: testbed/autoshare.py). It stops before a step
+  that would overrun it, after at least `MIN_STEPS`.
 """
 
 import dataclasses
@@ -154,13 +155,15 @@ def step_cost_s(first, scale):
     return max(first.wall_s - first.span_s, 0.0) + first.span_s * first.scale / scale
 
 
-def within_budget(steps, spent_s, look, pilot_requests, scale):
+def within_budget(steps, spent_s, look, pilot_requests, scale, others=()):
     """Whether one more step at `scale` keeps the pilot within `PILOT_SHARE` of the measured
-    run's expected wall time (at `scale`, the run's likely scale)."""
+    runs' expected wall time: the piloted run at `scale` (its likely scale) and `others`,
+    (Outlook, factor) of the runs that share the pilot, each at `scale` x its factor."""
     if len(steps) < MIN_STEPS:
         return True
     first = next((s for s in steps if s.span_s is not None), None)
     if first is None:
         return True
-    budget = PILOT_SHARE * expected_run_s(first, look, pilot_requests, scale)
-    return spent_s + step_cost_s(first, scale) <= budget
+    runs = [(look, 1.0), *others]
+    expected = sum(expected_run_s(first, lk, pilot_requests, scale * f) for lk, f in runs)
+    return spent_s + step_cost_s(first, scale) <= PILOT_SHARE * expected

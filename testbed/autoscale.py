@@ -4,27 +4,31 @@ scale.time on this machine now, then the measured run uses it (issue 22, item 2)
 Place in the architecture: beside the runner. `testbed.run` hands its `Run` class in (this
 module never imports it: layers point down), and `AutoRun` drives one expanded run:
 
-1. build the backend once (the network, the WAN), at the first scale tried;
-2. pilot steps, each a short `Run` (the first `PILOT_REQUESTS` requests of the same workload,
-   no link probe) on that same network, carried over to the step's scale (`rescale`: the WAN's
-   links and the hosts' TCP timers; the workers start afresh, since runtime.json is in
-   emulated units). A step is judged as testbed/autojudge.py says: every guard of the run
-   (first-token lag, decode wake-ups, step and prefill ratios, KV transfers, TCP timeouts,
-   start-up) but the TTFT excess as the run has it; that one on the requests after the
-   warm-up, against the TTFT p90 the planner expects of the measured run, not the pilot's;
-3. the measured run at the chosen scale, on the same network again; its metadata.json
-   records the pilot (`scale_auto`) and `testbed run` prints the choice in one line.
+1. the experiment's pilot, when no run before this one ran it (`Pilot`; one per experiment,
+   on the run with the least room: testbed/autoshare.py). It builds the backend once (the
+   network, the WAN) at the first scale tried, then runs steps, each a short `Run` (the first
+   `PILOT_REQUESTS` requests of the same workload, no link probe) on that same network,
+   carried over to the step's scale (`rescale`: the WAN's links and the hosts' TCP timers; the
+   workers start afresh, forked from the launcher, since runtime.json is in emulated units).
+   A step is judged as testbed/autojudge.py says: every guard of the run (first-token lag,
+   decode wake-ups, step and prefill ratios, KV transfers, TCP timeouts, start-up) but the
+   TTFT excess as the run has it; that one on the requests after the warm-up, against the
+   TTFT p90 the planner expects of the measured run, not the pilot's;
+2. the measured run at the scale `autoshare.Shared.scale_for` gives it (the pilot's choice,
+   faster by the run's room over the piloted run's), on the pilot's network when the pilot
+   ran on this run's deployment; its metadata.json records the pilot (`scale_auto`) and
+   `testbed run` prints the scale in one line.
 
-The search (`next_scale`, pure): start at `AUTO_START` (10; a later run of the same experiment
-at the previous run's choice: `Starts`); from a faithful step jump up by the headroom its
-guards measured (`autojudge.jump`: 1.4-4x; 2x when a step measured none), halve while not
-faithful, and once there is a faithful scale a below an unfaithful one b > 1.5 a, try their
-geometric mean once; the largest faithful scale tried is the choice. The pilot stops before a
-step that would take it past `autojudge.PILOT_SHARE` of the measured run's expected wall time,
-after at least `autojudge.MIN_STEPS` (a measurement and the jump it predicts), so a scale
-twice the choice was tried and warned only where the budget allowed the search to bracket;
-the record says what the scale above did (`faithful_hint`). Stepping rather than a CPU-cost
-model, because the guards are what defines faithful; the jump uses what one step measured.
+The search (`next_scale`, pure): start at `AUTO_START` (10); from a faithful step jump up by
+the headroom its guards measured (`autojudge.jump`: 1.4-4x; 2x when a step measured none),
+halve while not faithful, and once there is a faithful scale a below an unfaithful one b >
+1.5 a, try their geometric mean once; the largest faithful scale tried is the choice. The
+pilot stops before a step that would take it past `autojudge.PILOT_SHARE` of the experiment's
+runs' expected wall time, after at least `autojudge.MIN_STEPS` (a measurement and the jump it
+predicts), so a scale twice the choice was tried and warned only where the budget allowed the
+search to bracket; the record says what the scale above did (`faithful_hint`). Stepping
+rather than a CPU-cost model, because the guards are what defines faithful; the jump uses
+what one step measured.
 """
 
 import dataclasses
@@ -37,7 +41,7 @@ import time
 
 import pandas as pd
 
-from testbed import autojudge, deploy, lifecycle
+from testbed import autojudge, autoshare, deploy, lifecycle
 from testbed.backend import open_backend
 from testbed.errors import ConfigError, RunInterrupted, TestbedError
 from testbed.experiment import AUTO, AUTO_START
@@ -190,95 +194,131 @@ def choice_line(label, steps, chosen, pilot_s):
             f"(! warned; pilot {pilot_s:.1f} s)")
 
 
-class Starts:
-    """Where the next pilot of one experiment starts: the last choice (the same machine,
-    minutes later, a deployment of the same kind), else `AUTO_START`. Only the cost depends on
-    it: the search brackets the largest faithful scale from any start."""
-
-    def __init__(self):
-        self.next = AUTO_START
-
-    def chose(self, scale):
-        if scale is not None:
-            self.next = scale
-
-
 class AutoRun:
-    """One expanded run with `scale.time: auto`: pilot, then the measured run, on one network.
+    """One expanded run with `scale.time: auto`: the experiment's pilot (when no run before it
+    ran it: testbed/autoshare.py), then the measured run at the scale it gives this run.
 
     `make_run(exp, run_dir, deployment=, backend=, meta=, **kw)` is the runner's `Run` (passed
-    in); `execute()` returns the measured run's summary."""
+    in); `shared`: the experiment's `autoshare.Shared` (default: this run alone); `execute()`
+    returns the measured run's summary."""
 
-    def __init__(self, exp, run_dir, make_run, starts=None, **kw):
+    def __init__(self, exp, run_dir, make_run, shared=None, **kw):
         if exp.scale.time != AUTO:
             raise ValueError("AutoRun runs experiments with scale.time auto")
         self.exp, self.dir, self.make_run, self.kw = exp, pathlib.Path(run_dir), make_run, kw
-        self.starts = starts if starts is not None else Starts()
-        self.start = self.starts.next
-        self.backend, self.steps, self.record = None, [], {}
-        self.look = autojudge.outlook(exp.at_speed(AUTO_START))
+        self.shared = shared if shared is not None else autoshare.Shared([exp])
+        if self.shared.position(exp) is None:        # not among the runs it was made for
+            self.shared = autoshare.Shared([exp])
         self.ceiling = ceiling(exp)
-        self.record["ceiling"] = self.ceiling
-        self.record["outlook"] = {**dataclasses.asdict(self.look),
-                                  "length_factor": self.look.length_factor}
-        self.spent_s = 0.0           # the pilot's steps so far, wall seconds
+        self.backend = None
 
     def execute(self):
-        pilot_dir = self.dir / PILOT_DIR
-        pilot_dir.mkdir(parents=True, exist_ok=True)
         registry = lifecycle.Registry(secrets.token_hex(2))
-        events = EventLog(RunDir(pilot_dir).events)
-        self.record["network_run_id"] = registry.run_id     # its interfaces' prefix
         try:
-            t0 = time.monotonic()
-            chosen = self._pilot(registry, events, pilot_dir)
-            # its cost: what a run at a fixed scale does not do (it builds the network too)
-            pilot_s = time.monotonic() - t0 - self.record.get("network_build_s", 0.0)
-            print(choice_line(self.exp.run_label, self.steps, chosen, pilot_s), flush=True)
-            scale = chosen if chosen is not None else min(s.scale for s in self.steps)
+            pilot = None
+            if self.shared.pilot is None:
+                own = self.shared.target is self.exp
+                pilot = Pilot(self.shared, self.dir / PILOT_DIR, self.make_run)
+                self.backend = pilot.execute(registry if own else None, self.exp.run_label)
+            scale = self.shared.scale_for(self.exp, self.ceiling)
+            print(self._line(scale), flush=True)
             exp = self.exp.at_speed(scale)
-            meta = {"scale_auto": {
-                **self.record, "chosen": scale, "faithful": chosen is not None,
-                "pilot_s": round(pilot_s, 3), "budget_share": autojudge.PILOT_SHARE,
-                "expected_run_s": self._expected_run_s(scale),
-                "pilot_requests": self._pilot_requests(), "start": self.start,
-                "above": faithful_hint(self.steps, scale, self.ceiling),
-                "steps": [s.as_dict() for s in self.steps]}}
+            meta = {"scale_auto": self._meta(scale, pilot)}
             run = self.make_run(exp, self.dir, deployment=deploy.compile(exp),
                                 backend=self.backend, meta=meta, **self.kw)
             return run.execute()
         finally:
             registry.close()
-            events.close()
 
-    def _pilot_requests(self):
+    def _line(self, scale):
+        p = self.shared.pilot
+        if p["label"] == self.exp.run_label and p.get("line"):
+            return p["line"]
+        how = (f"{p['label']}'s {p['chosen']:g} x {self.shared.factor_of(self.exp):.2g} "
+               "(its room)" if p["chosen"] is not None else "no faithful scale in the pilot")
+        return f"scale.time auto ({self.exp.run_label}): {scale:g}, from the pilot of {how}"
+
+    def _meta(self, scale, pilot):
+        p, sh = self.shared.pilot, self.shared
+        look = sh.look_of(self.exp)
+        rec = {"chosen": scale, "faithful": p["chosen"] is not None, "ceiling": self.ceiling,
+               "piloted": p["label"], "pilot_chosen": p["chosen"],
+               "factor": round(sh.factor_of(self.exp), 4),
+               "room_ms": autoshare.room_ms(look),
+               "outlook": {**dataclasses.asdict(look), "length_factor": look.length_factor},
+               "budget_share": autojudge.PILOT_SHARE}
+        if pilot is not None:        # this run ran the experiment's pilot
+            rec.update(pilot.record, pilot_s=p["pilot_s"], steps=p["steps"])
+            if p["label"] == self.exp.run_label:
+                rec["above"] = faithful_hint(pilot.steps, p["chosen"] or scale, pilot.ceiling)
+        return rec
+
+
+class Pilot:
+    """The pilot of an experiment: steps on `shared.target`'s deployment in `pilot_dir`, until
+    `next_scale` says done or the budget (the experiment's runs together) is spent."""
+
+    def __init__(self, shared, pilot_dir, make_run):
+        self.shared, self.dir, self.make_run = shared, pathlib.Path(pilot_dir), make_run
+        self.exp, self.look = shared.target, shared.target_look
+        self.ceiling = ceiling(self.exp)
+        self.steps, self.backend, self.spent_s = [], None, 0.0
+        self.record = {"pilot_ceiling": self.ceiling, "start": AUTO_START,
+                       "pilot_requests": self._requests(),
+                       "pilot_outlook": {**dataclasses.asdict(self.look),
+                                         "length_factor": self.look.length_factor}}
+
+    def execute(self, registry, label):
+        """Run the pilot; `registry`: the measured run's, whose network the pilot builds and
+        hands over (returned), or None (another run's deployment: built and torn down here).
+        Records the outcome in `shared`."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        own = registry is not None
+        registry = registry or lifecycle.Registry(secrets.token_hex(2))
+        events = EventLog(RunDir(self.dir).events)
+        self.record["network_run_id"] = registry.run_id     # its interfaces' prefix
+        t0 = time.monotonic()
+        try:
+            while (s := next_scale(self.steps, AUTO_START, self._fits, self.ceiling)) is not None:
+                t1 = time.monotonic()
+                self.steps.append(self._step(s, registry, events))
+                self.spent_s += time.monotonic() - t1
+        finally:
+            events.close()
+            if not own:
+                registry.close()
+        # its cost: what a run at a fixed scale does not do (when its own, it builds the
+        # network too)
+        built = self.record.get("network_build_s", 0.0) if own else 0.0
+        pilot_s = round(time.monotonic() - t0 - built, 3)
+        chosen = choose(self.steps)
+        fallback = min((s.scale for s in self.steps), default=AUTO_START)
+        self.shared.record(self.exp.run_label, chosen, fallback,
+                           [s.as_dict() for s in self.steps], pilot_s)
+        self.shared.pilot["line"] = choice_line(self.exp.run_label, self.steps, chosen, pilot_s)
+        self.record["expected_run_s"] = self._expected(chosen or fallback)
+        return self.backend if own else None
+
+    def _requests(self):
         n = self.exp.requests
         return min(n, PILOT_REQUESTS) if n is not None else PILOT_REQUESTS
 
-    def _expected_run_s(self, scale):
+    def _expected(self, scale):
+        """The experiment's runs' expected wall time together at `scale` (the piloted run's)."""
         first = next((s for s in self.steps if s.span_s is not None), None)
         if first is None:
             return None
-        return round(autojudge.expected_run_s(first, self.look, self._pilot_requests(),
-                                              scale), 3)
+        runs = [(self.look, 1.0), *self.shared.others()]
+        return round(sum(autojudge.expected_run_s(first, look, self._requests(), scale * f)
+                         for look, f in runs), 3)
 
     def _fits(self, scale):
-        return autojudge.within_budget(self.steps, self.spent_s, self.look,
-                                       self._pilot_requests(), scale)
+        return autojudge.within_budget(self.steps, self.spent_s, self.look, self._requests(),
+                                       scale, self.shared.others())
 
-    def _pilot(self, registry, events, pilot_dir):
-        """Step until `next_scale` says done or the budget is spent; returns the choice
-        (None: none faithful)."""
-        while (s := next_scale(self.steps, self.start, self._fits, self.ceiling)) is not None:
-            t0 = time.monotonic()
-            self.steps.append(self._step(s, registry, events, pilot_dir))
-            self.spent_s += time.monotonic() - t0
-        self.starts.chose(choose(self.steps))
-        return choose(self.steps)
-
-    def _step(self, scale, registry, events, pilot_dir):
-        exp = dataclasses.replace(self.exp.at_speed(scale),
-                                  requests=self._pilot_requests(), duration=None)
+    def _step(self, scale, registry, events):
+        exp = dataclasses.replace(self.exp.at_speed(scale), requests=self._requests(),
+                                  duration=None)
         try:
             dep = deploy.compile(exp)
         except ConfigError as e:      # the link cannot be shaped at this scale: a ceiling
@@ -286,10 +326,10 @@ class AutoRun:
         if self.backend is None:     # built once: what a run without the pilot builds too
             t0 = time.monotonic()
             self.backend = open_backend(exp.backend.kind, dep, registry, events, exp.backend,
-                                        run_dir=pilot_dir).start()
+                                        run_dir=self.dir).start()
             self.record["network_build_s"] = round(time.monotonic() - t0, 3)
         t0, cpu0, load = time.monotonic(), children_cpu_s(), os.getloadavg()[0]
-        run = self.make_run(exp, pilot_dir / f"time{scale:g}", deployment=dep,
+        run = self.make_run(exp, self.dir / f"time{scale:g}", deployment=dep,
                             backend=self.backend, probe=False, progress=False)
         try:
             summary = run.execute()

@@ -36,7 +36,8 @@ import time
 from testbed import (analysis, clocks, config, deploy, faultspec, fidelity, lifecycle, loadgen,
                      loadrun, ownership, plot, plot_load, replicates, rundir, runinputs, sim,
                      vllmrun)
-from testbed.autoscale import AutoRun, Starts
+from testbed.autoscale import AutoRun
+from testbed.autoshare import Shared
 from testbed.backend import open_backend, preflight
 from testbed.errors import ConfigError, PrivilegeError, RunInterrupted, WorkerError
 from testbed.experiment import AUTO
@@ -411,13 +412,13 @@ def execute(path, overrides=(), out=None, probe=True, cli=False, progress=True, 
     made = ownership.missing_ancestors(top)
     top.mkdir(parents=True, exist_ok=True)
     summaries, probes = [], LinkProbes(probe)   # each distinct WAN probed once, in its first run
-    starts = Starts()           # scale.time auto: each pilot starts where the last one chose
+    shared = Shared(runs)       # scale.time auto: one pilot for the experiment's runs
     try:
         with serve.watching(top, metrics_port):     # the exporter, until the figures are made
             for exp, dep in zip(runs, deployments):
                 run_dir = run_path(top, exp, len(runs))
                 summaries.append(_replicate(exp, run_dir, _runner(
-                    exp, dep, run_dir, starts, cli=cli, progress=progress, hold=hold,
+                    exp, dep, run_dir, shared, cli=cli, progress=progress, hold=hold,
                     probes=probes)))
             if len(runs) > 1:
                 analysis.write_sweep(top, summaries)
@@ -439,14 +440,14 @@ def run_path(top, exp, n_runs):
     return d / f"r{exp.replicate}" if exp.replicates > 1 and n_runs > 1 else d
 
 
-def _runner(exp, dep, run_dir, starts=None, **kw):
+def _runner(exp, dep, run_dir, shared=None, **kw):
     """The `execute` of one run: in virtual time on backend sim (no network, no processes),
-    else the emulation's `Run` (`scale.time: auto`: after a pilot, which starts at
-    `starts.next`: testbed/autoscale.py)."""
+    else the emulation's `Run` (`scale.time: auto`: after the experiment's pilot, `shared`:
+    testbed/autoscale.py, testbed/autoshare.py)."""
     if exp.backend.kind == "sim":
         return SimRun(exp, run_dir, deployment=dep).execute
     if exp.scale.time == AUTO:
-        return AutoRun(exp, run_dir, Run, starts=starts, **kw).execute
+        return AutoRun(exp, run_dir, Run, shared=shared, **kw).execute
     return Run(exp, run_dir, deployment=dep, **kw).execute
 
 

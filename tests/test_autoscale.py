@@ -88,13 +88,9 @@ def test_auto_is_refused_by_up_and_for_vllm_before_anything_starts():
         load_experiment(CASE, ["scale.time=auto", "model.engine=vllm"])
 
 
-def test_a_later_pilot_starts_at_the_last_choice_and_still_brackets():
-    starts = autoscale.Starts()
-    assert starts.next == autoscale.AUTO_START
-    starts.chose(None)                 # nothing faithful: the start stays
-    starts.chose(20)
+def test_a_pilot_started_above_the_bound_still_brackets():
     steps = []
-    while (s := next_scale(steps, starts.next)) is not None:
+    while (s := next_scale(steps, 20)) is not None:
         steps.append(Step(s, faithful=s < 16))
     assert [s.scale for s in steps] == [20, 10, 14] and choose(steps) == 14
 

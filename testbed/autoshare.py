@@ -1,0 +1,110 @@
+"""`scale.time: auto` across the runs of one experiment: one pilot, on the run with the least
+room, and a scale for every run from it (issue 22, item 2).
+
+Place in the architecture: beside `testbed.autoscale` (which runs the pilot and asks this
+module which run to pilot and what scale each run gets), above `testbed.autojudge`. Pure: no
+run, no root, so the unit tests feed it experiments and recorded outlooks.
+
+Why one pilot, not one per run: a pilot step costs a fixed part (the network carried over to
+the step's scale, the workers' start, the client's, the teardown and the analysis: 1.6-2.2 s
+for the case study's 12 instances on 2026-12-03, with the workers forked from the launcher)
+plus its requests' span, and the pilot needs two steps at least (a measurement and the jump it
+predicts). Three pilots of two steps cost 48% of the case study's three runs (04:15 UTC); one
+pilot of two or three steps is within 20% of them.
+
+- **The run piloted** is the one with the least room (`room_ms`): the TTFT excess (real-world
+  ms, p90) its guard allows, `autojudge.WARN_SHARE` of the TTFT p90 the planner expects of it
+  (`autojudge.outlook`), over its length factor (4 above capacity: the excess grows over a
+  long run). The case study at 4 req/s: prfaas 368 ms, naive 1041, homogeneous 2073.
+- **Every other run's scale** is the pilot's choice times the square root of its room over
+  the piloted run's (`GROWTH`, as the jump: the excess grows about as the scale squared near
+  the bound), at most `autojudge.JUMP_MAX` times it and at most the run's own ceiling. This
+  assumes the runs' excess in ms is alike at one scale on one machine (2026-12-03 04:15, 12
+  instances each: homogeneous 883 ms and naive 1202 ms at 50x, prfaas 175 ms at 20x, about
+  1100 at 50x by the square): the runs' own guards say when it is not.
+- **The budget** is `autojudge.PILOT_SHARE` of all the runs' expected wall time together.
+"""
+
+import math
+
+from testbed import autojudge
+from testbed.experiment import AUTO, AUTO_START
+
+GROWTH = autojudge.GROWTH
+
+
+def room_ms(look):
+    """The TTFT excess p90 (real-world ms) a run with `Outlook` `look` may show before its
+    guard warns, as the pilot judges it; None when the planner predicts no TTFT."""
+    if look is None or not look.ttft_p90_ms:
+        return None
+    return autojudge.WARN_SHARE * look.ttft_p90_ms / look.length_factor
+
+
+def round_down(x):
+    """Two significant digits, rounded down (34.7 -> 34): a scale no higher than derived."""
+    digit = 10 ** (math.floor(math.log10(x)) - 1)
+    return float(f"{math.floor(x / digit + 1e-9) * digit:.2g}")
+
+
+def factor(room, base_room):
+    """How much faster than the piloted run (room `base_room`) a run with `room` may go."""
+    if not room or not base_room or room <= base_room:
+        return 1.0
+    return min(autojudge.JUMP_MAX, (room / base_room) ** (1 / GROWTH))
+
+
+class Shared:
+    """The pilot of one experiment, shared by its runs with `scale.time: auto`.
+
+    `looks`: the planner's `Outlook` of each of `runs` (computed here when not given: the
+    tests pass recorded ones); `target`: the run to pilot; `pilot`: the pilot's outcome once it
+    ran (`record(...)`), which `scale_for` turns into each run's scale."""
+
+    def __init__(self, runs, looks=None):
+        self.runs = [exp for exp in runs if exp.scale.time == AUTO]
+        self.looks = looks if looks is not None else [
+            autojudge.outlook(exp.at_speed(AUTO_START)) for exp in self.runs]
+        rooms = [room_ms(look) for look in self.looks]
+        known = [i for i, r in enumerate(rooms) if r is not None]
+        self.index = min(known, key=lambda i: rooms[i]) if known else 0
+        self.pilot = None
+
+    @property
+    def target(self):
+        return self.runs[self.index] if self.runs else None
+
+    @property
+    def target_look(self):
+        return self.looks[self.index] if self.looks else None
+
+    def position(self, exp):
+        """The index of `exp` among the runs (by identity: the runner's own objects)."""
+        return next((i for i, e in enumerate(self.runs) if e is exp), None)
+
+    def look_of(self, exp):
+        i = self.position(exp)
+        return self.looks[i] if i is not None else autojudge.outlook(exp.at_speed(AUTO_START))
+
+    def factor_of(self, exp):
+        """`factor` of `exp` against the piloted run."""
+        return factor(room_ms(self.look_of(exp)), room_ms(self.target_look))
+
+    def others(self):
+        """(Outlook, factor) of every run but the piloted one: the pilot's budget covers them."""
+        base = room_ms(self.target_look)
+        return [(look, factor(room_ms(look), base))
+                for i, look in enumerate(self.looks) if i != self.index]
+
+    def record(self, label, chosen, fallback, steps_record, pilot_s):
+        """Keep the pilot's outcome: its choice (None: nothing faithful, the runs use
+        `fallback`, the least scale tried), its steps (as metadata holds them) and cost."""
+        self.pilot = {"label": label, "chosen": chosen, "fallback": fallback,
+                      "steps": steps_record, "pilot_s": pilot_s}
+
+    def scale_for(self, exp, ceiling):
+        """The scale.time `exp` runs at after the pilot, at most `ceiling` (its links')."""
+        if self.pilot["chosen"] is None:
+            return min(self.pilot["fallback"], ceiling)
+        derived = self.pilot["chosen"] * self.factor_of(exp)
+        return min(round_down(derived) if derived > self.pilot["chosen"] else derived, ceiling)
