@@ -107,6 +107,34 @@ def test_auto_scale_runs_a_pilot_on_one_network_and_records_it(tmp_path):
     assert leftovers(out) == []
 
 
+def test_auto_scale_pilots_one_variant_and_the_others_take_a_scale_from_it(tmp_path):
+    """Two variants, one pilot (testbed/autoshare.py): the run with the least room runs it, the
+    other records which run was piloted and runs at the pilot's choice times its factor."""
+    exp = yaml.safe_load(TINY.read_text())
+    exp.update(requests=6, scale={"time": "auto", "bytes": 1e-3},
+               variants=[{"scheduler.policy": "prfaas"}, {"scheduler.policy": "naive"}])
+    path = tmp_path / "two.yaml"
+    path.write_text(yaml.safe_dump(exp))
+    out = tmp_path / "run"
+    r = subprocess.run(tb_cmd("run", str(path), "--out", str(out), "--no-progress",
+                              "--no-probe"), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    recs = {v: json.loads((out / v / "metadata.json").read_text())["scale_auto"]
+            for v in ("prfaas", "naive")}
+    piloted = [v for v, rec in recs.items() if "steps" in rec]
+    assert len(piloted) == 1 and [p.parent.name for p in out.glob("*/pilot")] == ["prfaas"]
+    assert all(rec["piloted"] == piloted[0] for rec in recs.values())
+    for v, rec in recs.items():
+        assert rec["factor"] >= 1.0 and rec["chosen"] <= rec["ceiling"]
+        if rec["faithful"]:
+            assert rec["chosen"] >= min(rec["pilot_chosen"], rec["ceiling"])
+        assert yaml.safe_load((out / v / "config.yaml").read_text())["scale"]["time"] == \
+            rec["chosen"]
+        assert json.loads((out / v / "summary.json").read_text())["completed"] == 6
+    assert len([ln for ln in r.stdout.splitlines() if ln.startswith("scale.time auto (")]) == 2
+    assert leftovers(out / "prfaas") == [] and leftovers(out / "naive") == []
+
+
 def test_each_wan_is_probed_once_and_every_run_records_its_probe(tmp_path):
     """Two policies on each of two WAN rates: the first run on each WAN measures it, the other
     records that probe, marked shared; the runs on the slower WAN measured a slower link."""
