@@ -1,9 +1,13 @@
 """`scale.time: auto` across an experiment's runs (testbed/autoshare.py): one pilot, on the
 run with the least room, and each run's scale from its choice. No root."""
 
+import json
+import pathlib
+
+import pandas as pd
 import pytest
 
-from testbed import autojudge, autoshare
+from testbed import autojudge, autoscale, autoshare
 from testbed.autojudge import Outlook
 from testbed.autoscale import Step
 from testbed.config import load_experiment
@@ -68,3 +72,34 @@ def test_the_budget_counts_every_run_that_shares_the_pilot():
 def _runs(n):
     exp = load_experiment(CASE, ["scale.time=auto"])[0]
     return [exp.at_speed("auto") for _ in range(n)]
+
+
+RECORDED = json.loads((pathlib.Path(__file__).parent / "data" / "pilot_shared.json").read_text())
+
+
+def _recorded_steps(case):
+    return [autoscale.step_of(float(scale), st["summary"], st["wall_s"], None,
+                              pd.DataFrame(st["requests"]), case.target_look)
+            for scale, st in RECORDED["steps"].items()]
+
+
+def test_a_recorded_shared_pilot_within_its_budget_and_the_scales_it_gave(case):
+    """The case study, 2026-12-03 04:41 UTC: prfaas's pilot tried 10 and 19 (both faithful,
+    judged 1.4% and 2.0%) in 7.8 s; a third step (at 30) would have passed 20% of the three
+    runs' expected wall time, so it stopped; the three runs took 46.5 s (17%)."""
+    steps = _recorded_steps(case)
+    assert [s.faithful for s in steps] == [True, True]
+    assert [round(100 * s.steady_share, 1) for s in steps] == [1.4, 2.0]
+    spent = RECORDED["pilot_s"]
+    nxt = autoscale.next_scale(steps, 10)
+    assert nxt == 30
+    others = case.others()
+    assert not autojudge.within_budget(steps, spent, case.target_look, 40, nxt, others)
+    walls = sum(r["wall_s"] for r in RECORDED["runs"].values())
+    assert spent / walls <= autojudge.PILOT_SHARE
+    expected = sum(autojudge.expected_run_s(steps[0], look, 40, 19 * f)
+                   for look, f in [(case.target_look, 1.0), *others])
+    assert 0.65 <= expected / walls <= 1.1
+    case.record("prfaas", autoscale.choose(steps), 10.0, [], spent)
+    got = {e.run_label: case.scale_for(e, 50) for e in case.runs}
+    assert got == {v: r["scale"] for v, r in RECORDED["runs"].items()}
