@@ -9,7 +9,7 @@ Why one pilot, not one per run: a pilot step costs a fixed part (the network car
 the step's scale, the workers' start, the client's, the teardown and the analysis: 1.6-2.2 s
 for the case study's 12 instances on 2026-12-03, with the workers forked from the launcher)
 plus its requests' span, and the pilot needs two steps at least (a measurement and the jump it
-predicts). Three pilots of two steps cost 48% of the case study's three runs (04:15 UTC); one
+predicts). Three pilots of two steps cost 48% of the case study's three runs (04:27 UTC); one
 pilot of two or three steps is within 20% of them.
 
 - **The run piloted** is the one with the least room (`room_ms`): the TTFT excess (real-world
@@ -19,7 +19,9 @@ pilot of two or three steps is within 20% of them.
 - **Every other run's scale** is the pilot's choice times the square root of its room over
   the piloted run's (`GROWTH`, as the jump: the excess grows about as the scale squared near
   the bound), at most `autojudge.JUMP_MAX` times it and at most the run's own ceiling. This
-  assumes the runs' excess in ms is alike at one scale on one machine (2026-12-03 04:15, 12
+  says nothing of the guards that do not depend on the room (KV transfers, first-token lag):
+  naive at 31-38x, from prfaas's 19-23, warned for 1-3 of 600 KV transfers (2026-12-03,
+  docs/performance.md). It assumes the runs' excess in ms is alike at one scale on one machine (2026-12-03 04:27, 12
   instances each: homogeneous 883 ms and naive 1202 ms at 50x, prfaas 175 ms at 20x, about
   1100 at 50x by the square): the runs' own guards say when it is not.
 - **The budget** is `autojudge.PILOT_SHARE` of all the runs' expected wall time together.

@@ -32,7 +32,7 @@ def test_the_pilot_runs_on_the_variant_with_the_least_room(case):
 
 
 def test_each_run_goes_faster_by_the_square_root_of_its_room(case):
-    """Measured 2026-12-03 04:15 (per-variant pilots): prfaas faithful at 20, homogeneous at
+    """Measured 2026-12-03 04:27 (per-variant pilots): prfaas faithful at 20, homogeneous at
     50 (the links' ceiling), naive at 25 and not at 50. From prfaas's 20 the shared pilot
     gives homogeneous 47 and naive 33: each below the scale its own pilot found unfaithful."""
     case.record("prfaas", 20.0, 10.0, [], 6.0)
