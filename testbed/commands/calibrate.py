@@ -5,6 +5,8 @@ Starts one vLLM server on loopback (`testbed.calibrun`; or measures yours at --u
 cached prefix), T_step(B, C), S_kv and the decode memory, fits them in the profile engine's
 form and writes the profile at --out with the raw measurements beside it (`testbed.calibfit`);
 `model.profile: profile.yaml` then runs the profile engine as this engine, at any scale.
+With --pair CPUS a decode server starts beside it and the KV pull between the two is measured
+too (`testbed.calibpair`: the profile gets `kv_transfer: pull` and `kv_pull_latency`).
 Bounded: the measuring stops at --budget (points not reached are skipped, and said so).
 """
 
