@@ -1,7 +1,9 @@
 """Does the calibrated profile engine reproduce the real vLLM engine? (issue 20, item 5)
 
-1. `testbed calibrate --engine vllm` measures one vLLM server of the testbed's model into a
-   profile (T_prefill(l), T_step(B, C), S_kv(l), decode memory).
+1. `testbed calibrate --engine vllm --pair` measures a vLLM server of the testbed's model, a
+   decode server beside it, into a profile (T_prefill(l), T_step(B, C), S_kv(l), decode
+   memory, and the KV pull between the two: `kv_transfer: pull`, `kv_pull_latency`;
+   `--stream`: one server alone, the KV streamed).
 2. `testbed run` of benchmarks/vllm_calibration.yaml with the vLLM engine (one PrfaaS prefill
    server, one local decode server, the KV through NixlConnector across the shaped WAN), for
    each seed.
@@ -42,14 +44,16 @@ def cli(*args):
     return [sys.executable, "-m", "testbed.cli", *args]
 
 
-def calibrate(model, out, smoke, cpus):
+def calibrate(model, out, smoke, cpus, pair=True):
     """The profile of one server, bound as each instance of the runs will be (`auto`: one
-    CPU each, so the calibration measures one CPU too)."""
+    CPU each, so the calibration measures one CPU too); with `pair`, a decode server beside it
+    (`auto`: on the other CPU) and the KV pull between the two (`kv_transfer: pull`)."""
     profile = out / "calibrated" / "cpu-llama.yaml"
     profile.parent.mkdir(parents=True, exist_ok=True)
     subprocess.run(cli("calibrate", "--engine", "vllm", "--model", str(model), "--out",
                        str(profile), "--max-model-len", "4096", "--lengths",
                        "256,512,1024,2048,3072", "--cpus", "0" if cpus == "auto" else cpus,
+                       *(["--pair", "1" if cpus == "auto" else cpus] if pair else []),
                        *(SHORT_PLAN if smoke else [])), cwd=ROOT, check=True)
     return profile
 
@@ -73,6 +77,9 @@ def main():
     ap.add_argument("--cpus", choices=("nobind", "auto"), default="auto",
                     help="model.vllm.cpus of the runs (auto: each server one CPU, calibrated "
                          "on one CPU); nobind: every server on every CPU")
+    ap.add_argument("--stream", action="store_true",
+                    help="calibrate one server alone (no --pair): the profile streams the KV "
+                         "during the prefill instead of pulling it after")
     ap.add_argument("--out", type=pathlib.Path)
     ap.add_argument("--smoke", action="store_true", help="short plan, one seed, 4 requests")
     args = ap.parse_args()
@@ -80,7 +87,7 @@ def main():
     n = 4 if args.smoke else args.requests
     out = args.out or pathlib.Path(tempfile.mkdtemp(prefix="vllm-calibration-"))
     model = vllmrun.ensure_default_model()
-    profile = calibrate(model, out, args.smoke, args.cpus)
+    profile = calibrate(model, out, args.smoke, args.cpus, pair=not args.stream)
     print(f"calibrated profile: {profile}", flush=True)
     rows = {}
     for seed in seeds:

@@ -117,6 +117,26 @@ def decode_section(m):
     return out, (alpha, beta, gamma)
 
 
+def pull_fit(m, step_fit):
+    """{latency_s, per_token_s, points} from the `pull` samples (testbed/calibpair.py), None
+    without two lengths of them: the hand-off less one decode step (alpha + beta + gamma*l),
+    medians per length, fitted to a + b*l by least squares; the latency is a, never below 0."""
+    alpha, beta, gamma = step_fit
+    by = {}
+    for s in m.of("pull"):
+        by.setdefault(s.length, []).append(s.seconds - (alpha + beta + gamma * s.length))
+    if len(by) < 2:
+        return None
+    pts = {l: statistics.median(v) for l, v in sorted(by.items())}
+    n = len(pts)
+    mx, my = sum(pts) / n, sum(pts.values()) / n
+    sxx = sum((x - mx) ** 2 for x in pts)
+    b = sum((x - mx) * (y - my) for x, y in pts.items()) / sxx
+    a = my - b * mx
+    return {"latency_s": max(0.0, a), "per_token_s": b,
+            "points": {l: round(v, 6) for l, v in pts.items()}}
+
+
 def document(m, name, accelerator, raw_name):
     """The profile YAML's mapping (what `testbed.profile.load` reads, plus `calibration:`)."""
     pre = prefill_points(m)
@@ -142,6 +162,11 @@ def document(m, name, accelerator, raw_name):
                         "step_fit_s": {"alpha": alpha, "beta_per_request": beta,
                                        "gamma_per_context_token": gamma}},
     }
+    pull = pull_fit(m, (alpha, beta, gamma))
+    if pull is not None:        # measured between two servers (testbed calibrate --pair)
+        doc["kv_transfer"] = "pull"
+        doc["kv_pull_latency"] = f"{pull['latency_s'] * 1e3:.6g}ms"
+        doc["calibration"]["pull_fit_s"] = pull
     return doc
 
 

@@ -16,7 +16,9 @@ are skipped and said so), as a client measures it:
   runs is the point fitted (each run is in the CSV as `step_run`);
 - S_kv: the model config's layers x KV heads x head dim x 2 x dtype bytes per token;
 - decode memory: the server's KV cache blocks (`vllm:cache_config_info` on /metrics) x block
-  size x bytes per token.
+  size x bytes per token;
+- with `pair` (`--pair CPUS`): a second server, role decode, and the KV pull between the two
+  (testbed/calibpair.py), the decode server up through all of the measuring.
 
 Real-world seconds throughout: vLLM runs at real speed.
 """
@@ -33,7 +35,7 @@ import socket
 import statistics
 import time
 
-from testbed import eventloop
+from testbed import calibpair, eventloop
 from testbed.calibfit import Measurements, Sample
 from workers import vllm_api
 from workers import vllm_server
@@ -120,21 +122,17 @@ class Prober:
 async def measure(p, plan, m, progress, deadline):
     """Run `plan` ({prefill_lengths, repeats, cached, batches, contexts, steps}) into `m`."""
     skipped = []
-    for rep in range(plan["repeats"]):
-        for l in plan["prefill_lengths"]:
-            if time.monotonic() > deadline:
-                skipped.append(f"prefill {l}")
-                continue
-            first = p.prompt(l)
-            t = await p.prefill_s(first)
-            m.samples.append(Sample("prefill", length=l, seconds=t, repeat=rep))
-            progress(f"prefill {l:>6} tokens: {t * 1e3:8.1f} ms (repeat {rep + 1})")
-            if plan["cached"] and l >= 4 * m.block_tokens:
-                cached = (l // 2) // m.block_tokens * m.block_tokens
-                t = await p.prefill_s(first[:cached] + p.prompt(l - cached))
-                m.samples.append(Sample("prefill", length=l, cached=cached, seconds=t,
-                                        repeat=rep))
-                progress(f"prefill {l:>6} tokens, {cached} cached: {t * 1e3:8.1f} ms")
+    for rep, l in calibpair.within(plan, deadline, skipped, "prefill"):
+        first = p.prompt(l)
+        t = await p.prefill_s(first)
+        m.samples.append(Sample("prefill", length=l, seconds=t, repeat=rep))
+        progress(f"prefill {l:>6} tokens: {t * 1e3:8.1f} ms (repeat {rep + 1})")
+        if plan["cached"] and l >= 4 * m.block_tokens:
+            cached = (l // 2) // m.block_tokens * m.block_tokens
+            t = await p.prefill_s(first[:cached] + p.prompt(l - cached))
+            m.samples.append(Sample("prefill", length=l, cached=cached, seconds=t,
+                                    repeat=rep))
+            progress(f"prefill {l:>6} tokens, {cached} cached: {t * 1e3:8.1f} ms")
     for b in plan["batches"]:
         for c in plan["contexts"]:
             if time.monotonic() > deadline:
@@ -165,12 +163,15 @@ class Running:
         return await vllm_server.wait_healthy(session, self.url, timeout_s)
 
 
-async def _session_run(server, url, plan, m, progress, budget_s, seed):
+async def _session_run(server, url, plan, m, progress, budget_s, seed, pair=None):
     import aiohttp     # reason: the testbed's HTTP client; only the command needs it here
     timeout = aiohttp.ClientTimeout(total=None, sock_read=max(60.0, budget_s))
     async with aiohttp.ClientSession(timeout=timeout) as session:
         start_s = await server.wait_healthy(plan["start_timeout_s"], session)
         progress(f"vLLM server healthy after {start_s:.1f} s")
+        if pair is not None:
+            pair_s = await pair.wait_healthy(plan["start_timeout_s"], session)
+            progress(f"decode server (--pair) healthy after {pair_s:.1f} s")
         m.info["start_up_s"] = round(start_s, 1)
         model = await vllm_api.model_name(session, url)
         async with session.get(f"{url}/metrics") as r:
@@ -179,6 +180,9 @@ async def _session_run(server, url, plan, m, progress, budget_s, seed):
         await p.prefill_s(p.prompt(64))                  # warm-up, not measured
         t0 = time.monotonic()
         skipped = await measure(p, plan, m, progress, t0 + budget_s)
+        if pair is not None:
+            skipped += await calibpair.measure(p, pair.spec.url, plan, m, progress,
+                                               t0 + budget_s)
         m.info["measure_s"] = round(time.monotonic() - t0, 1)
         return skipped
 
@@ -202,17 +206,27 @@ def run(python, model_dir, plan, log_path, progress, budget_s, seed=0, url=None)
                                              budget_s, seed))
         m.info["skipped"] = skipped
         return m, skipped
-    spec = ServerSpec(python=python, model_dir=str(model_dir), role="both", host="127.0.0.1",
-                      port=free_port(), side_port=free_port(), dtype=dtype,
-                      max_model_len=plan["max_model_len"], max_num_seqs=plan["max_num_seqs"],
-                      kv_cache_space_gib=plan["kv_cache_space_gib"], cpus=plan["cpus"],
-                      seed=seed)
-    server = VllmServer(spec, log_path)
-    server.start()
+    spec = _spec(python, model_dir, plan, "both", plan["cpus"], seed)
+    servers = [VllmServer(spec, log_path)]
+    if plan.get("pair"):
+        m.info["server"]["pair_cpus"] = plan["pair"]
+        servers.append(VllmServer(_spec(python, model_dir, plan, "decode", plan["pair"], seed),
+                                  pathlib.Path(log_path).with_suffix(".decode.log")))
     try:
-        skipped = eventloop.run(_session_run(server, spec.url, plan, m, progress, budget_s, seed))
+        for server in servers:
+            server.start()
+        skipped = eventloop.run(_session_run(servers[0], spec.url, plan, m, progress, budget_s,
+                                             seed, servers[1] if len(servers) > 1 else None))
     finally:
-        with contextlib.suppress(Exception):
-            server.stop()
+        for server in servers:
+            with contextlib.suppress(Exception):
+                server.stop()
     m.info["skipped"] = skipped
     return m, skipped
+
+
+def _spec(python, model_dir, plan, role, cpus, seed):
+    return ServerSpec(python=python, model_dir=str(model_dir), role=role, host="127.0.0.1",
+                      port=free_port(), side_port=free_port(), dtype=plan["dtype"],
+                      max_model_len=plan["max_model_len"], max_num_seqs=plan["max_num_seqs"],
+                      kv_cache_space_gib=plan["kv_cache_space_gib"], cpus=cpus, seed=seed)

@@ -164,6 +164,8 @@ class Profile:
     decode: DecodeModel = None    # T_step(B, C) and the decode memory
     weights_bytes: float = 0.0    # the weights' footprint on one instance
     memory: dict = dataclasses.field(default_factory=dict)   # accelerator -> bytes per instance
+    kv_transfer: str = "stream"   # stream: KV sent while it is computed; pull: after (kvpull)
+    kv_pull_latency_s: float = 0.0  # pull: the connector's fixed cost per transfer, seconds
 
     def free_memory(self, accelerator):
         """Accelerator memory of one instance left after the weights (the prefix cache's share)."""
@@ -198,6 +200,29 @@ class Profile:
     def phi_kv(self, accelerator, l):
         """KV throughput of one instance, bytes/s: Phi_kv(l) = S_kv(l) / T_prefill(l)."""
         return self.s_kv(l) / self.t_prefill(accelerator, l)
+
+
+KV_TRANSFER_MODES = ("stream", "pull")
+
+
+def _transfer(data):
+    """`kv_transfer` (stream | pull) and `kv_pull_latency` (a duration >= 0, pull only)."""
+    mode = data.get("kv_transfer", "stream")
+    if mode not in KV_TRANSFER_MODES:
+        raise ConfigError(f"expected one of {', '.join(KV_TRANSFER_MODES)}, got {mode!r}",
+                          key="kv_transfer")
+    if "kv_pull_latency" not in data:
+        return {"kv_transfer": mode}
+    if mode != "pull":
+        raise ConfigError("applies to kv_transfer: pull only", key="kv_pull_latency")
+    try:
+        latency = units.duration_s(data["kv_pull_latency"])
+    except (TypeError, ValueError) as e:
+        raise ConfigError(str(e), key="kv_pull_latency") from None
+    if not 0 <= latency < 60:
+        raise ConfigError(f"expected a duration from 0 to 60s, got {data['kv_pull_latency']!r}",
+                          key="kv_pull_latency")
+    return {"kv_transfer": mode, "kv_pull_latency_s": latency}
 
 
 def _points(mapping, parse, where):
@@ -249,6 +274,7 @@ def _load(path, mtime_ns):
             decode=_decode_model(dec),
             weights_bytes=units.size_bytes(data.get("weights", 0)),
             memory={a: units.size_bytes(v) for a, v in (data.get("memory") or {}).items()},
+            **_transfer(data),
         )
     except ConfigError as e:
         raise ConfigError(str(e), path=str(path)) from None

@@ -7,6 +7,7 @@ import csv
 import random
 
 import pytest
+import yaml
 
 from conftest import SMALL_EXPERIMENT
 from testbed import calibfit, calibrun, cli, config, rundir
@@ -100,3 +101,30 @@ def test_calibrate_refuses_bad_input_with_one_line(tmp_path, capsys):
                      "--lengths", "256,512,4096", "--max-model-len", "4096"]) == 2
     assert "4097 tokens" in capsys.readouterr().err
     assert not (tmp_path / "p.yaml").exists()
+
+
+def test_the_pull_fit_recovers_a_connectors_fixed_cost_beside_one_decode_step(tmp_path):
+    """`--pair`'s hand-offs (the KV pull, then one decode step) of a known connector: 23 ms a
+    transfer + 1.5 us a token; the profile gets kv_transfer: pull and the 23 ms."""
+    m = synthetic()
+    for rep in range(3):
+        for l in (256, 1024, 3072):
+            m.samples.append(Sample("pull", length=l, repeat=rep,
+                                    seconds=0.023 + 1.5e-6 * l + t_step(1, l)))
+    out, raw, _ = calibfit.write(m, tmp_path / "eng.yaml")
+    prof = profiles.load(str(out))
+    assert prof.kv_transfer == "pull"
+    assert prof.kv_pull_latency_s == pytest.approx(0.023, rel=1e-3)
+    fit = yaml.safe_load(out.read_text())["calibration"]["pull_fit_s"]
+    assert fit["per_token_s"] == pytest.approx(1.5e-6, rel=1e-3)
+    assert profiles.load(str(calibfit.write(synthetic(), tmp_path / "one.yaml")[0])
+                         ).kv_transfer == "stream"
+
+
+def test_calibrate_refuses_a_bad_pair_with_one_line(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{}")
+    for bad in (["--pair", "second"], ["--pair", "1", "--url", "http://127.0.0.1:1"]):
+        assert cli.main(["calibrate", "--model", str(tmp_path), "--out",
+                         str(tmp_path / "p.yaml"), *bad]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "--pair" in err, err

@@ -216,6 +216,37 @@ def test_calibrate_measures_the_running_server_into_a_profile_it_runs(pair, tmp_
                      servers[0].spec.model_dir, "--out", str(tmp_path / "x.yaml")]) == 2
 
 
+def test_calibrate_pair_times_the_kv_pull_between_the_modules_servers(pair):
+    """What `testbed calibrate --pair` measures (testbed/calibpair.py), on this module's two
+    servers: per length a prefill, then the decode server's first token after pulling the KV
+    (its connector reports the bytes); the fit's latency is the hand-off less one step."""
+    from testbed import calibfit, calibpair, calibrun  # reason: the calibration side only
+
+    pfx, dec, model, shape, _ = pair
+    m = calibfit.Measurements()
+    lengths = (64, 256, 512)
+
+    async def main():
+        import aiohttp  # reason: as above
+        async with aiohttp.ClientSession() as session:
+            before = await api.connector_bytes(session, dec)
+            p = calibrun.Prober(session, pfx, model, shape["vocab_size"] - 3, seed=5)
+            skipped = await calibpair.measure(p, dec, {"repeats": 1, "prefill_lengths":
+                                                       lengths}, m, lambda _: None,
+                                              time.monotonic() + 120)
+            return skipped, await api.connector_bytes(session, dec) - before
+    skipped, moved = asyncio.run(main())
+    assert not skipped
+    pulls = {s.length: s.seconds for s in m.of("pull")}
+    assert set(pulls) == set(lengths) and all(0 < t < 5 for t in pulls.values())
+    assert {s.length for s in m.of("prefill")} == set(lengths)
+    head_dim = shape["hidden_size"] // shape["num_attention_heads"]
+    per_token = shape["num_hidden_layers"] * shape["num_key_value_heads"] * head_dim * 2 * 4
+    assert moved >= 0.9 * per_token * sum(lengths)        # the KV was pulled, every time
+    fit = calibfit.pull_fit(m, (0.0, 0.0, 0.0))
+    assert 0 <= fit["latency_s"] <= max(pulls.values())
+
+
 def _engine_processes(server):
     """{name: pid} of the server's EngineCore and worker processes."""
     out = {}

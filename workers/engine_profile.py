@@ -38,6 +38,9 @@ class ProfilePrefillEngine(PrefillEngine):
         self.accelerator = inst.accelerator
         self.scale = rt.scale
         self.chunks = max(1, int(self.profile.stream_chunks))
+        # kv_transfer: pull -> the sender's wait per transfer beyond the link (workers/kvpull.py)
+        self.pull_latency_s = (self.scale.emulated_s(self.profile.kv_pull_latency_s)
+                               if self.profile.kv_transfer == "pull" else None)
         self.clock_factor = 1.0    # > 1: a slowed instance (the `slow` fault, workers/control.py)
         self.free_at = 0.0         # scheduled end of the last compute (monotonic)
         _payload(1)                # draw the payload buffer in start-up, not on a request's clock

@@ -2,7 +2,9 @@
 
 Requests queue FIFO; one prefill computes at a time (an instance's throughput is 1/T_prefill).
 As the engine produces KV pieces they are streamed, in order, to the chosen decode worker's KV
-socket while compute goes on (whatever is queued -- a layer's frames -- in one write); the
+socket while compute goes on (whatever is queued -- a layer's frames -- in one write; with a
+profile's `kv_transfer: pull`, all of them after the compute and the pull's round trip:
+workers/kvpull.py); the
 instance takes the next request as soon as compute ends, and the transfer finishes on its own
 (the paper's transfer-cache blocks). The reply reports compute and send times measured here.
 """
@@ -13,7 +15,7 @@ import time
 from testbed import eventloop
 from testbed.proto import testbed_pb2 as pb
 from testbed.proto import testbed_pb2_grpc as pbg
-from workers import common, control, kvwire, status, vllm_engine
+from workers import common, control, kvpull, kvwire, status, vllm_engine
 from workers.cache_worker import PrefillCache
 from workers.engine import PrefillEngine
 from workers.engine_profile import ProfilePrefillEngine
@@ -31,6 +33,8 @@ class PrefillService(pbg.PrefillServicer):
         self.pool = kvwire.SenderPool()
         # State frames carry their own crc32s (per tensor, per header): no frame checksum.
         self.frame_crc = not engine.frames_checksummed
+        # None: stream the KV as it is computed; seconds: pull after the prefill (kvpull)
+        self.pull_latency_s = getattr(engine, "pull_latency_s", None)
         self.waiting = 0
         self.active = 0
         self.busy_s = 0.0
@@ -122,6 +126,10 @@ class PrefillService(pbg.PrefillServicer):
                 await conn.send_frames(sent, checksum=self.frame_crc)
             while not (sent and sent[-1][2] & kvwire.FLAG_LAST):
                 batch = await self._ready_frames(queue)
+                if batch is not None and self.pull_latency_s is not None and not sent:
+                    batch = await kvpull.whole(queue, batch)     # the prefill has ended
+                    if batch is not None:
+                        await kvpull.wait_pull(conn, self.pull_latency_s)
                 if batch is None:
                     await conn.send(rid, 0, kvwire.FLAG_ABORT, b"")
                     return

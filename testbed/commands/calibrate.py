@@ -5,10 +5,13 @@ Starts one vLLM server on loopback (`testbed.calibrun`; or measures yours at --u
 cached prefix), T_step(B, C), S_kv and the decode memory, fits them in the profile engine's
 form and writes the profile at --out with the raw measurements beside it (`testbed.calibfit`);
 `model.profile: profile.yaml` then runs the profile engine as this engine, at any scale.
+With --pair CPUS a decode server starts beside it and the KV pull between the two is measured
+too (`testbed.calibpair`: the profile gets `kv_transfer: pull` and `kv_pull_latency`).
 Bounded: the measuring stops at --budget (points not reached are skipped, and said so).
 """
 
 import pathlib
+import re
 import sys
 import time
 
@@ -17,6 +20,7 @@ from testbed import calibfit, calibrun, vllmenv
 LENGTHS = (256, 512, 1024, 2048, 4096)
 BATCHES = (1, 2, 4, 8)
 CONTEXTS = (128, 1024, 2048)
+_CPUS = re.compile(r"nobind|\d+(-\d+)?(,\d+(-\d+)?)*")
 
 
 def register(subparsers):
@@ -53,6 +57,11 @@ def register(subparsers):
                    help="measure the vLLM server already running at URL (e.g. yours on a GPU "
                         "host; --model is the directory it loaded) instead of starting one; "
                         "its --max-num-seqs must match yours")
+    p.add_argument("--pair", metavar="CPUS",
+                   help="also start a decode server (same connector) bound to CPUS (a CPU "
+                        "list such as 1, or nobind) and measure the KV pull between the two: "
+                        "the profile gets kv_transfer: pull and the measured kv_pull_latency "
+                        "(docs/vllm.md)")
     p.set_defaults(func=run)
     return p
 
@@ -76,6 +85,9 @@ def _plan(args):
     if longest > args.max_model_len:
         return None, (f"--lengths/--contexts: {longest} tokens (prompt and generated) exceed "
                       f"--max-model-len {args.max_model_len}")
+    if args.pair is not None and (args.url or not _CPUS.fullmatch(args.pair)):
+        return None, (f"--pair {args.pair}: expected a CPU list (1, 0-1) or nobind, and no "
+                      f"--url (the pair is started here)")
     if max(batches) > args.max_num_seqs or min(batches + lengths + contexts) < 1:
         return None, "--batches: each from 1 to --max-num-seqs; lengths and contexts >= 1"
     return {"prefill_lengths": lengths, "repeats": max(1, args.repeats), "cached": True,
@@ -83,7 +95,7 @@ def _plan(args):
             "batches": batches, "contexts": contexts, "steps": max(4, args.steps),
             "dtype": args.dtype, "max_model_len": args.max_model_len,
             "max_num_seqs": args.max_num_seqs, "kv_cache_space_gib": args.kv_cache_space_gib,
-            "cpus": args.cpus, "start_timeout_s": args.start_timeout}, ""
+            "cpus": args.cpus, "start_timeout_s": args.start_timeout, "pair": args.pair}, ""
 
 
 def run(args):
