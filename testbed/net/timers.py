@@ -150,7 +150,7 @@ def apply(ns_path, timers):
         sysctl(ns_path, *timers.sysctls())
 
     changed = []
-    with netlink.open_netns(ns_path) as ns:
+    with netlink.open_netns_here(ns_path) as ns:     # used here, by this thread, only
         routes = netlink.call(f"listing routes in {ns_path}", ns.get_routes,
                                family=socket.AF_INET, table=MAIN_TABLE)
         for r in routes:
