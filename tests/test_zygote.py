@@ -23,6 +23,7 @@ TARGET = """
 import os, sys, time
 what = sys.argv[1]
 print("hello", os.environ.get("ZYG_MARK"), os.readlink("/proc/self/ns/net"), flush=True)
+print("where", os.readlink("/proc/self/ns/mnt"), os.getcwd(), flush=True)
 if what == "sleep":
     time.sleep(60)
 elif what == "exit":
@@ -89,6 +90,26 @@ def test_exit_code_log_namespace(launcher):
     log = (tmp / "w.log").read_text()
     assert f"hello m1 {os.readlink(f'/proc/{host_pid}/ns/net')}" in log
     assert z.registry.pids == [z.proc.pid]      # the network records the children (build.py)
+
+
+@pytest.mark.root
+def test_a_host_with_its_own_mounts_keeps_the_working_directory(tmp_path, monkeypatch):
+    """Joining a mount namespace moves a process to its root: the worker is moved back to the
+    launcher's directory, as mnexec does (a run's relative `--out` names its runtime.json)."""
+    (tmp_path / "zyg_target.py").write_text(TARGET)
+    monkeypatch.setenv("PYTHONPATH", f"{ROOT}:{tmp_path}")
+    monkeypatch.chdir(tmp_path)
+    host = subprocess.Popen(["unshare", "-n", "-m", "sleep", "60"])
+    _until(lambda: os.readlink(f"/proc/{host.pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt"))
+    where = f"where {os.readlink(f'/proc/{host.pid}/ns/mnt')} {tmp_path}"
+    z = Zygote(_Registry()).start()
+    try:
+        assert _spawn(z, host.pid, tmp_path, "exit", "0").wait(timeout=10) == 0
+    finally:
+        z.stop()
+        host.kill()
+        host.wait()
+    assert where in (tmp_path / "w.log").read_text()
 
 
 @pytest.mark.root

@@ -72,10 +72,14 @@ def _setns(path, nstype):
 
 
 def _join_host(host_pid):
-    """The host's network namespace, and its mount namespace where it has its own (mnexec -a)."""
+    """The host's network namespace, and its mount namespace where it has its own (mnexec -a).
+    Joining a mount namespace moves the caller to its root directory; the worker keeps the
+    launcher's working directory, as mnexec does, so relative paths (a run's `--out`) hold."""
     _setns(f"/proc/{host_pid}/ns/net", CLONE_NEWNET)
     if os.readlink(f"/proc/{host_pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt"):
+        cwd = os.getcwd()
         _setns(f"/proc/{host_pid}/ns/mnt", CLONE_NEWNS)
+        os.chdir(cwd)
 
 
 def _set_cmdline(argv):
