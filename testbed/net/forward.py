@@ -18,7 +18,6 @@ holds no kernel object that outlives this process.
 
 import asyncio
 import concurrent.futures
-import ctypes
 import ipaddress
 import os
 import socket
@@ -26,8 +25,8 @@ import threading
 
 from testbed import eventloop
 from testbed.errors import NetworkError
+from testbed.net import netlink
 
-CLONE_NEWNET = 0x40000000
 START_TIMEOUT_S = 5.0         # binding the listener and entering the namespace are immediate
 CONNECT_TIMEOUT_S = 5.0       # the target is one hop away, in the same machine
 STOP_TIMEOUT_S = 5.0
@@ -36,18 +35,6 @@ CHUNK_BYTES = 1 << 16
 
 def _netns_inode(path):
     return os.stat(path).st_ino
-
-
-def _enter_netns(path):
-    """Move the calling thread into the network namespace at `path` (setns(2))."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        if libc.setns(fd, CLONE_NEWNET) != 0:
-            err = ctypes.get_errno()
-            raise NetworkError(f"setns into {path}: {os.strerror(err)}", errno=err)
-    finally:
-        os.close(fd)
 
 
 def _thread_netns_inode():
@@ -96,7 +83,7 @@ class Forward:
     def start(self):
         """Enter the namespace (checked), bind the listener; raise NetworkError if either
         fails. Returns self."""
-        enter = {} if self.netns_path is None else {"initializer": _enter_netns,
+        enter = {} if self.netns_path is None else {"initializer": netlink.enter_ns,
                                                      "initargs": (self.netns_path,)}
         self._connector = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="forward-connect", **enter)

@@ -34,13 +34,29 @@ def open_netns(path: str):
     return NetNS(path)
 
 
-CLONE_NEWNET = 0x40000000
+CLONE_NEWNET, CLONE_NEWNS = 0x40000000, 0x00020000
+_LIBC = None
 
 
-def _setns(fd: int, what: str) -> None:
-    if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:
+def setns_fd(fd: int, what: str, nstype: int = CLONE_NEWNET) -> None:
+    """setns(2) on the namespace open at `fd` (the calling thread only, for a network
+    namespace); NetworkError naming `what` when the kernel refuses."""
+    global _LIBC
+    if _LIBC is None:
+        _LIBC = ctypes.CDLL(None, use_errno=True)
+    if _LIBC.setns(fd, nstype) != 0:
         code = ctypes.get_errno()
         raise NetworkError(f"setns to {what}: {os.strerror(code)}", errno=code)
+
+
+def enter_ns(path: str, nstype: int = CLONE_NEWNET) -> None:
+    """Move the calling thread (the process, for a mount namespace) into the namespace file
+    `path`."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        setns_fd(fd, path, nstype)
+    finally:
+        os.close(fd)
 
 
 def open_netns_here(path: str):
@@ -56,15 +72,11 @@ def open_netns_here(path: str):
         raise NetworkError(f"network namespace {path} does not exist", errno=errno_mod.ENOENT)
     back = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
     try:
-        target = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            _setns(target, path)
-        finally:
-            os.close(target)
+        enter_ns(path)
         try:
             return IPRoute()
         finally:
-            _setns(back, "the namespace this thread came from")
+            setns_fd(back, "the namespace this thread came from")
     finally:
         os.close(back)
 

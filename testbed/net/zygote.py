@@ -40,11 +40,11 @@ import traceback
 
 from testbed import lifecycle
 from testbed.errors import NetworkError
+from testbed.net import netlink
 
 # The profile engine's workers: their modules load no numpy or pyarrow at import (these start
 # threads, and a process with threads must not fork: tests/test_zygote.py checks).
 FORKABLE = ("workers.decode", "workers.prefill", "workers.scheduler", "workers.client")
-CLONE_NEWNET, CLONE_NEWNS = 0x40000000, 0x00020000
 LAUNCHER_MODULE = "testbed.net.zygote"    # this module, as `python -m` names it
 CMDLINE_ROOM = 4096          # bytes of the launcher's argv, for each child's own (see below)
 READY_TIMEOUT_S = 60.0       # the imports, on a loaded 2-core machine
@@ -61,24 +61,14 @@ def forkable(argv):
 
 # ---- the launcher process -------------------------------------------------------------------
 
-def _setns(path, nstype):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if lifecycle._libc().setns(fd, nstype) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"setns {path}: {os.strerror(err)}")
-    finally:
-        os.close(fd)
-
-
 def _join_host(host_pid):
     """The host's network namespace, and its mount namespace where it has its own (mnexec -a).
     Joining a mount namespace moves the caller to its root directory; the worker keeps the
     launcher's working directory, as mnexec does, so relative paths (a run's `--out`) hold."""
-    _setns(f"/proc/{host_pid}/ns/net", CLONE_NEWNET)
+    netlink.enter_ns(f"/proc/{host_pid}/ns/net")
     if os.readlink(f"/proc/{host_pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt"):
         cwd = os.getcwd()
-        _setns(f"/proc/{host_pid}/ns/mnt", CLONE_NEWNS)
+        netlink.enter_ns(f"/proc/{host_pid}/ns/mnt", netlink.CLONE_NEWNS)
         os.chdir(cwd)
 
 
