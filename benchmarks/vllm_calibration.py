@@ -7,7 +7,12 @@
 2. `testbed run` of benchmarks/vllm_calibration.yaml with the vLLM engine (one PrfaaS prefill
    server, one local decode server, the KV through NixlConnector across the shaped WAN), for
    each seed.
-3. The same experiment, same seeds, with the profile engine and that profile
+3. Unless `--loopback`: the experiment with the vLLM engine at the calibration seeds
+   (`--calib-seeds`, 100 by default: not the measured ones), and `testbed calibrate --from-run`
+   refits the profile's prefill and decode step from what the engine took in those runs (inside
+   its deployment: the decode server, the connector and the testbed beside it on the same
+   cores), keeping step 1's KV size, memory and pull.
+4. The same experiment, same seeds, with the profile engine and that profile
    (`model.engine=profile`, `model.profile=<the calibrated file>`, accelerator cpu), at
    `--profile-scale` (the profile engine emulates the engine at any scale.time; 1 by default).
 
@@ -58,10 +63,23 @@ def calibrate(model, out, smoke, cpus, pair=True):
     return profile
 
 
+def refit(base, runs, out):
+    """The profile `base` refitted from the vLLM runs (`testbed calibrate --from-run`)."""
+    profile = out / "calibrated" / "cpu-llama-deployed.yaml"
+    subprocess.run(cli("calibrate", "--out", str(profile), "--base", str(base),
+                       *[a for r in runs for a in ("--from-run", str(r))]), cwd=ROOT,
+                   check=True)
+    return profile
+
+
 def run(out, sets):
     cost.timed_run(EXPERIMENT, out, sets, ROOT, probe=False)
     s = rundir.summary(out)
     return {**{m: s.get(m) for m in METRICS}, "completed": s.get("completed", 0)}
+
+
+def sets(seed, n, cpus):
+    return [f"seed={seed}", f"requests={n}", f"model.vllm.cpus={cpus}"]
 
 
 def fmt(v):
@@ -80,6 +98,10 @@ def main():
     ap.add_argument("--stream", action="store_true",
                     help="calibrate one server alone (no --pair): the profile streams the KV "
                          "during the prefill instead of pulling it after")
+    ap.add_argument("--calib-seeds", default="100",
+                    help="seeds of the vLLM runs the profile is refitted from (step 3)")
+    ap.add_argument("--loopback", action="store_true",
+                    help="skip step 3: the profile as calibrated on loopback")
     ap.add_argument("--out", type=pathlib.Path)
     ap.add_argument("--smoke", action="store_true", help="short plan, one seed, 4 requests")
     args = ap.parse_args()
@@ -88,10 +110,15 @@ def main():
     out = args.out or pathlib.Path(tempfile.mkdtemp(prefix="vllm-calibration-"))
     model = vllmrun.ensure_default_model()
     profile = calibrate(model, out, args.smoke, args.cpus, pair=not args.stream)
+    if not args.loopback:
+        calib = [int(x) for x in args.calib_seeds.split(",")]
+        for seed in calib:
+            run(out / f"vllm-calib-s{seed}", sets(seed, n, args.cpus))
+        profile = refit(profile, [out / f"vllm-calib-s{s}" for s in calib], out)
     print(f"calibrated profile: {profile}", flush=True)
     rows = {}
     for seed in seeds:
-        base = [f"seed={seed}", f"requests={n}", f"model.vllm.cpus={args.cpus}"]
+        base = sets(seed, n, args.cpus)
         rows[("vllm", seed)] = run(out / f"vllm-s{seed}", base)
         rows[("profile", seed)] = run(out / f"profile-s{seed}", base + [
             "model.engine=profile", f"model.profile={profile}",

@@ -191,18 +191,23 @@ def error_summary(chk):
     return {k: round(statistics.median(abs(e) for *_, e in v), 2) for k, v in chk.items() if v}
 
 
+def write_raw(m, path):
+    """Every sample of `m`, one row each, at `path` (CSV of RAW_FIELDS); the path."""
+    with pathlib.Path(path).open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(RAW_FIELDS)
+        for s in m.samples:
+            w.writerow([getattr(s, k) for k in RAW_FIELDS])
+    return pathlib.Path(path)
+
+
 def write(m, out, accelerator="cpu", name=None):
     """Write the profile at `out` and the raw measurements beside it (same stem, .csv); the
     profile is loaded back through `testbed.profile` (what model.profile will do) and the fit
     errors added to its `calibration:`. Returns (profile path, csv path, errors)."""
     out = pathlib.Path(out)
-    raw = out.with_suffix(".csv")
     out.parent.mkdir(parents=True, exist_ok=True)
-    with raw.open("w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(RAW_FIELDS)
-        for s in m.samples:
-            w.writerow([getattr(s, k) for k in RAW_FIELDS])
+    raw = write_raw(m, out.with_suffix(".csv"))
     doc = document(m, name or out.stem, accelerator, raw.name)
     out.write_text(yaml.safe_dump(doc, sort_keys=False))
     errors = error_summary(checks(m, profiles.load(str(out)), accelerator))

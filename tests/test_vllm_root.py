@@ -6,22 +6,27 @@ one start-up of the servers (minutes on 2 cores) checks both. Asserts on what wa
 every request's records (client clock), the KV bytes the decode instance's connector reports
 (its /metrics) against the bytes the kernel counted on the WAN router in the KV direction,
 bench serve's own TTFT against the testbed's records of the same requests, the scheduler's
-cache view fed by the instances' KV events across the WAN, and nothing left on the machine
-after.
+cache view fed by the instances' KV events across the WAN, a profile refitted from the run's
+own legs (`testbed calibrate --from-run`), and nothing left on the machine after.
 
 Two servers only (the 3-server variants of experiments/vllm_small.yaml are run by hand and
 measured in docs/vllm.md). Skipped without `make vllm`.
 """
 
+import dataclasses
 import json
+import statistics
 import subprocess
 
 import pandas as pd
 import pytest
+import yaml
 
 from conftest import assert_decisions_replay
+from test_calibrate import synthetic
 from test_run_root import ROOT, leftovers, tb_cmd
-from testbed import vllmenv
+from testbed import calibfit, cli, vllmenv
+from testbed import profile as profiles
 
 pytestmark = [pytest.mark.root, pytest.mark.slow, pytest.mark.skipif(
     vllmenv.find_python() is None, reason="vLLM not installed (`make vllm`)")]
@@ -98,3 +103,31 @@ def test_the_prefill_instances_kv_events_feed_the_scheduler_view(run):
     assert all(r.cache["source"] == "vllm_kv_events" and "input_len" in r.cache for r in recs)
     print(f"KV events: {len(rows)} batches, {rows.bytes.sum()} B, publish->view p50 "
           f"{delay.median() * 1e3:.1f} ms, max {delay.max() * 1e3:.1f} ms")
+
+
+def test_a_profile_refitted_from_the_runs_legs_reproduces_them(run, tmp_path):
+    """`testbed calibrate --from-run` on this run: the refitted profile's T_prefill gives each
+    request's prefill as the engine took it in this deployment (the prefill worker's stamps
+    around vLLM's HTTP call), within 25% at the median of the per-request ratios, and its
+    T_step the gaps between the tokens the decode worker received. The base (whose KV size,
+    memory and pull are kept) is a synthetic calibration: its prefill is 10x off on purpose."""
+    m = synthetic()
+    m.samples = [dataclasses.replace(s, seconds=s.seconds * (10 if s.kind == "prefill" else 1))
+                 for s in m.samples]
+    base, _, _ = calibfit.write(m, tmp_path / "base.yaml")
+    out = tmp_path / "deployed.yaml"
+    assert cli.main(["calibrate", "--from-run", str(run), "--base", str(base),
+                     "--out", str(out)]) == 0
+    prof = profiles.load(str(out))
+    df = pd.read_parquet(run / "requests.parquet")
+    took = df.prefill_end - df.prefill_start
+    ratio = [prof.t_prefill("cpu", l) / t for l, t in zip(df.input_len, took)]
+    assert 0.75 < statistics.median(ratio) < 1.25, ratio
+    tok = pd.read_parquet(run / "tokens.parquet")
+    gap = tok.groupby("id").decode_time.diff().dropna()
+    step = prof.decode.step_time(1, df.input_len.median() + 8)
+    assert 0.75 < step / gap.median() < 1.33, (step, gap.median())
+    cal = yaml.safe_load(out.read_text())["calibration"]["in_deployment"]
+    assert cal["prefills"] == 8 and cal["gaps"] == 8 * 15, cal
+    print(f"refitted: prefill ratio p50 {statistics.median(ratio):.3f}, step {step * 1e3:.1f} "
+          f"ms against the gaps' median {gap.median() * 1e3:.1f} ms ({cal['step']})")

@@ -8,6 +8,8 @@ form and writes the profile at --out with the raw measurements beside it (`testb
 With --pair CPUS a decode server starts beside it and the KV pull between the two is measured
 too (`testbed.calibpair`: the profile gets `kv_transfer: pull` and `kv_pull_latency`).
 Bounded: the measuring stops at --budget (points not reached are skipped, and said so).
+With --from-run RUN --base PROFILE it measures nothing: the prefill and decode step of PROFILE
+are refitted from what a run of the real engine stamped in its deployment (testbed.calibinsitu).
 """
 
 import pathlib
@@ -15,7 +17,9 @@ import re
 import sys
 import time
 
-from testbed import calibfit, calibrun, vllmenv
+from testbed import calibfit, calibinsitu, calibrun, vllmenv
+from testbed.errors import ConfigError
+from testbed.records import RunDir
 
 LENGTHS = (256, 512, 1024, 2048, 4096)
 BATCHES = (1, 2, 4, 8)
@@ -28,8 +32,9 @@ def register(subparsers):
         "calibrate", help="measure a real engine (vLLM) into a profile file (model.profile)",
         description=__doc__.split("\n\n")[1].replace("\n", " "))
     p.add_argument("--engine", choices=["vllm"], default="vllm", help="the engine measured")
-    p.add_argument("--model", required=True, metavar="DIR",
-                   help="model directory (`testbed models --write DIR` writes a small one)")
+    p.add_argument("--model", metavar="DIR",
+                   help="model directory (`testbed models --write DIR` writes a small one); "
+                        "required unless --from-run")
     p.add_argument("--out", required=True, metavar="PROFILE.yaml",
                    help="the profile to write (its raw measurements go to PROFILE.csv)")
     p.add_argument("--accelerator", default="cpu",
@@ -62,6 +67,13 @@ def register(subparsers):
                         "list such as 1, or nobind) and measure the KV pull between the two: "
                         "the profile gets kv_transfer: pull and the measured kv_pull_latency "
                         "(docs/vllm.md)")
+    p.add_argument("--from-run", action="append", metavar="RUN",
+                   help="refit --base's prefill and decode step from this run of the real "
+                        "engine (model.engine: vllm) instead of measuring: what the engine "
+                        "took inside its deployment (repeat for several runs; docs/vllm.md)")
+    p.add_argument("--base", metavar="PROFILE.yaml",
+                   help="with --from-run: the calibrated profile whose KV size, memory and "
+                        "KV pull are kept")
     p.set_defaults(func=run)
     return p
 
@@ -98,10 +110,33 @@ def _plan(args):
             "cpus": args.cpus, "start_timeout_s": args.start_timeout, "pair": args.pair}, ""
 
 
+def from_runs(args, out):
+    """--from-run: refit --base from the runs' records; the exit code."""
+    if not args.base or not pathlib.Path(args.base).is_file():
+        return _refuse(f"--from-run needs --base PROFILE.yaml, an existing calibrated profile "
+                       f"(got {args.base})")
+    for r in args.from_run:
+        if not RunDir(r).requests.is_file():
+            return _refuse(f"--from-run {r}: no {RunDir(r).requests.name} (a run directory "
+                           f"that `testbed run` finished and analysed)")
+    try:
+        profile, raw, errors = calibinsitu.refit(args.base, args.from_run, out,
+                                                 args.accelerator)
+    except (ConfigError, KeyError, ValueError) as e:
+        return _refuse(f"{e}")
+    print(f"calibrate: wrote {profile} and {raw} from {len(args.from_run)} run(s); median "
+          f"|fit error| %: {errors}")
+    return 0
+
+
 def run(args):
     out = pathlib.Path(args.out)
     if out.suffix not in (".yaml", ".yml"):
         return _refuse(f"--out {out}: expected a .yaml file (model.profile reads it)")
+    if args.from_run:
+        return from_runs(args, out)
+    if not args.model:
+        return _refuse("--model DIR is required (or --from-run RUN --base PROFILE.yaml)")
     model = pathlib.Path(args.model).expanduser()
     if not (model / "config.json").is_file():
         return _refuse(f"--model {model}: no config.json (a Hugging Face model directory; "
