@@ -197,6 +197,7 @@ def main():
     with tempfile.TemporaryDirectory(prefix="emulation_speed-") as tmp:
         base = pathlib.Path(args.out or tmp)
         rows, costs, pilots = [], [], []
+        speed = [cost.reference_ms()]
         for st in scales:
             run_dir = base / (f"time{st:g}" if st != "auto" else "auto")
             wall_s, c = run_case_study(st, SCALES.get(st, []) + extra, run_dir, not args.smoke)
@@ -207,9 +208,12 @@ def main():
             if st == "auto" and args.twice:
                 more, notes = twice_rows(run_dir, extra, not args.smoke)
                 rows, pilots = rows + more, pilots + notes
+        speed.append(cost.reference_ms())
         print(HEADER)
         print("\n".join(rows))
         print("\n".join(costs + pilots))
+        print(f"reference work (testbed.profiling.cost.reference_ms): {speed[0]:.1f} ms CPU "
+              f"before, {speed[1]:.1f} ms after (higher: a slower machine now)")
         if args.sweep or args.smoke:
             print("\n".join(sweep_rows(**SMOKE_SWEEP) if args.smoke else sweep_rows()))
 

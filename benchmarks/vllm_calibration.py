@@ -75,7 +75,11 @@ def refit(base, runs, out):
 def run(out, sets):
     cost.timed_run(EXPERIMENT, out, sets, ROOT, probe=False)
     s = rundir.summary(out)
-    return {**{m: s.get(m) for m in METRICS}, "completed": s.get("completed", 0)}
+    ex = (s.get("emulation") or {}).get("ttft_excess_ms") or {}
+    return {**{m: s.get(m) for m in METRICS}, "completed": s.get("completed", 0),
+            "warnings": len(s.get("warnings") or []),
+            "corrected_p50_ttft_ms": ex.get("ttft_corrected_p50"),
+            "corrected_p90_ttft_ms": ex.get("ttft_corrected_p90")}
 
 
 def sets(seed, n, cpus):
@@ -127,9 +131,12 @@ def main():
         for eng in ("vllm", "profile"):
             r = rows[(eng, seed)]
             print(f"seed {seed} {eng:<8} " + "  ".join(f"{m} {fmt(r[m])}" for m in METRICS)
-                  + f"  completed {r['completed']}/{n}", flush=True)
-    print("\nprofile / vllm (median over seeds [min, max]):")
-    for m in METRICS:
+                  + f"  completed {r['completed']}/{n}  warnings {r['warnings']}  without the "
+                  f"emulation's excess: TTFT p50 {fmt(r['corrected_p50_ttft_ms'])}, p90 "
+                  f"{fmt(r['corrected_p90_ttft_ms'])}", flush=True)
+    print("\nprofile / vllm (median over seeds [min, max]; corrected_*: both without the "
+          "emulation's own excess, summary.json emulation.ttft_excess_ms):")
+    for m in METRICS + ("corrected_p50_ttft_ms", "corrected_p90_ttft_ms"):
         ratios = [rows[("profile", s)][m] / rows[("vllm", s)][m] for s in seeds
                   if rows[("profile", s)][m] and rows[("vllm", s)][m]]
         if ratios:

@@ -6,16 +6,18 @@ them, refitted into a profile (`testbed calibrate --from-run RUN --base PROFILE`
 `testbed calibrate` alone (testbed.calibrun) times the engine on loopback with nothing else
 running. Inside a deployment the same engine is slower: the decode server steps beside the
 prefill server, the KV connector's threads, the testbed's scheduler, client and workers take
-their share of the cores (on 2 cores, vLLM's prefill 1.19x and its decode step ~1.4x its
-loopback time: docs/vllm.md "Calibration in the deployment"). A profile fitted on loopback
-then predicts a faster system than the one it stands for. This module takes the samples from
+their share of the cores, and the loopback's few minutes catch the shared machine at one
+speed (on 2 cores the deployment's prefills took 1.19x the loopback fit on one occasion and
+0.93-0.98x on another: docs/vllm.md "Calibration in the deployment"). A profile fitted on
+loopback then stands for another system than the deployment's. This module takes the samples from
 a run of the real engine instead, what its processes stamped on the way:
 
 - prefill: each request's prefill_start -> prefill_end at its prefill worker (the HTTP
   `max_tokens: 1` call, as calibrun times it; the worker hands its engine one prefill at a
   time, so the engine's own queue is not in it), its length the input, its cached part vLLM's
   prefix hit. The uncached ones are binned by length (up to 8 bins of at least 5, at least 3 bins) and each
-  bin's median length and median time is a `prefill_latency` point.
+  bin's median length and median time is a `prefill_latency` point; a run of fewer than 3
+  lengths (one prompt length, say) scales the base's points by the median measured / base.
 - step: every gap between two consecutive tokens of a request at its decode worker (stamped
   as they streamed from vLLM), with the batch B its instance held at the gap's middle (the
   requests between their first and last token there) and the context C those held (their
@@ -37,7 +39,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from testbed import calibfit, rundir
+from testbed import calibfit, rundir, units
 from testbed import profile as profiles
 from testbed.calibfit import Sample
 from testbed.errors import ConfigError
@@ -138,9 +140,9 @@ def measure(run_dirs, bs_max):
     gaps = pd.concat(gaps, ignore_index=True)
     pre = binned_prefill(raw)
     steps = step_samples(gaps)
-    if len({s.length for s in pre}) < 3:
-        raise ConfigError(f"--from-run: {sum(s.cached == 0 for s in raw)} uncached prefills "
-                          f"in {len(run_dirs)} run(s); need 3 or more, of 3 or more lengths")
+    if not pre:
+        raise ConfigError(f"--from-run: no uncached prefill in {len(run_dirs)} run(s) (every "
+                          f"request failed, or every prompt was in the prefix cache)")
     if not steps:
         raise ConfigError("--from-run: no decode-step gaps (requests of 2 or more tokens)")
     info = {"runs": [str(pathlib.Path(r)) for r in run_dirs], "prefills": len(raw),
@@ -148,6 +150,19 @@ def measure(run_dirs, bs_max):
             "gap_mean_s": float(gaps.seconds.mean())}
     return (calibfit.Measurements(samples=pre + steps, bs_max=bs_max),
             calibfit.Measurements(samples=raw + steps, bs_max=bs_max), info)
+
+
+def prefill_section(base_points, base, accelerator, fit, raw):
+    """(the `prefill_latency` points, how they were made). With 3 or more lengths among the
+    binned points they are the points; with fewer (a run of one prompt length) the base's
+    points keep their shape, scaled by the median of measured / base over the prefills."""
+    pts = calibfit.prefill_points(fit)
+    if len(pts) >= 3:
+        return {l: f"{t:.9g}s" for l, t in pts.items()}, "refit"
+    factor = statistics.median(s.seconds / base.t_prefill_cached(accelerator, s.length, s.cached)
+                               for s in raw.of("prefill"))
+    points = {l: f"{units.duration_s(t) * factor:.9g}s" for l, t in base_points.items()}
+    return points, {"scaled": round(factor, 6), "lengths": sorted(pts)}
 
 
 def step_section(base_doc, base_model, fit):
@@ -182,15 +197,15 @@ def refit(base, run_dirs, out, accelerator="cpu"):
                           f"accelerators.{accelerator} and decode (testbed calibrate writes one)")
     fit, raw, info = measure(run_dirs, int(doc["decode"].get("bs_max", 8)))
     decode, how = step_section(doc["decode"], profiles.load(str(base)).decode, fit)
-    acc[accelerator]["prefill_latency"] = {
-        l: f"{t:.9g}s" for l, t in calibfit.prefill_points(fit).items()}
+    acc[accelerator]["prefill_latency"], how_prefill = prefill_section(
+        acc[accelerator]["prefill_latency"], profiles.load(str(base)), accelerator, fit, raw)
     acc[accelerator]["source"] = (f"refitted from the real engine's legs in {len(run_dirs)} "
                                   f"deployment run(s) (testbed calibrate --from-run)")
     doc["decode"] = decode
     doc["name"] = out.stem
     cal = doc.setdefault("calibration", {})
     cal["in_deployment"] = {**info, "base": str(base), "raw": out.with_suffix(".csv").name,
-                            "step": how}
+                            "prefill": how_prefill, "step": how}
     out.parent.mkdir(parents=True, exist_ok=True)
     csv_path = calibfit.write_raw(raw, out.with_suffix(".csv"))
     out.write_text(yaml.safe_dump(doc, sort_keys=False))

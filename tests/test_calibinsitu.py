@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 
 from testbed import calibfit, calibinsitu, cli
+from testbed import profile as profiles
 
 
 def t_step(b, c):
@@ -86,3 +87,18 @@ def test_from_run_refuses_bad_input_with_one_line(tmp_path, capsys):
     assert "no requests.parquet" in err and len(err.strip().splitlines()) == 1
     assert cli.main(["calibrate", "--out", out]) == 2
     assert "--model" in capsys.readouterr().err
+
+
+def test_a_run_of_one_prompt_length_scales_the_bases_prefill(tmp_path):
+    """Bench serve's random dataset sends one length: no curve to fit, so the base's points
+    keep their shape, scaled by the median measured / base (here the engine is 1.3x)."""
+    from test_calibrate import synthetic   # reason: the synthetic engine of the fit's tests
+    base, _, _ = calibfit.write(synthetic(), tmp_path / "base.yaml")
+    raw = calibfit.Measurements(samples=[calibfit.Sample("prefill", length=608, seconds=s)
+                                         for s in (1.2 * t_prefill(608), 1.3 * t_prefill(608),
+                                                   1.4 * t_prefill(608))])
+    fit = calibfit.Measurements(samples=calibinsitu.binned_prefill(raw.samples))
+    points, how = calibinsitu.prefill_section({512: "1s", 1024: "2s"},
+                                              profiles.load(str(base)), "cpu", fit, raw)
+    assert how["lengths"] == [608] and how["scaled"] == pytest.approx(1.3, rel=0.02)
+    assert points == {512: f"{how['scaled'] * 1:.9g}s", 1024: f"{how['scaled'] * 2:.9g}s"}

@@ -12,7 +12,9 @@ instance-second is one prefill or decode instance held for one second of a varia
 
 from __future__ import annotations
 
+import json
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -40,6 +42,22 @@ def run_cost(cpu_s, top) -> dict:
     return {"cpu_s": cpu_s, "requests": requests, "instance_s": instance_s,
             "cpu_ms_per_request": 1e3 * cpu_s / requests if requests else None,
             "cpu_ms_per_instance_s": 1e3 * cpu_s / instance_s if instance_s else None}
+
+
+def reference_ms(trials=5) -> float:
+    """CPU milliseconds of a fixed piece of Python work (building, encoding and decoding
+    20,000 small records, the kind of work the control plane does per message), the median of
+    `trials`: how fast this machine is now. The same code costs more CPU per request on a
+    slower occasion of a shared VM (neighbours, a lower clock) while the load average inside it
+    says nothing; printed beside a benchmark's CPU figures, it tells such an occasion apart
+    from a change in the code (docs/performance.md)."""
+    times = []
+    for _ in range(trials):
+        t0 = time.process_time()
+        for i in range(20000):
+            json.loads(json.dumps({"id": i, "t": i * 0.5, "tokens": [i, i + 1, i + 2]}))
+        times.append(1e3 * (time.process_time() - t0))
+    return statistics.median(times)
 
 
 def fmt_cost(cost: dict) -> str:
