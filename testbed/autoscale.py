@@ -22,7 +22,10 @@ module never imports it: layers point down), and `AutoRun` drives one expanded r
 The search (`next_scale`, pure): start at `AUTO_START` (10); from a faithful step jump up by
 the headroom its guards measured (`autojudge.jump`: 1.4-4x; 2x when a step measured none),
 halve while not faithful, and once there is a faithful scale a below an unfaithful one b >
-1.5 a, try their geometric mean once; the largest faithful scale tried is the choice. The
+1.5 a, try their geometric mean once; the largest faithful scale tried is the choice, or,
+where the budget stopped the search before that mean and b failed on the TTFT excess alone,
+the scale between a and the mean at which the excess, through the two steps as ~ scale ** k,
+is predicted at 80% of its bound (`interpolate`; recorded as `interpolated`). The
 pilot stops before a step that would take it past `autojudge.PILOT_SHARE` of the experiment's
 runs' expected wall time, after at least `autojudge.MIN_STEPS` (a measurement and the jump it
 predicts), so a scale twice the choice was tried and warned only where the budget allowed the
@@ -52,6 +55,7 @@ PILOT_REQUESTS = 40        # per step: a few seconds of wall time at the scales 
 MIN_SCALE = 1.0            # below real time the pilot does not go
 MAX_SCALE = 1000.0         # the key's own limit
 PILOT_DIR = "pilot"        # run_dir/pilot/time<scale>/: each step a run directory
+INTERPOLATE_AIM = 0.8      # an interpolated choice: the TTFT excess at 80% of its bound
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +163,30 @@ def choose(steps):
     return max((s.scale for s in steps if s.faithful), default=None)
 
 
+def interpolate(steps):
+    """(scale, exponent) where the budget stopped the search between a faithful step a and an
+    unfaithful one b > 1.5 a that failed on the TTFT excess alone: the excess's share taken
+    as ~ scale ** k through the two steps, the scale at which it reaches `INTERPOLATE_AIM` of
+    its bound, at most their geometric mean (the step the search would have taken next) and
+    above a; None otherwise (then the choice is a)."""
+    ok = [s for s in steps if s.faithful]
+    if not ok:
+        return None
+    lo = max(ok, key=lambda s: s.scale)
+    above = [s for s in steps if not s.faithful and s.scale > lo.scale]
+    hi = min(above, key=lambda s: s.scale, default=None)
+    if (hi is None or hi.scale <= 1.5 * lo.scale or hi.error or not lo.steady_share
+            or not hi.steady_share or hi.steady_share <= autojudge.WARN_SHARE
+            or any(not w.startswith(autojudge.WARN_PREFIX) for w in hi.warnings)):
+        return None
+    k = math.log(hi.steady_share / lo.steady_share) / math.log(hi.scale / lo.scale)
+    if k <= 0:
+        return None
+    aim = lo.scale * (INTERPOLATE_AIM * autojudge.WARN_SHARE / lo.steady_share) ** (1 / k)
+    scale = _round(min(aim, math.sqrt(lo.scale * hi.scale)))
+    return (scale, round(k, 3)) if scale > lo.scale else None
+
+
 def faithful_hint(steps, chosen, top=MAX_SCALE):
     """What a scale above the choice did: the basis of 'a run at twice it would warn'
     (`top`: the pilot's ceiling)."""
@@ -183,13 +211,18 @@ def why_not(step):
     return f"{len(others)} warning(s): {others[0][:60]}" if others else "no request completed"
 
 
-def choice_line(label, steps, chosen, pilot_s):
-    """The one line `testbed run` prints."""
+def choice_line(label, steps, chosen, pilot_s, between=False):
+    """The one line `testbed run` prints (`between`: the choice was interpolated)."""
     tried = ", ".join(f"{s.scale:g}{'' if s.faithful else '!'}" for s in steps)
     if chosen is None:
         return (f"scale.time auto ({label}): no scale tried was faithful ({tried}; ! warned); "
                 f"running at {min(s.scale for s in steps):g}, which will warn "
                 f"(pilot {pilot_s:.1f} s)")
+    if between:
+        return (f"scale.time auto ({label}): {chosen:g}, between the faithful and the unfaithful "
+                f"of {tried} where the TTFT excess is predicted at "
+                f"{100 * INTERPOLATE_AIM * autojudge.WARN_SHARE:g}% (! warned; pilot "
+                f"{pilot_s:.1f} s)")
     return (f"scale.time auto ({label}): {chosen:g}, the largest faithful of {tried} "
             f"(! warned; pilot {pilot_s:.1f} s)")
 
@@ -292,10 +325,16 @@ class Pilot:
         built = self.record.get("network_build_s", 0.0) if own else 0.0
         pilot_s = round(time.monotonic() - t0 - built, 3)
         chosen = choose(self.steps)
+        between = interpolate(self.steps)
+        if between is not None:
+            chosen = between[0]
+            self.record["interpolated"] = {"scale": between[0], "exponent": between[1],
+                                           "aim_share": INTERPOLATE_AIM * autojudge.WARN_SHARE}
         fallback = min((s.scale for s in self.steps), default=AUTO_START)
         self.shared.record(self.exp.run_label, chosen, fallback,
                            [s.as_dict() for s in self.steps], pilot_s)
-        self.shared.pilot["line"] = choice_line(self.exp.run_label, self.steps, chosen, pilot_s)
+        self.shared.pilot["line"] = choice_line(self.exp.run_label, self.steps, chosen, pilot_s,
+                                                between is not None)
         self.record["expected_run_s"] = self._expected(chosen or fallback)
         return self.backend if own else None
 

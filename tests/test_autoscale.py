@@ -64,6 +64,36 @@ def test_the_record_says_what_twice_the_choice_did():
     assert "no unfaithful scale" in autoscale.faithful_hint(steps[:2], 20)
 
 
+def _judged(scale, share, faithful=None, warnings=()):
+    return Step(scale, share <= 0.05 if faithful is None else faithful, steady_share=share,
+                warnings=warnings)
+
+
+@pytest.mark.parametrize("lo, hi, chosen", [
+    # the 2026-12-03 08:00 case study: 10 at 1.2%, 21 at 5.0026% -> the mean 14.5 (the
+    # excess through the two reaches 4% only at 18.7), rounded to 14
+    ((10, 0.0116), (21, 0.050026), 14),
+    ((10, 0.03), (30, 0.2), 12),        # the excess steep: 4% at 11.8, below the mean
+    ((10, 0.045), (16, 0.3), None),     # within 1.5x: the search itself bisects (or stops)
+    ((10, 0.045), (20, 0.3), None),     # already above 4% at the faithful step
+])
+def test_a_stopped_search_interpolates_on_the_excess_between_its_brackets(lo, hi, chosen):
+    got = autoscale.interpolate([_judged(*lo), _judged(*hi)])
+    assert (got and got[0]) == chosen, got
+    if chosen is not None:      # above the faithful step, at most the search's next step
+        assert lo[0] < chosen <= (lo[0] * hi[0]) ** 0.5
+
+
+def test_no_interpolation_when_the_step_above_failed_another_guard():
+    lag = _judged(21, 0.06, warnings=("first tokens reached the client 80 ms ...",))
+    assert autoscale.interpolate([_judged(10, 0.0116), lag]) is None
+    assert autoscale.interpolate([_judged(10, 0.0116)]) is None
+    line = autoscale.choice_line("prfaas", [_judged(10, 0.0116), _judged(21, 0.051)], 14, 7.9,
+                                 between=True)
+    assert line == ("scale.time auto (prfaas): 14, between the faithful and the unfaithful of "
+                    "10, 21! where the TTFT excess is predicted at 4% (! warned; pilot 7.9 s)")
+
+
 def test_auto_validates_and_compiles_at_the_pilots_first_scale():
     exp = load_experiment(CASE, ["scale.time=auto"])[0]
     assert exp.scale.time == "auto"
