@@ -150,7 +150,19 @@ def _summary(got, rec):
 
 
 def test_ping_and_iperf3_agree_with_the_recorded_link(tmp_path):
-    out = tmp_path / "run"
+    """Twice at most: the recorded RTT is the probe's at the run's start, and a busy moment
+    there only adds delay (CI 2026-12-03: recorded 2.268 ms where the probe's own UDP echo
+    measured 1.797 a few seconds later), so a second run is taken before calling it a fault."""
+    for attempt in (1, 2):
+        try:
+            return _crosscheck(tmp_path / f"run{attempt}")
+        except AssertionError as e:
+            if attempt == 2:
+                raise
+            print(f"\nattempt 1: {e}")
+
+
+def _crosscheck(out):
     sets = [a for o in OVERRIDES for a in ("--set", o)]
     t0 = time.monotonic()
     with held_up(out, *sets, probe=True) as (proc, q):
