@@ -195,10 +195,11 @@ def refit(base, run_dirs, out, accelerator="cpu"):
     if accelerator not in acc or "decode" not in doc:
         raise ConfigError(f"--base {base}: expected a calibrated profile with "
                           f"accelerators.{accelerator} and decode (testbed calibrate writes one)")
+    base_profile = profiles.load(str(base))
     fit, raw, info = measure(run_dirs, int(doc["decode"].get("bs_max", 8)))
-    decode, how = step_section(doc["decode"], profiles.load(str(base)).decode, fit)
+    decode, how = step_section(doc["decode"], base_profile.decode, fit)
     acc[accelerator]["prefill_latency"], how_prefill = prefill_section(
-        acc[accelerator]["prefill_latency"], profiles.load(str(base)), accelerator, fit, raw)
+        acc[accelerator]["prefill_latency"], base_profile, accelerator, fit, raw)
     acc[accelerator]["source"] = (f"refitted from the real engine's legs in {len(run_dirs)} "
                                   f"deployment run(s) (testbed calibrate --from-run)")
     doc["decode"] = decode
