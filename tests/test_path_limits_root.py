@@ -70,10 +70,12 @@ def _send(link, sizes, timeout_s=3.0):
 
 
 def test_path_mtu_is_exact_and_learned_from_icmp():
-    out = _measure("userspace", mtu=1280)
+    """At 30 Mbit/s: at 100 (9,700 packets a second of 1280 B through the userspace delay
+    line) a busy moment on CI's shared cores held TCP to 57 Mbit/s, a measure of the CPU."""
+    out = _measure("userspace", mtu=1280, rate=30e6)
     m = out["measured"]
     assert (m["mtu"], m["learned_mtu"]) == (1280, 1280), m
-    assert m["goodput_bps"] > 0.8 * 100e6 * 1228 / 1294, m      # TCP follows the learned MTU
+    assert m["goodput_bps"] > 0.8 * 30e6 * 1228 / 1294, m      # TCP follows the learned MTU
     assert not out["warnings"], out["warnings"]
 
 
@@ -103,9 +105,12 @@ def test_policer_drops_above_its_rate():
     m = out["measured"]
     payload = 40e6 * 1448 / 1500            # the policer counts IP bytes
     # goodput (TCP payload, the slope of 2 s of delivered segments) at most the policer's rate:
-    # its payload share plus what the 50 kB bucket and the slope's noise add (measured up to
-    # +2.6% over the payload share, 39.6 Mbit/s)
-    assert 0.5 * payload < m["goodput_bps"] <= 40e6, m
+    # its payload share plus what the 50 kB bucket (+1%) and the slope's noise add (measured up
+    # to +2.6% over the payload share, 39.6 Mbit/s; on CI's cores on 2026-12-03 +6.5%, 41.1
+    # Mbit/s, more than the bucket can pass: the sender's samples of tcpi_delivered are
+    # stamped on a clock it reads between descheduled moments). Unpoliced, this link carries
+    # 95 Mbit/s of payload, so 5% over the rate still tells a policer from none.
+    assert 0.5 * payload < m["goodput_bps"] <= 1.05 * 40e6, m
     assert out["police_drops"].get("kv", 0) > 0, out["police_drops"]
     assert "request" not in out["police_drops"]
 

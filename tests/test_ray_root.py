@@ -404,7 +404,10 @@ def _fault_window(ev, i):
 
 
 class _Sampler(threading.Thread):
-    """(time, {direction: (bytes delivered, dropped)}) at the receiving hosts, every 50 ms."""
+    """(start, end, {direction: (bytes delivered, dropped)}) at the receiving hosts, every
+    20 ms: the counters were read somewhere between start and end. Every read is kept (CI
+    2026-12-03 skipped reads over 50 ms as unplaced and was left 3 in a 0.8 s cut); `_within`
+    places a read in a window only when all of it lies there."""
 
     def __init__(self, hosts):
         super().__init__(daemon=True)
@@ -412,11 +415,16 @@ class _Sampler(threading.Thread):
         self.rows, self.done = [], threading.Event()
 
     def run(self):
-        while not self.done.wait(0.05):
+        while not self.done.wait(0.02):
             t0 = time.time()
             got = {d: _delivered(h, d) for d, h in self.at.items()}
-            if all(v is not None for v in got.values()) and time.time() - t0 < 0.05:
-                self.rows.append((t0, got))      # a slow read is not placed in time: skipped
+            if all(v is not None for v in got.values()):
+                self.rows.append((t0, time.time(), got))
+
+
+def _within(rows, lo, hi):
+    """The reads among `rows` made wholly between lo and hi (times), as {direction: value}."""
+    return [g for t0, t1, g in rows if lo <= t0 and t1 <= hi]
 
 
 def test_link_cut_and_worker_kill_on_ray(ray_hosts, tmp_path):
@@ -466,11 +474,11 @@ def test_link_cut_and_worker_kill_on_ray(ray_hosts, tmp_path):
     ts = pd.read_csv(out / "timeseries.csv")
     assert (ts.kv_up == 0).any() and ts.kv_up.iloc[-1] == 1 and ts.request_up.iloc[-1] == 1
     t_cut, t_end = _fault_window(ev, 1)
-    rows = [(t, {d: v[0] for d, v in g.items()}) for t, g in sampler.rows]
-    during = [g for t, g in rows if t_cut + 0.2 <= t <= t_end]
-    before = [g for t, g in rows if t < t_cut]
-    after = [g for t, g in rows if t > t_end + 0.5]
-    assert len(during) >= 5 and before and after, (len(rows), t_cut, t_end)
+    rows = [(t0, t1, {d: v[0] for d, v in g.items()}) for t0, t1, g in sampler.rows]
+    during = _within(rows, t_cut + 0.2, t_end)
+    before = _within(rows, 0, t_cut)
+    after = _within(rows, t_end + 0.5, float("inf"))
+    assert len(during) >= 3 and before and after, (len(rows), t_cut, t_end)
     sent = ts[(ts.time >= t_cut + 0.2) & (ts.time <= t_end)]
     print(f"cut {t_end - t_cut:.2f} s: delivered "
           f"{ {d: during[-1][d] - during[0][d] for d in ('kv', 'request')} } B over "
@@ -479,17 +487,17 @@ def test_link_cut_and_worker_kill_on_ray(ray_hosts, tmp_path):
           f"ok {int((df.status == 'ok').sum())}/40, redispatched {kill['redispatched']}, "
           f"kill detect {kill['detect_s']} s, cut detect {cut['detect_s']} s")
     for d in ("kv", "request"):
-        assert during[-1][d] - during[0][d] == 0, (d, [(t, g) for t, g in sampler.rows
-                                                       if t_cut - 0.3 <= t <= t_end + 0.1])
+        assert during[-1][d] - during[0][d] == 0, (d, _within(sampler.rows, t_cut - 0.3,
+                                                              t_end + 0.1))
         assert before[-1][d] > 0 and after[-1][d] > during[-1][d], (d, before[-1], after[-1])
     # the degradation: kv drops only while it lasts (before the cut's own drops), bytes still
     # cross. It comes before the cut: after a cut, offload may stay off a while (no KV crosses)
     t_deg, t_deg_end = _fault_window(ev, 2)
-    kv = [(t, *g["kv"]) for t, g in sampler.rows]
-    deg = [r for r in kv if t_deg + 0.2 <= r[0] <= t_deg_end]
-    pre = [r for r in kv if r[0] < t_deg]
-    post = [r for r in kv if t_deg_end + 0.2 < r[0] < t_cut]
-    assert len(deg) >= 5 and pre and post, (len(kv), t_deg, t_deg_end)
-    assert deg[-1][2] > deg[0][2] and deg[-1][1] > deg[0][1], (deg[0], deg[-1])
-    assert pre[-1][2] == pre[0][2] and post[-1][2] == post[0][2], (pre, post)
+    kv = [(t0, t1, g["kv"]) for t0, t1, g in sampler.rows]
+    deg = _within(kv, t_deg + 0.2, t_deg_end)
+    pre = _within(kv, 0, t_deg)
+    post = _within(kv, t_deg_end + 0.2, t_cut)
+    assert len(deg) >= 3 and pre and post, (len(kv), t_deg, t_deg_end)
+    assert deg[-1][1] > deg[0][1] and deg[-1][0] > deg[0][0], (deg[0], deg[-1])
+    assert pre[-1][1] == pre[0][1] and post[-1][1] == post[0][1], (pre, post)
     assert _leftovers(hosts, out) == []
