@@ -51,6 +51,11 @@ NEEDS = {
 # Smokes whose whole path a root test already runs end to end: `make test` skips them (with
 # this reason) to stay inside its time budget; `make bench-smoke` (TB_ALL_SMOKES=1) runs them.
 COVERED = {
+    "link_fidelity.py": "tests/test_link_root.py, tests/test_path_limits_root.py and "
+                        "tests/test_crosscheck_root.py (the probe on built links, checked by "
+                        "ping and iperf3)",
+    "live_cost.py": "tests/test_live_root.py (a real Prometheus scrapes live runs), "
+                    "test_smoke[profile_run] and tests/test_replicates.py (compare)",
     "ray_linktest.py": "tests/test_ray_root.py::test_linktest_through_the_agents_meets_linktest_"
                        "tolerances",
     "ray_vs_mininet.py": "tests/test_ray_root.py::test_tiny_run_on_ray_namespace_hosts and "

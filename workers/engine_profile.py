@@ -17,6 +17,7 @@ import time
 
 from testbed import profile as profiles
 from testbed import units
+from workers.clock import wall_of
 from workers.engine import PacedDecodeEngine, PrefillEngine
 
 # Payload bytes are sent from one random buffer (memoryview slices): no per-request allocation.
@@ -69,7 +70,7 @@ class ProfilePrefillEngine(PrefillEngine):
         n = min(self.chunks, size)
         now = time.monotonic()
         ready_at = now if arrived is None else min(now, max(arrived, self.free_at))
-        start = time.time() - (now - ready_at)
+        start = wall_of(ready_at)
         sent, model_s, done = 0, 0.0, False
         try:
             for i in range(n):
