@@ -24,7 +24,6 @@ import dataclasses
 import math
 
 import numpy as np
-from scipy import stats as sps
 
 CONFIDENCE = 0.95
 BOOTSTRAP_MIN = 5           # from this many replicates up: bootstrap of the median
@@ -84,6 +83,14 @@ class Contrast:
         return d
 
 
+def _sps():
+    """scipy.stats, imported when an interval is first computed: every run's analysis imports
+    this module (through testbed.replicates), and a run without replicates computes none; the
+    import is a second of CPU (docs/performance.md)."""
+    from scipy import stats     # reason: a second of import that most runs never use
+    return stats
+
+
 def clean(values) -> np.ndarray:
     """The finite values of a sequence (None and nan dropped) as floats."""
     a = np.array([np.nan if v is None else v for v in values], dtype=float).ravel()
@@ -108,13 +115,13 @@ def interval(values, confidence=CONFIDENCE) -> Interval:
     if np.ptp(a) == 0:
         return Interval(center, center, center, n, method)
     if method == "t":
-        lo, hi = sps.t.interval(confidence, n - 1, loc=a.mean(), scale=sps.sem(a))
+        lo, hi = _sps().t.interval(confidence, n - 1, loc=a.mean(), scale=_sps().sem(a))
     else:
-        res = sps.bootstrap((a,), np.median, confidence_level=confidence, method="BCa",
+        res = _sps().bootstrap((a,), np.median, confidence_level=confidence, method="BCa",
                             n_resamples=BOOTSTRAP_RESAMPLES, random_state=SEED)
         lo, hi = res.confidence_interval
         if not (math.isfinite(lo) and math.isfinite(hi)):     # BCa degenerate: percentile
-            res = sps.bootstrap((a,), np.median, confidence_level=confidence,
+            res = _sps().bootstrap((a,), np.median, confidence_level=confidence,
                                 method="percentile", n_resamples=BOOTSTRAP_RESAMPLES,
                                 random_state=SEED)
             lo, hi = res.confidence_interval
@@ -126,13 +133,13 @@ def _welch(a, b, confidence):
     if np.ptp(a) == 0 and np.ptp(b) == 0:
         d = float(b.mean() - a.mean())
         return d, d, d
-    r = sps.ttest_ind(b, a, equal_var=False)
+    r = _sps().ttest_ind(b, a, equal_var=False)
     ci = r.confidence_interval(confidence)
     return float(b.mean() - a.mean()), float(ci.low), float(ci.high)
 
 
 def _boot2(a, b, statistic, confidence):
-    res = sps.bootstrap((a, b), statistic, confidence_level=confidence, method="percentile",
+    res = _sps().bootstrap((a, b), statistic, confidence_level=confidence, method="percentile",
                         n_resamples=BOOTSTRAP_RESAMPLES, random_state=SEED, vectorized=False)
     lo, hi = res.confidence_interval
     return float(lo), float(hi)

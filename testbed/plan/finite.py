@@ -43,7 +43,7 @@ import functools
 import math
 
 import numpy as np
-from scipy import integrate, stats
+from scipy import special
 
 @dataclasses.dataclass(frozen=True)
 class Run:
@@ -59,18 +59,26 @@ TAIL_Z_MAX = 20.0           # canonical waits tabulated up to here: P(R > 20) <=
 TAIL_POINTS = 801
 
 
+def _norm_pdf(x):
+    """The standard normal density, as scipy.stats.norm.pdf computes it. This module uses
+    scipy.special's ndtr (the CDF; sf(x) = ndtr(-x)) and betaincinv (Beta quantiles), the
+    functions scipy.stats' norm and beta call, bit for bit, without importing scipy.stats: a
+    second of CPU in every run's orchestrator (docs/performance.md)."""
+    return np.exp(-x**2 / 2.0) / np.sqrt(2 * np.pi)
+
+
 def rbm_sf(z, t):
     """P(R(t) > z) for canonical RBM (drift -1, variance 1) started at 0, z >= 0, t > 0."""
     z = np.asarray(z, dtype=float)
     r = np.sqrt(t)
-    return stats.norm.sf((z + t) / r) + np.exp(-2.0 * z) * stats.norm.sf((z - t) / r)
+    return special.ndtr(-(z + t) / r) + np.exp(-2.0 * z) * special.ndtr(-(z - t) / r)
 
 
 def rbm_mean_ratio(t):
     """H1(t) = E[R(t)] / E[R(inf)] for canonical RBM started at 0 (Abate and Whitt 1987)."""
     t = np.asarray(t, dtype=float)
     r = np.sqrt(t)
-    return 1.0 - 2.0 * ((1.0 + t) * stats.norm.sf(r) - r * stats.norm.pdf(r))
+    return 1.0 - 2.0 * ((1.0 + t) * special.ndtr(-r) - r * _norm_pdf(r))
 
 
 def canonical_horizon(horizon_s, rho, mean_s, servers, scv_sum):
@@ -88,6 +96,7 @@ def mean_factor(t_c):
         return 1.0
     if t_c <= 0:
         return 0.0
+    from scipy import integrate     # reason: only a finite horizon integrates; 0.2 s of import
     # t = s^2 takes the sqrt(t) start of H1 out of the integrand.
     val, _ = integrate.quad(lambda s: 2.0 * s * float(rbm_mean_ratio(s * s)), 0.0,
                             math.sqrt(t_c))
@@ -97,6 +106,7 @@ def mean_factor(t_c):
 @functools.lru_cache(maxsize=256)
 def _tail_table(t_c):
     """(z grid, log of (1/T_c) int_0^T_c P(R(t) > z) dt) for canonical waits z."""
+    from scipy import integrate     # reason: only a finite horizon integrates; 0.2 s of import
     z = np.linspace(0.0, TAIL_Z_MAX, TAIL_POINTS)
     avg, _ = integrate.quad_vec(lambda s: 2.0 * s * rbm_sf(z, max(s * s, 1e-300)), 0.0,
                                 math.sqrt(t_c))
@@ -127,7 +137,7 @@ def order_levels(q, n):
     h = (n - 1) * q / 100.0
     j = min(int(math.floor(h)), n - 1)
     g = h - j
-    levels = [(float(stats.beta.median(j + 1, n - j)), 1.0 - g)]
+    levels = [(float(special.betaincinv(j + 1, n - j, 0.5)), 1.0 - g)]   # Beta's median
     if g > 0 and j + 2 <= n:
-        levels.append((float(stats.beta.median(j + 2, n - j - 1)), g))
+        levels.append((float(special.betaincinv(j + 2, n - j - 1, 0.5)), g))
     return levels

@@ -11,7 +11,7 @@ import functools
 import types
 
 import numpy as np
-from scipy import stats
+from scipy import special
 
 from testbed.errors import ConfigError
 from testbed.workload.generate import generate
@@ -104,7 +104,7 @@ def _truncated_lognormal(mu, sigma, lo, hi):
         return np.array([float(lo)]), np.array([1.0])
     k = np.arange(lo, hi + 1, dtype=float)
     z = lambda x: (np.log(x) - mu) / sigma                      # noqa: E731
-    cdf = stats.norm.cdf
+    cdf = special.ndtr      # the standard normal CDF, as scipy.stats.norm.cdf computes it
     mass = cdf(z(np.minimum(k + 0.5, hi))) - cdf(z(np.maximum(k - 0.5, lo)))
     if not mass.sum() > 0:
         raise ValueError(f"log-normal mu={mu} sigma={sigma} has no mass in [{lo}, {hi}]")

@@ -22,7 +22,7 @@ import logging
 
 import numpy as np
 import pandas as pd
-from scipy import stats
+from scipy import special
 
 from testbed.errors import ConfigError
 from testbed.workload import prefix, traces
@@ -128,11 +128,13 @@ def lengths(spec, n, rng):
 
 
 def _truncated_lognormal(spec, n, rng):
-    # Inverse CDF on the truncated range: exact, no rejection loop.
-    lo = stats.norm.cdf((np.log(spec.min) - spec.mu) / spec.sigma)
-    hi = stats.norm.cdf((np.log(spec.max) - spec.mu) / spec.sigma)
+    # Inverse CDF on the truncated range: exact, no rejection loop. ndtr and ndtri are the
+    # standard normal's CDF and its inverse, the functions scipy.stats.norm's cdf and ppf call
+    # (bit for bit the same draws) without scipy.stats' import (a second of CPU per run).
+    lo = special.ndtr((np.log(spec.min) - spec.mu) / spec.sigma)
+    hi = special.ndtr((np.log(spec.max) - spec.mu) / spec.sigma)
     u = rng.uniform(lo, hi, size=n)
-    x = np.exp(spec.mu + spec.sigma * stats.norm.ppf(u))
+    x = np.exp(spec.mu + spec.sigma * special.ndtri(u))
     return np.clip(np.rint(x), spec.min, spec.max).astype(np.int64)
 
 
