@@ -114,14 +114,15 @@ def interval(values, confidence=CONFIDENCE) -> Interval:
         return Interval(center, math.nan, math.nan, n, method)
     if np.ptp(a) == 0:
         return Interval(center, center, center, n, method)
+    sps = _sps()
     if method == "t":
-        lo, hi = _sps().t.interval(confidence, n - 1, loc=a.mean(), scale=_sps().sem(a))
+        lo, hi = sps.t.interval(confidence, n - 1, loc=a.mean(), scale=sps.sem(a))
     else:
-        res = _sps().bootstrap((a,), np.median, confidence_level=confidence, method="BCa",
+        res = sps.bootstrap((a,), np.median, confidence_level=confidence, method="BCa",
                             n_resamples=BOOTSTRAP_RESAMPLES, random_state=SEED)
         lo, hi = res.confidence_interval
         if not (math.isfinite(lo) and math.isfinite(hi)):     # BCa degenerate: percentile
-            res = _sps().bootstrap((a,), np.median, confidence_level=confidence,
+            res = sps.bootstrap((a,), np.median, confidence_level=confidence,
                                 method="percentile", n_resamples=BOOTSTRAP_RESAMPLES,
                                 random_state=SEED)
             lo, hi = res.confidence_interval
@@ -140,7 +141,7 @@ def _welch(a, b, confidence):
 
 def _boot2(a, b, statistic, confidence):
     res = _sps().bootstrap((a, b), statistic, confidence_level=confidence, method="percentile",
-                        n_resamples=BOOTSTRAP_RESAMPLES, random_state=SEED, vectorized=False)
+                           n_resamples=BOOTSTRAP_RESAMPLES, random_state=SEED, vectorized=False)
     lo, hi = res.confidence_interval
     return float(lo), float(hi)
 
