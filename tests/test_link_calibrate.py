@@ -41,3 +41,81 @@ def test_shortfall_names_the_largest_scale_time():
     assert "cannot be emulated at scale.time 40" in line and line.endswith("can is 20")
     assert shortfall({**cal, "short": []}, links, Scale(time=40.0)) is None
     assert shortfall(None, links, Scale()) is None
+
+
+class _SpellWan:
+    """A userspace WAN whose delay lines report `late_us` (us a packet) for each round in
+    turn, and whose path measures `rtt_ms` for it: the calibration's side of a slow spell."""
+    backend = "userspace"
+
+    def __init__(self, late_us, rtt_ms, jitter=0.0):
+        self.late_us, self.rtt_ms = list(late_us), list(rtt_ms)
+        self.links = {d: check_params({"rate": 50e6, "delay": 0.001, "jitter": jitter}, d)
+                      for d in ("kv", "request")}
+        self.passed = self.late = 0
+        self.subtracted, self.spread_ms = [], []
+
+    def delaylines(self):
+        return ["kv", "request"]
+
+    def delayline_counters(self):
+        return {d: {"passed": self.passed, "late_sum_ns": self.late} for d in ("kv", "request")}
+
+    def measure(self, src, dst, dst_ip, probes, qs):
+        self.passed += 200
+        self.late += int(200 * self.late_us.pop(0) * 1e3)
+        rtt = self.rtt_ms.pop(0)
+        return [rtt - self.spread_ms.pop(0) if self.spread_ms else rtt - 0.1, rtt]
+
+    def subtract_fixed_cost(self, cost_s):
+        self.subtracted.append(dict(cost_s))
+
+
+def _calibrate(monkeypatch, wan):
+    from testbed.net import calibrate as cal
+    monkeypatch.setattr(cal, "measure_rtt_ms", wan.measure)
+    monkeypatch.setattr(cal, "SPELL_PAUSE_S", 0.0)
+    return cal.calibrate(wan, "src", "dst", "10.0.0.2")
+
+
+def test_a_round_in_a_slow_spell_is_measured_again_and_the_quiet_one_kept(monkeypatch):
+    """The spell measured on 2026-12-03: 383 us a packet late and 3.36 ms on a 2 ms link (0.68
+    ms a hop subtracted); quiet rounds 60-108 us and ~2.5 ms."""
+    wan = _SpellWan(late_us=[383, 317, 90, 80], rtt_ms=[3.36, 3.2, 2.52, 2.01])
+    got = _calibrate(monkeypatch, wan)
+    assert got["late_us"] == [[383.0, 317.0, 90.0], [80.0]]
+    assert got["rtt_ms"] == [2.52, 2.01] and got["spell"] is None
+    assert got["fixed_cost_ms"] == {"kv": 0.26, "request": 0.26}
+
+
+def test_a_calibration_that_never_leaves_the_spell_says_so(monkeypatch):
+    wan = _SpellWan(late_us=[383, 317, 250, 300, 260, 240, 250, 230, 260, 270],
+                    rtt_ms=[3.36, 3.2, 3.0, 3.1, 3.05, 2.4, 2.5, 2.45, 2.3, 2.6])
+    got = _calibrate(monkeypatch, wan)
+    assert [len(r) for r in got["late_us"]] == [5, 5]
+    assert got["rtt_ms"][0] == 3.0      # the least slow of the first pass's rounds (250 us)
+    assert "slow spell in all 5 rounds" in got["spell"] and "kept: delay lines 230 us late" in got["spell"]
+
+
+def test_a_link_without_lateness_counters_is_measured_once_a_pass(monkeypatch):
+    wan = _SpellWan(late_us=[0, 0], rtt_ms=[2.5, 2.0])
+    wan.delayline_counters = lambda: {}
+    got = _calibrate(monkeypatch, wan)
+    assert got["late_us"] == [[None], [None]] and got["spell"] is None
+
+
+def test_rtts_spread_by_a_spell_are_measured_again_even_when_the_delay_lines_were_on_time(
+        monkeypatch):
+    """An induced spell (a SCHED_FIFO hog on both cores) once left the delay lines 127-133 us
+    late a packet while the RTT median rose 0.8 ms: the end hosts woke late. Its RTTs spread."""
+    wan = _SpellWan(late_us=[127, 80, 70], rtt_ms=[3.3, 2.5, 2.0])
+    wan.spread_ms = [0.6, 0.1, 0.1]
+    got = _calibrate(monkeypatch, wan)
+    assert got["late_us"] == [[127.0, 80.0], [70.0]] and got["rtt_ms"] == [2.5, 2.0]
+
+
+def test_a_jittered_links_own_spread_is_not_a_spell(monkeypatch):
+    wan = _SpellWan(late_us=[80, 80], rtt_ms=[2.5, 2.0], jitter=0.001)  # round trip's sd 1.41
+    wan.spread_ms = [1.8, 1.8]                  # 1.28 of it
+    got = _calibrate(monkeypatch, wan)
+    assert got["late_us"] == [[80.0], [80.0]] and got["spell"] is None

@@ -104,6 +104,8 @@ def _on_this_machine(args, d):
         backend, reason = link.wan.backend, link.wan.backend_reason
         if d.police:
             result["measured"]["police_drops"] = link.wan.police_drops().get("kv", 0)
+        if (link.calibration or {}).get("spell"):
+            result["warnings"].append(link.calibration["spell"])
     cc = args.cc or open("/proc/sys/net/ipv4/tcp_congestion_control").read().strip()
     return {"backend": backend, "backend_reason": reason, "congestion_control": cc,
             "calibration": link.calibration, **result}

@@ -161,8 +161,10 @@ class Network:
                                      self.ip("probe_local"))
         short = shortfall(self.calibration, dep.links, dep.scale)
         if short:
-            print(f"warning: {short}", file=sys.stderr, flush=True)
             self.calibration["warning"] = short
+        for line in (short, (self.calibration or {}).get("spell")):
+            if line:
+                print(f"warning: {line}", file=sys.stderr, flush=True)
 
     def host(self, role):
         return self.net[self.topo.roles[role]]

@@ -156,11 +156,12 @@ def measure_udp(src, dst, dst_ip, probes=PROBES, train=0, train_pps=1000.0):
 
 def measure_rtt_ms(src, dst, dst_ip, probes=PROBES, q=0.5):
     """The `q` quantile (default: the median) of the RTTs (ms) of `probes` UDP echoes
-    src -> dst, as `measure_link` times them."""
+    src -> dst, as `measure_link` times them; a list of them when `q` is a list."""
     c, _ = measure_udp(src, dst, dst_ip, probes)
     if not c["rtt_ns"]:
         raise NetworkError(f"no UDP echo came back from {dst_ip} (is the link up?)")
-    return _percentile([x / 1e6 for x in c["rtt_ns"]], q)
+    rtts = [x / 1e6 for x in c["rtt_ns"]]
+    return [_percentile(rtts, x) for x in q] if isinstance(q, list) else _percentile(rtts, q)
 
 
 def measure_goodput(src, dst, dst_ip, duration_s):
