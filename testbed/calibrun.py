@@ -31,11 +31,11 @@ import json
 import pathlib
 import random
 import re
-import socket
 import statistics
 import time
 
 from testbed import calibpair, eventloop
+from testbed.ports import free_ports
 from testbed.calibfit import Measurements, Sample
 from workers import vllm_api
 from workers import vllm_server
@@ -43,12 +43,6 @@ from workers.vllm_server import ServerFailed, ServerSpec, VllmServer  # noqa: F4
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _CACHE_INFO = re.compile(r'^vllm:cache_config_info\{(.*)\}', re.M)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def model_shape(model_dir, dtype):
@@ -226,7 +220,8 @@ def run(python, model_dir, plan, log_path, progress, budget_s, seed=0, url=None)
 
 
 def _spec(python, model_dir, plan, role, cpus, seed):
+    port, side_port = free_ports(2)
     return ServerSpec(python=python, model_dir=str(model_dir), role=role, host="127.0.0.1",
-                      port=free_port(), side_port=free_port(), dtype=plan["dtype"],
+                      port=port, side_port=side_port, dtype=plan["dtype"],
                       max_model_len=plan["max_model_len"], max_num_seqs=plan["max_num_seqs"],
                       kv_cache_space_gib=plan["kv_cache_space_gib"], cpus=cpus, seed=seed)

@@ -31,7 +31,6 @@ import json
 import os
 import pathlib
 import random
-import socket
 import time
 
 import numpy as np
@@ -39,6 +38,7 @@ import pytest
 
 from test_vllm_unit import _running
 from testbed import cli, vllmenv, vllmrun
+from testbed.ports import free_ports
 from testbed import profile as profiles
 from testbed.proto import testbed_pb2 as pb
 from workers import policy
@@ -54,14 +54,9 @@ START_TIMEOUT_S = 600       # two servers starting together on 2 busy cores: 100
 LENGTHS = (256, 768, 1280, 2048)
 
 
-def _free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+# outside the ephemeral range: a port found free by binding port 0 was once taken by the other
+# server's engine before this one bound it (testbed/ports.py)
+_free_ports = free_ports
 
 
 @pytest.fixture(scope="module")

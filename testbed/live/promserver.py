@@ -12,11 +12,12 @@ import json
 import pathlib
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.parse
 import urllib.request
+
+from testbed.ports import free_ports
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 PROMETHEUS = shutil.which("prometheus")
@@ -24,9 +25,7 @@ READY_TIMEOUT_S = 60
 
 
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def wait_http(url, timeout_s):
