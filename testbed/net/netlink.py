@@ -9,6 +9,7 @@ pyroute2 is imported when first used: `import testbed.net.netlink` costs nothing
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno as errno_mod
 import os
@@ -59,6 +60,23 @@ def enter_ns(path: str, nstype: int = CLONE_NEWNET) -> None:
         os.close(fd)
 
 
+@contextlib.contextmanager
+def entered(path: str):
+    """The calling thread inside the network namespace file `path` for the `with` block, then
+    back where it was. NetworkError (ENOENT) when `path` is gone."""
+    if not os.path.exists(path):
+        raise NetworkError(f"network namespace {path} does not exist", errno=errno_mod.ENOENT)
+    back = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        enter_ns(path)
+        try:
+            yield
+        finally:
+            setns_fd(back, "the namespace this thread came from")
+    finally:
+        os.close(back)
+
+
 def open_netns_here(path: str):
     """A pyroute2 `IPRoute` on the namespace file `path` whose socket is made by this thread:
     it enters the namespace (setns, which moves the calling thread only), opens the socket and
@@ -68,17 +86,24 @@ def open_netns_here(path: str):
     another thread's calls would make their socket where that thread is (pyroute2 keeps one
     per thread). NetworkError (ENOENT) when `path` is gone."""
     from pyroute2 import IPRoute  # reason: pyroute2, heavy
-    if not os.path.exists(path):
-        raise NetworkError(f"network namespace {path} does not exist", errno=errno_mod.ENOENT)
-    back = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        enter_ns(path)
-        try:
-            return IPRoute()
-        finally:
-            setns_fd(back, "the namespace this thread came from")
-    finally:
-        os.close(back)
+    with entered(path):
+        return IPRoute()
+
+
+def sysctl_here(path: str, *settings: str) -> None:
+    """Set network sysctls ('net.ipv4.tcp_comp_sack_delay_ns=100000') in the namespace file
+    `path` from this thread: /proc/sys/net resolves in the opening thread's namespace, so the
+    thread enters it, writes the files and comes back; `testbed.net.ns.sysctl` runs `nsenter
+    sysctl` instead, two execs. NetworkError naming the setting."""
+    with entered(path):
+        for setting in settings:
+            name, _, value = setting.partition("=")
+            try:
+                with open("/proc/sys/" + name.strip().replace(".", "/"), "w") as f:
+                    f.write(value.strip() + "\n")
+            except OSError as e:
+                raise NetworkError(f"sysctl {setting} in {path}: {e.strerror}",
+                                   errno=e.errno) from None
 
 
 def register_fifo_plugins() -> None:
