@@ -4,7 +4,8 @@ A namespace is named by its file: a name under /var/run/netns (what `ip netns ad
 `netns.create` make) or a path such as /proc/PID/ns/net (a Mininet host's). Commands enter it
 with `nsenter --net=PATH`, which changes the network namespace only (unlike `ip netns exec`, it
 does not remount /sys), so a process keeps its view of the files and the PIDs it knows.
-Light on purpose (subprocess only): every namespace host and link builder imports it.
+Light on purpose (subprocess, and netlink's setns for sysctls): every namespace host and link
+builder imports it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import subprocess
 
 from testbed.errors import NetworkError
+from testbed.net import netlink
 
 NETNS_DIR = "/var/run/netns"
 
@@ -38,10 +40,9 @@ def ns_popen(ns: str | None, argv, **kw) -> subprocess.Popen:
 
 
 def sysctl(ns: str, *settings: str) -> None:
-    """Set sysctls (`net.ipv4.ip_forward=1`, ...) inside `ns` only."""
-    r = ns_run(ns, ["sysctl", "-qw", *settings], capture_output=True, text=True)
-    if r.returncode != 0:
-        raise NetworkError(f"sysctl {' '.join(settings)} in {ns}: {r.stderr.strip()}")
+    """Set sysctls (`net.ipv4.ip_forward=1`, ...) inside `ns` only: written from this thread
+    inside it (`netlink.sysctl_here`, 0.15 ms a host against 4.3-4.7 for `nsenter sysctl`)."""
+    netlink.sysctl_here(ns_path(ns), *settings)
 
 
 def disable_offloads(ns: str, ifname: str) -> None:

@@ -27,6 +27,7 @@ import math
 import socket
 
 from testbed.net import netlink
+from testbed.net.ns import sysctl
 
 KERNEL_RTO_MIN_S = 0.200        # TCP_RTO_MIN (HZ / 5)
 KERNEL_DELACK_MIN_S = 0.040     # TCP_DELACK_MIN (HZ / 25)
@@ -146,7 +147,7 @@ def apply(ns_path, timers):
     if not timers.active:
         return []
     if timers.sysctls():
-        netlink.sysctl_here(ns_path, *timers.sysctls())
+        sysctl(ns_path, *timers.sysctls())
 
     changed = []
     with netlink.open_netns_here(ns_path) as ns:     # used here, by this thread, only
