@@ -17,7 +17,7 @@ from testbed import lifecycle
 from testbed.errors import NetworkError, PrivilegeError
 from testbed.net.calibrate import calibrate, shortfall
 from testbed.net.linkmodel import SETTABLE, needs_checksums
-from testbed.net.ns import disable_checksum_offload, disable_offloads
+from testbed.net.ns import disable_checksum_offload, disable_offloads, sysctl
 from testbed.net.timers import TcpTimers, apply
 from testbed.net.wan import Wan
 from testbed.net.zygote import Zygote, forkable
@@ -82,18 +82,16 @@ class Network:
                 if intf.name != "lo":
                     self.registry.add_link(intf.name)
         self.net.start()
-        for name in self.topo.hosts():
+        paths = self.netns_path
+        for role, path in paths.items():
             # TCP buffers up to 64 MB: the default 6 MB caps the window below a 1 Gbit/s x 40 ms
             # emulated BDP (per-namespace sysctls; the machine's own are untouched).
-            self.net[name].cmd("sysctl -qw net.ipv4.tcp_rmem='4096 131072 67108864' "
-                               "net.ipv4.tcp_wmem='4096 16384 67108864'")
+            sysctl(path, "net.ipv4.tcp_rmem=4096 131072 67108864",
+                   "net.ipv4.tcp_wmem=4096 16384 67108864",
+                   *(["net.ipv4.ip_forward=1"] if role == "wan" else []))
         self._scale_tcp_timers()
         self._per_frame_if_lossy()
-        router = self.host("wan")
-        out = router.cmd("sysctl -qw net.ipv4.ip_forward=1 && cat /proc/sys/net/ipv4/ip_forward")
-        if out.strip() != "1":
-            raise NetworkError(f"could not enable forwarding on the WAN router: {out.strip()}")
-        self._shape(router)
+        self._shape(self.host("wan"))
         return self
 
     def rescale(self, deployment, events=None):
