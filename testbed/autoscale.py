@@ -25,8 +25,12 @@ halve while not faithful, and once there is a faithful scale a below an unfaithf
 1.5 a, try their geometric mean once; the largest faithful scale tried is the choice, or,
 where the budget stopped the search before that mean and b failed on the TTFT excess alone,
 the scale between a and the mean at which the excess, through the two steps as ~ scale ** k,
-is predicted at 80% of its bound (`interpolate`; recorded as `interpolated`). The
-pilot stops before a step that would take it past `autojudge.PILOT_SHARE` of the experiment's
+is predicted at 80% of its bound (`interpolate`; recorded as `interpolated`); where it
+stopped with no unfaithful step above the largest faithful one, the scale above it where the
+excess through the two largest faithful steps (growing at least as the scale) is predicted
+at 80% of its bound, at most the jump the search would have tried next (`extrapolate`;
+`extrapolated`): the piloted run's own scale, while the other runs derive theirs from the
+largest faithful step measured. The pilot stops before a step that would take it past `autojudge.PILOT_SHARE` of the experiment's
 runs' expected wall time, after at least `autojudge.MIN_STEPS` (a measurement and the jump it
 predicts), so a scale twice the choice was tried and warned only where the budget allowed the
 search to bracket; the record says what the scale above did (`faithful_hint`). Stepping
@@ -187,6 +191,24 @@ def interpolate(steps):
     return (scale, round(k, 3)) if scale > lo.scale else None
 
 
+def extrapolate(steps, top=MAX_SCALE):
+    """(scale, exponent) where the budget stopped the search with no unfaithful step above
+    its largest faithful one b: the excess's share through the two largest faithful steps a
+    < b as ~ scale ** k (k at least 1: the excess grows no slower than the scale; it grew
+    about as the scale, 4.0-4.2% at twice choices measured at 2.0-2.8% on 2026-12-03), the
+    scale at which b's headroom (`Step.margin`, the lag's too) shrinks to `INTERPOLATE_AIM`,
+    at most the next step the search would have taken (`autojudge.jump`) and `top`; None
+    when that is not above b (then the choice is b)."""
+    ok = sorted((s for s in steps if s.faithful and s.steady_share), key=lambda s: s.scale)
+    if len(ok) < 2 or any(not s.faithful and s.scale > ok[-1].scale for s in steps):
+        return None
+    a, b = ok[-2], ok[-1]
+    k = max(1.0, math.log(b.steady_share / a.steady_share) / math.log(b.scale / a.scale))
+    aim = b.scale * (INTERPOLATE_AIM * b.margin) ** (1 / k)
+    scale = autoshare.round_down(min(aim, b.scale * autojudge.jump(b.margin), top))
+    return (scale, round(k, 3)) if scale > b.scale else None
+
+
 def faithful_hint(steps, chosen, top=MAX_SCALE):
     """What a scale above the choice did: the basis of 'a run at twice it would warn'
     (`top`: the pilot's ceiling)."""
@@ -211,8 +233,9 @@ def why_not(step):
     return f"{len(others)} warning(s): {others[0][:60]}" if others else "no request completed"
 
 
-def choice_line(label, steps, chosen, pilot_s, between=False):
-    """The one line `testbed run` prints (`between`: the choice was interpolated)."""
+def choice_line(label, steps, chosen, pilot_s, between=False, beyond=False):
+    """The one line `testbed run` prints (`between`: the choice was interpolated; `beyond`:
+    extrapolated)."""
     tried = ", ".join(f"{s.scale:g}{'' if s.faithful else '!'}" for s in steps)
     if chosen is None:
         return (f"scale.time auto ({label}): no scale tried was faithful ({tried}; ! warned); "
@@ -223,6 +246,11 @@ def choice_line(label, steps, chosen, pilot_s, between=False):
                 f"of {tried} where the TTFT excess is predicted at "
                 f"{100 * INTERPOLATE_AIM * autojudge.WARN_SHARE:g}% (! warned; pilot "
                 f"{pilot_s:.1f} s)")
+    if beyond:
+        return (f"scale.time auto ({label}): {chosen:g}, above the faithful {tried} where the "
+                f"TTFT excess through them is predicted at "
+                f"{100 * INTERPOLATE_AIM * autojudge.WARN_SHARE:g}% (the budget ended the "
+                f"search; ! warned; pilot {pilot_s:.1f} s)")
     return (f"scale.time auto ({label}): {chosen:g}, the largest faithful of {tried} "
             f"(! warned; pilot {pilot_s:.1f} s)")
 
@@ -267,7 +295,7 @@ class AutoRun:
         p = self.shared.pilot
         if p["label"] == self.exp.run_label and p.get("line"):
             return p["line"]
-        how = (f"{p['label']}'s {p['chosen']:g} x {self.shared.factor_of(self.exp):.2g} "
+        how = (f"{p['label']}'s {p['base']:g} x {self.shared.factor_of(self.exp):.2g} "
                "(its room)" if p["chosen"] is not None else "no faithful scale in the pilot")
         return f"scale.time auto ({self.exp.run_label}): {scale:g}, from the pilot of {how}"
 
@@ -275,7 +303,7 @@ class AutoRun:
         p, sh = self.shared.pilot, self.shared
         look = sh.look_of(self.exp)
         rec = {"chosen": scale, "faithful": p["chosen"] is not None, "ceiling": self.ceiling,
-               "piloted": p["label"], "pilot_chosen": p["chosen"],
+               "piloted": p["label"], "pilot_chosen": p["chosen"], "pilot_base": p["base"],
                "factor": round(sh.factor_of(self.exp), 4),
                "room_ms": autoshare.room_ms(look),
                "outlook": {**dataclasses.asdict(look), "length_factor": look.length_factor},
@@ -326,15 +354,22 @@ class Pilot:
         pilot_s = round(time.monotonic() - t0 - built, 3)
         chosen = choose(self.steps)
         between = interpolate(self.steps)
+        beyond = extrapolate(self.steps, self.ceiling) if between is None else None
         if between is not None:
             chosen = between[0]
             self.record["interpolated"] = {"scale": between[0], "exponent": between[1],
                                            "aim_share": INTERPOLATE_AIM * autojudge.WARN_SHARE}
+        elif beyond is not None:
+            chosen = beyond[0]
+            self.record["extrapolated"] = {"scale": beyond[0], "exponent": beyond[1],
+                                           "aim_share": INTERPOLATE_AIM * autojudge.WARN_SHARE,
+                                           "from": choose(self.steps)}
         fallback = min((s.scale for s in self.steps), default=AUTO_START)
         self.shared.record(self.exp.run_label, chosen, fallback,
-                           [s.as_dict() for s in self.steps], pilot_s)
+                           [s.as_dict() for s in self.steps], pilot_s,
+                           base=choose(self.steps) if beyond is not None else None)
         self.shared.pilot["line"] = choice_line(self.exp.run_label, self.steps, chosen, pilot_s,
-                                                between is not None)
+                                                between is not None, beyond is not None)
         self.record["expected_run_s"] = self._expected(chosen or fallback)
         return self.backend if own else None
 

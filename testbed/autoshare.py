@@ -98,15 +98,21 @@ class Shared:
         return [(look, factor(room_ms(look), base))
                 for i, look in enumerate(self.looks) if i != self.index]
 
-    def record(self, label, chosen, fallback, steps_record, pilot_s):
+    def record(self, label, chosen, fallback, steps_record, pilot_s, base=None):
         """Keep the pilot's outcome: its choice (None: nothing faithful, the runs use
-        `fallback`, the least scale tried), its steps (as metadata holds them) and cost."""
+        `fallback`, the least scale tried), its steps (as metadata holds them) and cost.
+        `base`: what the other runs' scales derive from when not the choice (an extrapolated
+        choice is the piloted run's own: the others derive from a measured step)."""
         self.pilot = {"label": label, "chosen": chosen, "fallback": fallback,
-                      "steps": steps_record, "pilot_s": pilot_s}
+                      "steps": steps_record, "pilot_s": pilot_s,
+                      "base": chosen if base is None else base}
 
     def scale_for(self, exp, ceiling):
         """The scale.time `exp` runs at after the pilot, at most `ceiling` (its links')."""
         if self.pilot["chosen"] is None:
             return min(self.pilot["fallback"], ceiling)
-        derived = self.pilot["chosen"] * self.factor_of(exp)
-        return min(round_down(derived) if derived > self.pilot["chosen"] else derived, ceiling)
+        if self.position(exp) == self.index:
+            return min(self.pilot["chosen"], ceiling)
+        base = self.pilot.get("base") or self.pilot["chosen"]
+        derived = base * self.factor_of(exp)
+        return min(round_down(derived) if derived > base else derived, ceiling)

@@ -138,3 +138,45 @@ def test_the_pilot_stops_at_the_largest_scale_the_links_allow():
     assert next_scale(steps, ceiling=50) is None
     assert "the most the links allow" in autoscale.faithful_hint(steps, 50, 50)
     assert next_scale([], start=80, ceiling=50) == 50
+
+
+def _lagged(scale, share, lag_ms):
+    return Step(scale, True, steady_share=share, first_token_lag_ms=lag_ms)
+
+
+@pytest.mark.parametrize("steps, chosen", [
+    # the case study's pilots of 2026-12-03 (prfaas), each stopped by the budget after two
+    # faithful steps; the runs at twice the old choice (38, 44, 46) measured 4.0-4.2%
+    ([(10, 0.014, 5), (19, 0.020, 5)], 30),    # k 0.56 -> 1: 38, capped at the jump (x1.58)
+    ([(10, 0.011, 6), (22, 0.028, 6)], 29),    # k 1.18: 29.8, rounded down
+    ([(10, 0.0093, 6), (23, 0.023, 6)], 33),   # 38, capped at the jump (x1.47), rounded down
+    ([(10, 0.011, 6), (21, 0.037, 6)], 22),    # k 1.63: 22.0 (42 warned at 11%)
+    ([(10, 0.027, 3), (14, 0.043, 3)], None),  # many_instances: 4.3% already above 4%
+    ([(10, 0.01, 40), (20, 0.012, 45)], None),  # the lag near its 50 ms bound: no room
+    ([(10, 0.01, 5)], None),                   # one step: no growth measured
+])
+def test_a_search_stopped_below_any_unfaithful_step_extrapolates_to_the_next_step_at_most(
+        steps, chosen):
+    got = autoscale.extrapolate([_lagged(*s) for s in steps])
+    assert (got and got[0]) == chosen, got
+    if chosen is not None:
+        last = steps[-1][0]
+        assert last < chosen <= 4 * last
+
+
+def test_no_extrapolation_above_an_unfaithful_step_and_the_others_derive_from_the_measured():
+    steps = [_lagged(10, 0.014, 5), _lagged(19, 0.02, 5), Step(40, False, steady_share=0.3)]
+    assert autoscale.extrapolate(steps) is None
+    assert autoscale.extrapolate(steps[:2], top=25) == (25, 1.0)
+    from testbed import autoshare
+    from testbed.autojudge import Outlook
+    exps = load_experiment(CASE, ["scale.time=auto"])
+    looks = [Outlook(600, ms, 4.0) for ms in (7360, 41460, 20840)]
+    shared = autoshare.Shared(exps, looks)
+    shared.record("prfaas", 30, 10, [], 7.8, base=19)
+    target = shared.target
+    assert shared.scale_for(target, 1000) == 30
+    other = next(e for e in exps if e is not target)
+    assert shared.scale_for(other, 1000) == autoshare.round_down(19 * shared.factor_of(other))
+    line = autoscale.choice_line("prfaas", steps[:2], 30, 7.8, beyond=True)
+    assert line.startswith("scale.time auto (prfaas): 30, above the faithful 10, 19 where")
