@@ -171,3 +171,36 @@ def test_failure_heatmap_without_a_fault_free_variant(tmp_path):
         "policy,failover,fault,case,p90_inflation,failed\n"
         "prfaas,True,kill,kill-rp0,,0\nprfaas,True,pause,pause-rp0,,0\n")
     assert plot.failure_heatmap(tmp_path, tmp_path / "figures").exists()
+
+
+def test_a_thread_that_dies_while_the_server_starts_fails_the_wait_at_once(tmp_path,
+                                                                           monkeypatch):
+    """A stand-in server whose handshake thread raises (as vLLM's NIXL listener did when its
+    port was taken) and which then never answers /health: the wait says so within a poll or
+    two, not after its bound."""
+    import asyncio
+
+    import aiohttp
+
+    script = tmp_path / "server.py"
+    script.write_text("import threading, time\n"
+                      "def listen():\n"
+                      "    raise OSError('Address already in use')\n"
+                      "threading.Thread(target=listen, name='nixl_handshake_listener').start()\n"
+                      "time.sleep(60)\n")
+    monkeypatch.setattr(vs, "argv", lambda spec: [sys.executable, str(script)])
+    log = tmp_path / "log"
+    log.write_text("an earlier server's lines\nException in thread old:\n")    # not this one's
+    srv = vs.VllmServer(_spec(), log)
+    srv.start()
+
+    async def wait():
+        async with aiohttp.ClientSession() as session:
+            return await srv.wait_healthy(120, session)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(vs.ServerFailed, match="thread nixl_handshake_listener died"):
+            asyncio.run(wait())
+        assert time.monotonic() - t0 < 10
+    finally:
+        srv.stop()

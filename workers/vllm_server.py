@@ -39,6 +39,7 @@ from testbed import lifecycle
 
 ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
 HEALTH_POLL_S = 1.0
+THREAD_CRASH = "Exception in thread "     # threading's default excepthook, on stderr
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -192,24 +193,50 @@ class VllmServer:
 
     def __init__(self, spec: ServerSpec, log_path):
         self.spec, self.log_path, self.proc = spec, log_path, None
+        self._log_at = 0        # how far `thread_crash` has read the log
 
     def start(self):
         with open(self.log_path, "ab") as log:
+            self._log_at = log.tell()
             self.proc = subprocess.Popen(argv(self.spec), stdout=log, stderr=subprocess.STDOUT,
                                          env=env(self.spec), stdin=subprocess.DEVNULL,
                                          preexec_fn=lifecycle.die_with_parent())
         return self.proc
 
     async def wait_healthy(self, timeout_s, session):
-        """Poll GET /health (bounded by `timeout_s`) until 200; ServerFailed otherwise."""
+        """Poll GET /health (bounded by `timeout_s`) until 200; ServerFailed otherwise, at
+        once when the server exits or one of its threads dies while it starts."""
         def exited():
             if self.proc.poll() is not None:
                 return (f"vLLM server exited with {self.proc.returncode} before it was "
                         f"healthy; see {self.log_path}")
+            crash = self.thread_crash()
+            if crash:
+                return (f"vLLM server's thread {crash} died before the server was healthy "
+                        f"(it would wait for it forever); see {self.log_path}")
             return None
         return await wait_healthy(session, self.spec.url, timeout_s, exited,
                                   f"vLLM server not healthy after {timeout_s:.0f}s; see "
                                   f"{self.log_path}")
+
+    def thread_crash(self):
+        """The name of a thread whose uncaught exception the server logged since the last
+        call (Python's `Exception in thread NAME:` line), else None. A thread of vLLM's that
+        dies while the server starts leaves it waiting for that thread's readiness forever:
+        on 2026-12-03 the NIXL handshake listener lost its port to another process, and the
+        server never answered /health."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_at)
+                new = f.read()
+        except OSError:
+            return None
+        whole = new[:new.rfind(b"\n") + 1]
+        self._log_at += len(whole)
+        for line in whole.decode(errors="replace").splitlines():
+            if line.startswith(THREAD_CRASH):
+                return line[len(THREAD_CRASH):].rstrip(":").strip() or "?"
+        return None
 
     def pids(self):
         """[(pid, start time)] of the server and every process below it, for the record."""
