@@ -150,11 +150,15 @@ def _send(msg):
 
 
 def _fork(req, wake_fds):
+    # The launcher's PID, taken before the fork: a child that asked getppid() after the launcher
+    # died would get init's and take it for its parent (it then never got the parent-death
+    # signal and slept on as an orphan: 1 in 12 of test_children_die_with_the_launcher).
+    me = os.getpid()
     pid = os.fork()
     if pid == 0:
         for fd in wake_fds:
             os.close(fd)
-        _child(req, os.getppid())
+        _child(req, me)
     # The child is not reaped before this read (only `_reap` reaps): the start time is its own.
     _send({"pid": pid, "start": lifecycle.proc_start_time(pid)})
     return pid
