@@ -119,3 +119,65 @@ def test_a_jittered_links_own_spread_is_not_a_spell(monkeypatch):
     wan.spread_ms = [1.8, 1.8]                  # 1.28 of it
     got = _calibrate(monkeypatch, wan)
     assert got["late_us"] == [[80.0], [80.0]] and got["spell"] is None
+
+
+def _probe(wan, late_us, warnings, monkeypatch, tries=2, spread_ms=None):
+    """`quiet_probe` over probes that each pass 1000 packets `late_us` late, spread their RTTs
+    by `spread_ms` (0.1 each by default) and warn `warnings`, in turn."""
+    from testbed.net import calibrate as cal
+    monkeypatch.setattr(cal, "SPELL_PAUSE_S", 0.0)
+    late, warns, calls = list(late_us), list(warnings), []
+    spread = list(spread_ms or [0.1] * len(late))
+
+    def measure():
+        if wan is not None:
+            wan.passed += 1000
+            wan.late += int(1000 * late.pop(0) * 1e3)
+        calls.append(1)
+        m = {"n": len(calls), "rtt_p10_ms": 1.0, "rtt_p50_ms": 1.0 + spread.pop(0)}
+        return {"measured": m, "warnings": warns.pop(0)}
+    out = cal.quiet_probe(wan, measure, tries)
+    out["measured"] = out["measured"]["n"]
+    return out, len(calls)
+
+
+def test_a_link_probe_that_warns_in_a_slow_spell_is_measured_again(monkeypatch):
+    wan = _SpellWan([], [])
+    out, n = _probe(wan, [400, 90], [["goodput deviates -27% from configured"], []], monkeypatch)
+    assert n == 2 and out["warnings"] == [] and out["measured"] == 2
+    assert out["late_us"] == 90 and out["spell"] is None
+    assert [t["late_us"] for t in out["tries"]] == [400, 90]
+
+
+def test_rtts_that_spread_mark_a_spell_too(monkeypatch):
+    """End hosts that wake late spread the RTTs while the delay lines keep time."""
+    out, n = _probe(_SpellWan([], []), [90, 90], [["rtt_p50 deviates +22% from configured"], []],
+                    monkeypatch, spread_ms=[0.9, 0.1])
+    assert n == 2 and out["warnings"] == [] and out["measured"] == 2
+    assert out["tries"][0]["slowness"] == 3.0 and out["slowness"] < 1
+
+
+def test_a_quiet_probe_keeps_its_warnings_and_is_not_measured_again(monkeypatch):
+    out, n = _probe(_SpellWan([], []), [100], [["rtt_p50 deviates +16% from configured"]],
+                    monkeypatch)
+    assert n == 1 and out["warnings"] == ["rtt_p50 deviates +16% from configured"]
+    assert out["spell"] is None
+
+
+def test_a_probe_late_in_every_try_keeps_the_least_late_and_says_so(monkeypatch):
+    out, n = _probe(_SpellWan([], []), [500, 300, 450], [["a"], ["b"], ["c"]], monkeypatch)
+    assert n == 3 and out["late_us"] == 300 and out["warnings"][0] == "b"
+    assert "slow spell in all 3 tries" in out["spell"] and out["warnings"][-1] == out["spell"]
+
+
+def test_a_probe_without_delay_lines_is_measured_once(monkeypatch):
+    out, n = _probe(None, [0], [["x"]], monkeypatch)
+    assert n == 1 and out["late_us"] is None and out["warnings"] == ["x"]
+
+
+def test_a_probe_with_no_tries_is_measured_once_and_claims_no_spell(monkeypatch):
+    """Per frame (loss configured) a delay line is late under bulk TCP on any machine."""
+    out, n = _probe(_SpellWan([], []), [2000], [["loss deviates +30% from configured"]],
+                    monkeypatch, tries=0)
+    assert n == 1 and out["late_us"] == 2000 and out["spell"] is None
+    assert out["warnings"] == ["loss deviates +30% from configured"]

@@ -66,7 +66,11 @@ def test_tiny_run_measured_facts(tmp_path):
     assert (remote.kv_bytes == remote.kv_bytes_sent).all()   # received == sent
     # The run measured its own link.
     meta = json.loads((out / "metadata.json").read_text())
-    assert meta["link_fidelity"]["measured"]["rtt_p50_ms"] > 0
+    fid = meta["link_fidelity"]
+    assert fid["measured"]["rtt_p50_ms"] >= fid["measured"]["rtt_p10_ms"] > 0
+    # and judged how quiet the machine was while it measured (the delay lines' own lateness)
+    assert fid["tries"] and all(t["late_us"] > 0 for t in fid["tries"]), fid["tries"]
+    assert fid["slowness"] == min(t["slowness"] for t in fid["tries"])
     # One machine, one clock: every instance on it, on record with offset 0 (testbed/clocks.py).
     clocks = meta["clocks"]
     assert set(clocks["instances"]) >= set(df.prefill_instance) | set(df.decode_instance)

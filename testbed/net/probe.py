@@ -338,6 +338,7 @@ def measure_link(src_ns_path, dst_ns_path, dst_ip, configured, duration_s=2.0,
     owd_ms = [(x - min(s["owd_ns"])) / 1e6 for x in s["owd_ns"]]
     measured = {
         "goodput_bps": goodput,
+        "rtt_p10_ms": _percentile(rtt_ms, 0.1),
         "rtt_p50_ms": _percentile(rtt_ms, 0.5),
         "rtt_p99_ms": _percentile(rtt_ms, 0.99),
         "jitter_ms": statistics.pstdev(owd_ms) if len(owd_ms) > 1 else float("nan"),
