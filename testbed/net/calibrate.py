@@ -55,7 +55,7 @@ SPREAD_QUIET_MS = 0.3   # a quiet round's median RTT over its lower decile: 0.06
 LOW_Q = 0.1
 SPELL_TRIES = 4         # rounds measured again when late (each ~1.2 s, plus the pause)
 SPELL_PAUSE_S = 1.0
-PROBE_TRIES = 2         # link probes measured again when late (each ~3.5 s, plus the pause)
+PROBE_TRIES = 1         # a link probe measured again when slow (~3.5 s, plus the pause)
 
 
 def lateness_us(before, after):
