@@ -42,14 +42,20 @@ def test_corrupted_packets_do_not_reach_the_receiver():
     delivered as good (checksum offload is off on the hosts)."""
     fwd = _link(corrupt=0.02)
     with routed_pair({"kv": fwd, "request": _link()}) as link:
+        # the calibration's echoes crossed (and were corrupted) before: 200-1000 of them, as
+        # many rounds as its slow-spell check measured; count this measurement's alone
+        before = link.wan.delayline_counters()["kv"]
         c, s = probe.measure_udp(link.src, link.dst, link.dst_ip, 20, 10_000, 5000)
-        counters = link.wan.delayline_counters()["kv"]
+        counters = {k: v - before[k] for k, v in link.wan.delayline_counters()["kv"].items()}
     missing = 10_000 - s["train_unique"]
     assert missing > 100, s                         # 2% of 10,000, loosely
     # every packet the delay line corrupted is one the receiver's checksum dropped (a busy CPU
     # may drop a few more on the way, so missing is only an upper bound)
     assert 0.95 * counters["corrupted"] <= s["csum_errors"] <= counters["corrupted"], counters
-    assert s["csum_errors"] <= missing, (missing, s["csum_errors"])
+    # the 20 UDP echo probes cross the corrupting direction too (2% of them: one in three
+    # runs loses one), and the receiver's checksum counter counts them with the train's
+    lost = missing + 20 - s["got"]["p"]
+    assert s["csum_errors"] <= lost, (missing, s["got"], s["csum_errors"])
 
 
 def test_one_way_partition_leaves_the_other_direction_up():
