@@ -74,20 +74,31 @@ def quiet_round(wan, src, dst, dst_ip, probes, tries=None):
     """(median RTT ms, the delay lines' lateness us a packet) of the least slow of up to
     1 + `tries` (SPELL_TRIES) rounds, measured again while a round is slow (`slowness`);
     whether that one is slow too; and the lateness of every round measured."""
-    jitter_ms = 1e3 * sum(wan.links[d].jitter_s ** 2 for d in DIRECTIONS) ** 0.5
+    def measure():
+        low, rtt = measure_rtt_ms(src, dst, dst_ip, probes, [LOW_Q, QUANTILE])
+        return rtt, rtt - low
+    rounds = _rounds(wan, measure, SPELL_TRIES if tries is None else tries)
+    _, late, rtt = min(rounds, key=lambda r: (r[0], r[2]))
+    return (rtt, late), rounds[-1][0] > 1.0, [_round(r[1]) for r in rounds]
+
+
+def _rounds(wan, measure, tries, enough=lambda result: False):
+    """[(slowness, the delay lines' lateness us a packet, result)] of `measure()` ->
+    (result, RTT spread ms) over `wan` (None: no delay lines), measured again after a pause
+    while a round is slow and not `enough(result)`, up to `tries` more times."""
+    jitter_ms = 0.0 if wan is None else 1e3 * sum(wan.links[d].jitter_s ** 2
+                                                   for d in DIRECTIONS) ** 0.5
     rounds = []
-    for i in range(1 + (SPELL_TRIES if tries is None else tries)):
+    for i in range(1 + tries):
         if i:
             time.sleep(SPELL_PAUSE_S)
-        before = wan.delayline_counters()
-        low, rtt = measure_rtt_ms(src, dst, dst_ip, probes, [LOW_Q, QUANTILE])
-        late = lateness_us(before, wan.delayline_counters())
-        rounds.append((slowness(late, rtt - low, jitter_ms), rtt, late))
-        if rounds[-1][0] <= 1.0:
+        before = wan.delayline_counters() if wan is not None else {}
+        result, spread_ms = measure()
+        late = lateness_us(before, wan.delayline_counters()) if wan is not None else None
+        rounds.append((slowness(late, spread_ms, jitter_ms), late, result))
+        if rounds[-1][0] <= 1.0 or enough(result):
             break
-    _, rtt, late = min(rounds)
-    return (rtt, late), rounds[-1][0] > 1.0, [None if r[2] is None else round(r[2], 1)
-                                              for r in rounds]
+    return rounds
 
 
 def slowness(late_us, spread_ms, jitter_ms=0.0):
@@ -147,20 +158,12 @@ def quiet_probe(wan, measure, tries=PROBE_TRIES):
     in a slow spell and is measured again after a pause, up to `tries` times; the least slow
     is kept, its warnings with it. The result gains `late_us`, `slowness` and `tries` (each
     probe's) and, when the one kept warned in a spell too, `spell`: a line saying so."""
-    jitter_ms = 0.0 if wan is None else 1e3 * sum(wan.links[d].jitter_s ** 2
-                                                   for d in DIRECTIONS) ** 0.5
-    tried = []
-    for i in range(1 + tries):
-        if i:
-            time.sleep(SPELL_PAUSE_S)
-        before = wan.delayline_counters() if wan is not None else {}
+    def measure_probe():
         result = measure()
-        late = lateness_us(before, wan.delayline_counters()) if wan is not None else None
         m = result["measured"]
         spread = m["rtt_p50_ms"] - m["rtt_p10_ms"] if m.get("rtt_p10_ms") is not None else 0.0
-        tried.append((slowness(late, spread, jitter_ms), late, result))
-        if not result["warnings"] or tried[-1][0] <= 1.0:
-            break
+        return result, spread
+    tried = _rounds(wan, measure_probe, tries, enough=lambda result: not result["warnings"])
     slow, late, result = min(tried, key=lambda t: t[0])
     spell = None
     if tries and result["warnings"] and slow > 1.0:
