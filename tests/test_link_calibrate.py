@@ -121,7 +121,7 @@ def test_a_jittered_links_own_spread_is_not_a_spell(monkeypatch):
     assert got["late_us"] == [[80.0], [80.0]] and got["spell"] is None
 
 
-def _probe(wan, late_us, warnings, monkeypatch, tries=2, spread_ms=None):
+def _probe(wan, late_us, warnings, monkeypatch, tries=2, spread_ms=None, jitter_ms=None):
     """`quiet_probe` over probes that each pass 1000 packets `late_us` late, spread their RTTs
     by `spread_ms` (0.1 each by default) and warn `warnings`, in turn."""
     from testbed.net import calibrate as cal
@@ -136,7 +136,7 @@ def _probe(wan, late_us, warnings, monkeypatch, tries=2, spread_ms=None):
         calls.append(1)
         m = {"n": len(calls), "rtt_p10_ms": 1.0, "rtt_p50_ms": 1.0 + spread.pop(0)}
         return {"measured": m, "warnings": warns.pop(0)}
-    out = cal.quiet_probe(wan, measure, tries)
+    out = cal.quiet_probe(wan, measure, tries, jitter_ms=jitter_ms)
     out["measured"] = out["measured"]["n"]
     return out, len(calls)
 
@@ -173,6 +173,19 @@ def test_a_probe_late_in_every_try_keeps_the_least_late_and_says_so(monkeypatch)
 def test_a_probe_without_delay_lines_is_measured_once(monkeypatch):
     out, n = _probe(None, [0], [["x"]], monkeypatch)
     assert n == 1 and out["late_us"] is None and out["warnings"] == ["x"]
+
+
+def test_a_probe_without_delay_lines_is_judged_by_its_rtts_spread(monkeypatch):
+    """Between Ray hosts the delay lines are the agents': the RTTs' spread alone tells a spell,
+    beyond the round trip's configured jitter."""
+    out, n = _probe(None, [0, 0], [["rtt_p50 deviates +28% from configured"]] * 2, monkeypatch,
+                    tries=1, spread_ms=[0.9, 0.8])
+    assert n == 2 and out["late_us"] is None and out["slowness"] == round(0.8 / 0.3, 3)
+    assert "its RTTs spread over their lower decile" in out["spell"]
+    assert "us late" not in out["spell"] and out["warnings"][-1] == out["spell"]
+    out, n = _probe(None, [0], [["jitter deviates +12% from configured"]], monkeypatch,
+                    tries=1, spread_ms=[0.9], jitter_ms=1.414)
+    assert n == 1 and out["spell"] is None
 
 
 def test_a_probe_with_no_tries_is_measured_once_and_claims_no_spell(monkeypatch):

@@ -125,10 +125,11 @@ def test_rtt_jitter_and_order(link_factory):
     delay: what this machine adds on its own (the probe's wake-ups, the NFQUEUE round trip; seen
     from 0.2 to 1.8 ms a round trip, varying by the minute) is common to both and cancels. The
     median is robust to it; the jitter is the one-way spread beyond the baseline's, in
-    quadrature. A busy CPU only adds delay, so the best of three pairs is taken."""
+    quadrature. A busy CPU only adds delay, so the best of up to five pairs is taken (a
+    clean-clone run's three pairs all fell in one spell: 12.1, 11.4, 10.8 ms added)."""
     link = link_factory(rate=50e6, delay=0.005, jitter=0.001)
     pairs = []
-    for _ in range(3):
+    for _ in range(5):
         link.wan.set(delay=0.0, jitter=0.0)
         base_rtt, base_owd, _ = _udp_rtt_owd(link)
         link.wan.set(delay=0.005, jitter=0.001)

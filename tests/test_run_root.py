@@ -231,7 +231,10 @@ def test_ctrl_c_keeps_measurements_and_leaves_nothing(tmp_path):
     os.kill(proc.pid, signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, stderr[-2000:]
-    assert len(stderr.strip().splitlines()) <= 2 and "interrupted" in stderr
+    # one line explains it; the machine's own warnings (a calibration in a slow spell, a delay
+    # below the delay line's fixed cost here) come before it, each on a line of its own
+    said = [ln for ln in stderr.strip().splitlines() if not ln.startswith("warning: ")]
+    assert len(said) == 1 and "interrupted" in said[0], stderr
     df = pd.read_parquet(out / "requests.parquet")
     assert len(df) == 200
     assert (df.status == "ok").sum() > 0

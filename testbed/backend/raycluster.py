@@ -49,7 +49,7 @@ from testbed.backend import agents, runfiles
 from testbed.backend.raynodes import (DATACENTERS, DIRECTION_OF, READY_TIMEOUT_S, connect,
                                       labelled_nodes, pinned)
 from testbed.backend.rayplacement import place, request
-from testbed.backend.rayprobe import measure
+from testbed.backend.rayprobe import quiet_measure
 from testbed.deploy import DC_NET
 from testbed.errors import ConfigError, NetworkError
 
@@ -325,8 +325,8 @@ class RayBackend:
         src = next((i for i in dep.instances if i.dc == "prfaas"), None)
         src_node = self.placement[src.name] if src else next(
             n for n in self.nodes if n.dc == "prfaas")
-        return measure(self.ray, src_node, dst_node, dst_ip, dep.links["kv"].params(),
-                       congestion_control)
+        return quiet_measure(self.ray, src_node, dst_node, dst_ip, dep.links["kv"],
+                             congestion_control)
 
     def _addresses(self, node):
         """The instance addresses placed on `node`, in the deployment's order."""

@@ -30,6 +30,7 @@ from testbed.backend.raynodes import (DATACENTERS, DIRECTION_OF, READY_TIMEOUT_S
                                       labelled_nodes, pinned)
 from testbed.deploy import DC_NET
 from testbed.errors import ConfigError, NetworkError
+from testbed.net.calibrate import probe_tries, quiet_probe
 from testbed.net.probe import ProbeProcess, measure_link
 from testbed.net.tcp import CC_ENV
 
@@ -135,6 +136,15 @@ def measure(ray, src_node, dst_node, dst_ip, configured, congestion_control=None
     return result
 
 
+def quiet_measure(ray, src_node, dst_node, dst_ip, link, congestion_control=None, **kw):
+    """`measure` of `link` (a `Link`, both ways) judged as the run's probe on one machine is
+    (`calibrate.quiet_probe`): measured again once when it warns in a slow spell, told by its
+    RTTs' spread (the delay lines are the agents', in other processes)."""
+    return quiet_probe(None, lambda: measure(ray, src_node, dst_node, dst_ip, link.params(),
+                                             congestion_control, **kw),
+                       tries=probe_tries(link), jitter_ms=2 ** 0.5 * 1e3 * link.jitter_s)
+
+
 # ---------------------------------------------------------------- testbed linktest --backend ray
 
 def probe_nodes(nodes):
@@ -168,8 +178,8 @@ def linktest(address, link, shaping="auto", duration_s=2.0, congestion_control=N
                 shaping, seed, [PROBE_IPS[dc]], {PROBE_IPS[other]: nodes[other].ip},
                 nodes[other].ip)
         infos = {dc: _get(ray, ref, READY_TIMEOUT_S) for dc, ref in refs.items()}
-        result = measure(ray, nodes["prfaas"], nodes["local"], PROBE_IPS["local"],
-                         link.params(), congestion_control, duration_s=duration_s)
+        result = quiet_measure(ray, nodes["prfaas"], nodes["local"], PROBE_IPS["local"], link,
+                               congestion_control, duration_s=duration_s)
     finally:
         errors = _stop_agents(ray, started)
     if errors:

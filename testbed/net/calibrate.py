@@ -36,7 +36,7 @@ fixed cost cannot be emulated (the delay line holds 0 and the path still costs m
 
 import time
 
-from testbed.net.linkmodel import DIRECTIONS
+from testbed.net.linkmodel import DIRECTIONS, needs_per_frame_packets
 from testbed.net.probe import measure_rtt_ms
 
 PROBES = 200            # as many as the link probe's (a median of 100 moved ~0.1 ms under load)
@@ -82,12 +82,14 @@ def quiet_round(wan, src, dst, dst_ip, probes, tries=None):
     return (rtt, late), rounds[-1][0] > 1.0, [_round(r[1]) for r in rounds]
 
 
-def _rounds(wan, measure, tries, enough=lambda result: False):
+def _rounds(wan, measure, tries, enough=lambda result: False, jitter_ms=None):
     """[(slowness, the delay lines' lateness us a packet, result)] of `measure()` ->
-    (result, RTT spread ms) over `wan` (None: no delay lines), measured again after a pause
-    while a round is slow and not `enough(result)`, up to `tries` more times."""
-    jitter_ms = 0.0 if wan is None else 1e3 * sum(wan.links[d].jitter_s ** 2
-                                                   for d in DIRECTIONS) ** 0.5
+    (result, RTT spread ms) over `wan` (None: no delay lines here, `jitter_ms` the round
+    trip's configured jitter), measured again after a pause while a round is slow and not
+    `enough(result)`, up to `tries` more times."""
+    if jitter_ms is None:
+        jitter_ms = 0.0 if wan is None else 1e3 * sum(wan.links[d].jitter_s ** 2
+                                                       for d in DIRECTIONS) ** 0.5
     rounds = []
     for i in range(1 + tries):
         if i:
@@ -151,29 +153,41 @@ def calibrate(wan, src, dst, dst_ip, probes=PROBES, passes=PASSES):
             "spell": spell}
 
 
-def quiet_probe(wan, measure, tries=PROBE_TRIES):
+def quiet_probe(wan, measure, tries=PROBE_TRIES, jitter_ms=None):
     """The run's link probe, `measure()` (`probe.measure_link` of the built link), judged as a
     calibration round is: its delay lines' lateness over it (`late_us`, us a packet) and its
     RTTs' spread (median over the lower decile), `slowness`. A probe that warns while slow ran
     in a slow spell and is measured again after a pause, up to `tries` times; the least slow
     is kept, its warnings with it. The result gains `late_us`, `slowness` and `tries` (each
-    probe's) and, when the one kept warned in a spell too, `spell`: a line saying so."""
+    probe's) and, when the one kept warned in a spell too, `spell`: a line saying so. With the
+    delay lines on other machines (`wan` None) the RTTs' spread alone judges, beyond the round
+    trip's configured `jitter_ms`."""
     def measure_probe():
         result = measure()
         m = result["measured"]
         spread = m["rtt_p50_ms"] - m["rtt_p10_ms"] if m.get("rtt_p10_ms") is not None else 0.0
         return result, spread
-    tried = _rounds(wan, measure_probe, tries, enough=lambda result: not result["warnings"])
+    tried = _rounds(wan, measure_probe, tries, enough=lambda result: not result["warnings"],
+                    jitter_ms=jitter_ms)
     slow, late, result = min(tried, key=lambda t: t[0])
     spell = None
     if tries and result["warnings"] and slow > 1.0:
+        why = ("its RTTs spread over their lower decile" if late is None else
+               f"delay lines {late:.0f} us late a packet, quiet under {LATE_QUIET_US}, or its "
+               f"RTTs spread")
         spell = (f"the link probe ran in a slow spell in all {len(tried)} tries (the one kept: "
-                 f"delay lines {late or 0:.0f} us late a packet, quiet under {LATE_QUIET_US}, "
-                 f"or its RTTs spread), so its warnings may be the machine's, not the link's")
+                 f"{why}), so its warnings may be the machine's, not the link's")
     return {**result, "warnings": result["warnings"] + [spell] if spell else result["warnings"],
             "late_us": _round(late), "slowness": round(slow, 3), "spell": spell,
             "tries": [{"late_us": _round(t[1]), "slowness": round(t[0], 3),
                        "warnings": t[2]["warnings"]} for t in tried]}
+
+
+def probe_tries(link):
+    """quiet_probe's tries for a probe of `link` (a `Link`, both ways): none per frame (with loss
+    or a policer), where bulk TCP keeps a delay line ms late on any machine and its lateness
+    says nothing of a slow spell (docs/link_fidelity.md)."""
+    return 0 if needs_per_frame_packets({"kv": link}) else PROBE_TRIES
 
 
 def _round(x):
