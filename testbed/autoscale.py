@@ -13,7 +13,9 @@ module never imports it: layers point down), and `AutoRun` drives one expanded r
    A step is judged as testbed/autojudge.py says: every guard of the run (first-token lag,
    decode wake-ups, step and prefill ratios, KV transfers, TCP timeouts, start-up) but the
    TTFT excess as the run has it; that one on the requests after the warm-up, against the
-   TTFT p90 the planner expects of the measured run, not the pilot's;
+   TTFT p90 the planner expects of the measured run, not the pilot's. Then the link check
+   (testbed/autolink.py): the kv link probed on that network at the fastest run's rate, and
+   every run's scale lowered where the machine's path carried less;
 2. the measured run at the scale `autoshare.Shared.scale_for` gives it (the pilot's choice,
    faster by the run's room over the piloted run's), on the pilot's network when the pilot
    ran on this run's deployment; its metadata.json records the pilot (`scale_auto`) and
@@ -48,9 +50,10 @@ import time
 
 import pandas as pd
 
-from testbed import autojudge, autoshare, deploy, lifecycle
+from testbed import autojudge, autolink, autoshare, deploy, lifecycle
 from testbed.backend import open_backend
 from testbed.errors import ConfigError, RunInterrupted, TestbedError
+from testbed.measure import LinkProbes
 from testbed.experiment import AUTO, AUTO_START
 from testbed.profiling.cost import children_cpu_s
 from testbed.records import EventLog, RunDir
@@ -266,6 +269,8 @@ class AutoRun:
     def __init__(self, exp, run_dir, make_run, shared=None, **kw):
         if exp.scale.time != AUTO:
             raise ValueError("AutoRun runs experiments with scale.time auto")
+        if "probes" not in kw:       # the experiment's, or this run's own
+            kw["probes"] = LinkProbes(kw.pop("probe", True))
         self.exp, self.dir, self.make_run, self.kw = exp, pathlib.Path(run_dir), make_run, kw
         self.shared = shared if shared is not None else autoshare.Shared([exp])
         if self.shared.position(exp) is None:        # not among the runs it was made for
@@ -279,12 +284,18 @@ class AutoRun:
             pilot = None
             if self.shared.pilot is None:
                 own = self.shared.target is self.exp
-                pilot = Pilot(self.shared, self.dir / PILOT_DIR, self.make_run)
+                pilot = Pilot(self.shared, self.dir / PILOT_DIR, self.make_run,
+                              check_link=self.kw["probes"].enabled)
                 self.backend = pilot.execute(registry if own else None, self.exp.run_label)
             scale = self.shared.scale_for(self.exp, self.ceiling)
             print(self._line(scale), flush=True)
             exp = self.exp.at_speed(scale)
             meta = {"scale_auto": self._meta(scale, pilot)}
+            last = pilot.last_probe if pilot is not None else None
+            if self.backend is not None and last and last[0] == scale:
+                # the pilot's network, already at this scale: its last probe is this run's
+                self.kw["probes"].offer(f"{self.exp.run_label} (the pilot's link check)",
+                                        *last[1:])
             run = self.make_run(exp, self.dir, deployment=deploy.compile(exp),
                                 backend=self.backend, meta=meta, **self.kw)
             return run.execute()
@@ -293,11 +304,14 @@ class AutoRun:
 
     def _line(self, scale):
         p = self.shared.pilot
+        before = self.shared.uncapped(self.exp, self.ceiling)
+        capped = f"; runs at {scale:g}, within the link's cap" if scale != before else ""
         if p["label"] == self.exp.run_label and p.get("line"):
-            return p["line"]
+            return p["line"] + capped
         how = (f"{p['label']}'s {p['base']:g} x {self.shared.factor_of(self.exp):.2g} "
                "(its room)" if p["chosen"] is not None else "no faithful scale in the pilot")
-        return f"scale.time auto ({self.exp.run_label}): {scale:g}, from the pilot of {how}"
+        return (f"scale.time auto ({self.exp.run_label}): {before:g}, from the pilot of "
+                f"{how}{capped}")
 
     def _meta(self, scale, pilot):
         p, sh = self.shared.pilot, self.shared
@@ -307,7 +321,9 @@ class AutoRun:
                "factor": round(sh.factor_of(self.exp), 4),
                "room_ms": autoshare.room_ms(look),
                "outlook": {**dataclasses.asdict(look), "length_factor": look.length_factor},
-               "budget_share": autojudge.PILOT_SHARE}
+               "budget_share": autojudge.PILOT_SHARE,
+               "uncapped": sh.uncapped(self.exp, self.ceiling),
+               "link_cap_bps": p.get("link_cap_bps")}
         if pilot is not None:        # this run ran the experiment's pilot
             rec.update(pilot.record, pilot_s=p["pilot_s"], steps=p["steps"])
             if p["label"] == self.exp.run_label:
@@ -319,11 +335,14 @@ class Pilot:
     """The pilot of an experiment: steps on `shared.target`'s deployment in `pilot_dir`, until
     `next_scale` says done or the budget (the experiment's runs together) is spent."""
 
-    def __init__(self, shared, pilot_dir, make_run):
+    def __init__(self, shared, pilot_dir, make_run, check_link=True):
+        """`check_link`: probe the link after the steps (testbed/autolink.py; not with
+        --no-probe)."""
         self.shared, self.dir, self.make_run = shared, pathlib.Path(pilot_dir), make_run
+        self.check_link = check_link
         self.exp, self.look = shared.target, shared.target_look
         self.ceiling = ceiling(self.exp)
-        self.steps, self.backend, self.spent_s = [], None, 0.0
+        self.steps, self.backend, self.spent_s, self.last_probe = [], None, 0.0, None
         self.record = {"pilot_ceiling": self.ceiling, "start": AUTO_START,
                        "pilot_requests": self._requests(),
                        "pilot_outlook": {**dataclasses.asdict(self.look),
@@ -344,14 +363,27 @@ class Pilot:
                 t1 = time.monotonic()
                 self.steps.append(self._step(s, registry, events))
                 self.spent_s += time.monotonic() - t1
+            built = self.record.get("network_build_s", 0.0) if own else 0.0
+            self._conclude(time.monotonic() - t0 - built)
+            if not self.check_link:
+                self.record["link_check"] = {"skipped": "--no-probe"}
+            elif self.backend is not None:
+                self.record["link_check"], self.last_probe = autolink.check(
+                    self.backend, self.shared, [ceiling(exp) for exp in self.shared.runs],
+                    events)
+                self.shared.pilot["line"] += autolink.line(self.record["link_check"])
         finally:
             events.close()
             if not own:
                 registry.close()
         # its cost: what a run at a fixed scale does not do (when its own, it builds the
         # network too)
-        built = self.record.get("network_build_s", 0.0) if own else 0.0
-        pilot_s = round(time.monotonic() - t0 - built, 3)
+        self.shared.pilot["pilot_s"] = round(time.monotonic() - t0 - built, 3)
+        return self.backend if own else None
+
+    def _conclude(self, pilot_s):
+        """The choice from the steps, recorded in `shared` (the link check comes after);
+        `pilot_s`: the steps' wall time."""
         chosen = choose(self.steps)
         between = interpolate(self.steps)
         beyond = extrapolate(self.steps, self.ceiling) if between is None else None
@@ -371,7 +403,6 @@ class Pilot:
         self.shared.pilot["line"] = choice_line(self.exp.run_label, self.steps, chosen, pilot_s,
                                                 between is not None, beyond is not None)
         self.record["expected_run_s"] = self._expected(chosen or fallback)
-        return self.backend if own else None
 
     def _requests(self):
         n = self.exp.requests

@@ -25,11 +25,14 @@ pilot of two or three steps is within 20% of them.
   instances each: homogeneous 883 ms and naive 1202 ms at 50x, prfaas 175 ms at 20x, about
   1100 at 50x by the square): the runs' own guards say when it is not.
 - **The budget** is `autojudge.PILOT_SHARE` of all the runs' expected wall time together.
+- **The link's cap** (`link_cap_bps`, from testbed/autolink.py): the most kv link rate, wall
+  clock, the machine's path carried when the pilot probed it; every run's scale is lowered
+  until its kv link is within it (`capped`).
 """
 
 import math
 
-from testbed import autojudge
+from testbed import autojudge, deploy
 from testbed.experiment import AUTO, AUTO_START
 
 GROWTH = autojudge.GROWTH
@@ -54,6 +57,20 @@ def factor(room, base_room):
     if not room or not base_room or room <= base_room:
         return 1.0
     return min(autojudge.JUMP_MAX, (room / base_room) ** (1 / GROWTH))
+
+
+def wall_rate_bps(exp, scale):
+    """`exp`'s kv link rate, emulated (wall clock), at scale.time `scale`."""
+    return deploy.compile(exp.at_speed(scale)).links["kv"].rate_bps
+
+
+def capped(exp, scale, cap_bps):
+    """`scale`, lowered (two significant digits, down) until `exp`'s kv link is within
+    `cap_bps` wall clock (None: no cap); the rate is linear in the scale."""
+    if cap_bps is None:
+        return scale
+    rate = wall_rate_bps(exp, scale)
+    return scale if rate <= cap_bps else round_down(scale * cap_bps / rate)
 
 
 class Shared:
@@ -108,7 +125,12 @@ class Shared:
                       "base": chosen if base is None else base}
 
     def scale_for(self, exp, ceiling):
-        """The scale.time `exp` runs at after the pilot, at most `ceiling` (its links')."""
+        """The scale.time `exp` runs at after the pilot, at most `ceiling` (its links') and
+        within the link's cap, once the pilot measured one."""
+        return capped(exp, self.uncapped(exp, ceiling), self.pilot.get("link_cap_bps"))
+
+    def uncapped(self, exp, ceiling):
+        """`scale_for` before the link's cap."""
         if self.pilot["chosen"] is None:
             return min(self.pilot["fallback"], ceiling)
         if self.position(exp) == self.index:

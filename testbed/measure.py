@@ -145,11 +145,17 @@ class LinkProbes:
     (the backend's measurement) the first time a WAN is seen, the same result for a later run
     with the same WAN. Either is marked: `measured_in` (the run label that measured it),
     `shared` (false in that run, true in the runs that reuse it) and `measured_at`. With
-    `enabled` false (`--no-probe`) nothing is measured."""
+    `enabled` false (`--no-probe`) nothing is measured. `offer(...)`: a probe measured on the
+    very network the next run uses (`scale.time: auto`'s link check), which that run takes in
+    place of measuring."""
 
     def __init__(self, enabled=True):
         self.enabled = enabled
         self.done = {}          # wan_key -> (label, measured_at, result)
+        self.offered = None     # (label, measured_at, result) for the next run's probe
+
+    def offer(self, label, measured_at, result):
+        self.offered = (label, measured_at, result)
 
     def fidelity(self, label, meta, probe):
         if not self.enabled:
@@ -158,8 +164,9 @@ class LinkProbes:
         if key is not None and key in self.done:
             first, at, result = self.done[key]
             return {**result, "measured_in": first, "shared": True, "measured_at": at}
-        at = time.time()
-        result = probe()
+        offered, self.offered = self.offered, None
+        label, at, result = offered or (label, time.time(), None)
+        result = result if result is not None else probe()
         if key is not None:
             self.done[key] = (label, at, result)
         return {**result, "measured_in": label, "shared": False, "measured_at": at}

@@ -47,16 +47,12 @@ from testbed.live import serve, view
 from testbed.loadstats import read_http
 from testbed.measure import CounterSampler, LinkProbes
 from testbed.net.schedule import LinkSchedule
-from testbed.net.tcp import CC_ENV
+from testbed.net.tcp import CC_ENV, congestion_control, system_congestion_control
 from testbed.records import EventLog, RunDir
 from testbed.sim.run import SimRun
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 30.0
-
-
-def _system_cc():
-    return pathlib.Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
 
 
 def default_out(exp_name):
@@ -185,7 +181,7 @@ class Run:
         self.meta["versions"].update(desc["versions"])
         self.meta["topology"] = desc["topology"]
         self.meta["tcp"] = {"congestion_control_kv": self.congestion_control(),
-                            "congestion_control_default": _system_cc(),
+                            "congestion_control_default": system_congestion_control(),
                             "segmentation_offload": desc["segmentation_offload"],
                             "timers": desc.get("tcp_timers", {})}
         self.meta["shaping"] = desc["shaping"]
@@ -201,8 +197,7 @@ class Run:
 
     def congestion_control(self):
         """TCP congestion control of the KV senders and the link probe."""
-        cc = self.exp.network.congestion_control
-        return _system_cc() if cc == "system" else cc
+        return congestion_control(self.exp.network.congestion_control)
 
     def _spawn(self, name, module, extra=(), host=None):
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")

@@ -84,9 +84,10 @@ def test_tiny_run_measured_facts(tmp_path):
 
 def test_auto_scale_runs_a_pilot_on_one_network_and_records_it(tmp_path):
     """`scale.time: auto`: each pilot step is a run directory of its own, metadata.json records
-    the steps, the run used the choice, and the pilot's network is gone afterwards."""
+    the steps and the link check (the kv link probed at the choice: testbed/autolink.py), the
+    run used the choice, and the pilot's network is gone afterwards."""
     out = tmp_path / "run"
-    r = subprocess.run(tb_cmd("run", str(TINY), "--out", str(out), "--no-progress", "--no-probe",
+    r = subprocess.run(tb_cmd("run", str(TINY), "--out", str(out), "--no-progress",
                               "--set", "scale.time=auto", "--set", "requests=6"),
                        capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -107,6 +108,18 @@ def test_auto_scale_runs_a_pilot_on_one_network_and_records_it(tmp_path):
         assert rec["chosen"] == rec.get("interpolated", {}).get("scale", best) >= best
     assert yaml.safe_load((out / "config.yaml").read_text())["scale"]["time"] == rec["chosen"]
     assert json.loads((out / "summary.json").read_text())["completed"] == 6
+    check = rec["link_check"]
+    first = check["probes"][0]        # at the choice before any cap: this run is the fastest
+    assert first["scale"] == rec["uncapped"] and first["goodput_bps"] > 0
+    fid = json.loads((out / "metadata.json").read_text())["link_fidelity"]
+    # the check's last probe was on this network at this scale: the run's own probe
+    assert fid["measured_in"] == "prfaas (the pilot's link check)", fid
+    assert fid["configured"]["rate"] == check["probes"][-1]["rate_bps"]
+    if check["cap_bps"] is None:      # carried: the run at the choice, its probe within it too
+        assert rec["chosen"] == rec["uncapped"] and len(check["probes"]) == 1
+    else:                             # short: the run at a scale whose link is within the cap
+        assert rec["chosen"] < rec["uncapped"] and len(check["probes"]) == 2
+        assert fid["configured"]["rate"] <= check["cap_bps"], (fid["configured"], check)
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
     assert f": tb{rec['network_run_id']}" not in links
     assert leftovers(out) == []
@@ -138,6 +151,7 @@ def test_auto_scale_pilots_one_variant_and_the_others_take_a_scale_from_it(tmp_p
             rec["chosen"]
         assert json.loads((out / v / "summary.json").read_text())["completed"] == 6
     assert len([ln for ln in r.stdout.splitlines() if ln.startswith("scale.time auto (")]) == 2
+    assert recs[piloted[0]]["link_check"] == {"skipped": "--no-probe"}
     assert leftovers(out / "prfaas") == [] and leftovers(out / "naive") == []
 
 

@@ -14,6 +14,18 @@ import socket
 CC_ENV = "TESTBED_TCP_CC"
 
 
+def system_congestion_control():
+    """This machine's default TCP congestion control."""
+    with open("/proc/sys/net/ipv4/tcp_congestion_control") as f:
+        return f.read().strip()
+
+
+def congestion_control(name):
+    """`network.congestion_control` as the KV senders and the link probe use it: "system" is
+    this machine's default."""
+    return system_congestion_control() if name == "system" else name
+
+
 def set_congestion_control(sock, name=None):
     """Use TCP congestion control `name` (default: $TESTBED_TCP_CC) on this socket.
 

@@ -1,0 +1,93 @@
+"""`scale.time: auto`'s link check (testbed/autolink.py): the pilot's network probed at the
+fastest run's kv link, every run's scale lowered where the path carried less. No root: the
+backend here is a path that carries at most a given rate."""
+
+import pytest
+
+from testbed import autolink, autoshare
+from testbed.config import load_experiment
+
+CASE = "experiments/paper_case_study.yaml"
+
+
+class Path:
+    """A backend whose kv path carries at most `carry_bps` of a link's rate, or `share` of
+    it (a machine that falls short at any rate); records the rates probed."""
+
+    def __init__(self, carry_bps=float("inf"), share=1.0):
+        self.carry, self.share, self.probed, self.rate = carry_bps, share, [], None
+
+    def rescale(self, deployment, events=None):
+        self.rate = deployment.links["kv"].rate_bps
+        return self
+
+    def probe(self, congestion_control):
+        self.probed.append(self.rate)
+        got = min(self.carry, self.share * self.rate)
+        dev = got / self.rate - 1
+        warn = [f"goodput deviates {100 * dev:+.0f}% from configured"] if dev < -0.1 else []
+        return {"measured": {"goodput_bps": 0.956 * got}, "deviation": {"goodput": dev},
+                "warnings": warn, "slowness": 0.4}
+
+
+def _case(chosen=20.0):
+    """The case study's pilot as recorded on 2026-12-03 04:27: prfaas faithful at 20."""
+    sh = autoshare.Shared(load_experiment(CASE, ["workload.arrival.rate=4/s"]))
+    sh.record("prfaas", chosen, 10.0, [], 6.0)
+    return sh
+
+
+def _rates(sh):
+    return {e.run_label: autoshare.wall_rate_bps(e, sh.scale_for(e, 50)) for e in sh.runs}
+
+
+def test_a_probe_within_tolerance_caps_nothing():
+    assert autolink.shortfall_cap({"deviation": {"goodput": -0.09}}, 1e9) is None
+    assert autolink.shortfall_cap({"deviation": {}}, 1e9) is None
+    assert autolink.shortfall_cap({"deviation": {"goodput": -0.26}}, 3.3e9) == pytest.approx(
+        3.3e9 * 0.74 * autolink.CARRY_MARGIN)
+
+
+def test_the_rate_is_linear_in_the_scale_and_a_cap_lowers_it_to_two_digits():
+    exp = _case().runs[0]
+    r10 = autoshare.wall_rate_bps(exp, 10)
+    assert autoshare.wall_rate_bps(exp, 33) == pytest.approx(3.3 * r10)
+    assert autoshare.capped(exp, 33, None) == 33
+    assert autoshare.capped(exp, 33, 3.3 * r10) == 33
+    assert autoshare.capped(exp, 33, 2.44 * r10) == 24
+
+
+def test_a_path_that_carries_every_rate_is_probed_once_at_the_fastest_run():
+    sh, path = _case(), Path()
+    before = _rates(sh)
+    rec, last = autolink.check(path, sh, [50, 50, 50], None)
+    assert path.probed == [max(before.values())]          # homogeneous, the fastest
+    assert rec["cap_bps"] is None and rec["verified"] and len(rec["probes"]) == 1
+    assert last[0] == rec["probes"][0]["scale"] and last[2]["warnings"] == []
+    assert _rates(sh) == before and autolink.line(rec) == ""
+
+
+def test_a_path_that_falls_short_caps_every_run_and_is_probed_again_under_the_cap():
+    """Occasion 7 (2026-12-03): homogeneous at 33 had a 3.3 Gbit/s link, 26% short."""
+    sh = _case()
+    fastest = max(_rates(sh).values())
+    carry = 0.5 * fastest
+    path = Path(carry_bps=carry)
+    rec, last = autolink.check(path, sh, [50, 50, 50], None)
+    assert path.probed[0] == fastest and len(path.probed) == 2
+    assert path.probed[1] <= carry                        # the second link was carried
+    assert rec["verified"] and rec["cap_bps"] == pytest.approx(carry * autolink.CARRY_MARGIN)
+    rates = _rates(sh)
+    assert max(rates.values()) <= rec["cap_bps"]
+    assert min(rates.values()) >= 0.5 * rec["cap_bps"]    # lowered to the cap, not far below
+    assert sh.scale_for(sh.target, 50) <= sh.uncapped(sh.target, 50)
+    assert "capped at" in autolink.line(rec) and "50% of its payload rate" in autolink.line(rec)
+
+
+def test_a_path_short_at_every_rate_says_the_cap_is_not_verified():
+    sh, path = _case(), Path(share=0.8)
+    rec, last = autolink.check(path, sh, [50, 50, 50], None)
+    assert len(path.probed) == autolink.CHECKS and not rec["verified"]
+    assert path.probed[1] < path.probed[0]
+    assert rec["cap_bps"] == pytest.approx(path.probed[1] * 0.8 * autolink.CARRY_MARGIN)
+    assert "not verified" in autolink.line(rec)
