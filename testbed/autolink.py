@@ -27,6 +27,7 @@ import time
 from testbed import deploy
 from testbed.autoshare import wall_rate_bps
 from testbed.errors import ConfigError, TestbedError
+from testbed.measure import wan_meta
 from testbed.net.probe import DEVIATION_WARN
 from testbed.net.tcp import congestion_control
 
@@ -60,14 +61,14 @@ def probe_scale(shared, ceilings, rate_bps):
     return base if abs(factor - 1) < 1e-9 else min(ceilings[i], base * factor)
 
 
-def check(backend, shared, ceilings, events):
+def check(backend, shared, ceilings, events, link_probes=None, label=""):
     """Probe the kv link of `backend` (the pilot's network, `shared.target`'s deployment) at the
     fastest run's rate, cap `shared`'s runs where it fell short, and probe again under the cap;
-    (the record for metadata.json's `scale_auto.link_check`, (scale, measured_at, result) of
-    the last probe or None). The backend is left at the last scale probed: the measured run
-    carries it over to its own, and where that is the same takes the probe as its own."""
+    the record for metadata.json's `scale_auto.link_check`. Each probe goes to `link_probes`
+    (the experiment's `measure.LinkProbes`): a run on the same WAN at the same scale takes it
+    as its own, shared, marked "`label` (the pilot's link check)". The backend is left at the
+    last scale probed (the measured run carries it over to its own)."""
     target, probes, cap, t0 = shared.target, [], None, time.monotonic()
-    last = None
     cc = congestion_control(target.network.congestion_control)
     for _ in range(CHECKS):
         scale = probe_scale(shared, ceilings, fastest(shared, ceilings))
@@ -76,10 +77,12 @@ def check(backend, shared, ceilings, events):
             at = time.time()
             result = backend.rescale(dep, events).probe(cc)
         except (ConfigError, TestbedError) as e:
-            last = None
             probes.append({"scale": round(scale, 4), "error": f"{type(e).__name__}: {e}"})
             break
-        rate, last = dep.links["kv"].rate_bps, (scale, at, result)
+        if link_probes is not None:
+            link_probes.adopt(wan_meta(target.backend.kind, backend.describe(), cc),
+                              f"{label} (the pilot's link check)", at, result)
+        rate = dep.links["kv"].rate_bps
         cap = shortfall_cap(result, rate)
         probes.append({"scale": round(scale, 4), "rate_bps": rate,
                        "goodput_bps": result["measured"].get("goodput_bps"),
@@ -91,7 +94,7 @@ def check(backend, shared, ceilings, events):
         shared.pilot["link_cap_bps"] = cap if old is None else min(old, cap)
     return {"probes": probes, "cap_bps": shared.pilot.get("link_cap_bps"),
             "verified": bool(probes) and "error" not in probes[-1] and cap is None,
-            "carry_margin": CARRY_MARGIN, "wall_s": round(time.monotonic() - t0, 3)}, last
+            "carry_margin": CARRY_MARGIN, "wall_s": round(time.monotonic() - t0, 3)}
 
 
 def line(record):

@@ -285,17 +285,12 @@ class AutoRun:
             if self.shared.pilot is None:
                 own = self.shared.target is self.exp
                 pilot = Pilot(self.shared, self.dir / PILOT_DIR, self.make_run,
-                              check_link=self.kw["probes"].enabled)
+                              link_probes=self.kw["probes"])
                 self.backend = pilot.execute(registry if own else None, self.exp.run_label)
             scale = self.shared.scale_for(self.exp, self.ceiling)
             print(self._line(scale), flush=True)
             exp = self.exp.at_speed(scale)
             meta = {"scale_auto": self._meta(scale, pilot)}
-            last = pilot.last_probe if pilot is not None else None
-            if self.backend is not None and last and last[0] == scale:
-                # the pilot's network, already at this scale: its last probe is this run's
-                self.kw["probes"].offer(f"{self.exp.run_label} (the pilot's link check)",
-                                        *last[1:])
             run = self.make_run(exp, self.dir, deployment=deploy.compile(exp),
                                 backend=self.backend, meta=meta, **self.kw)
             return run.execute()
@@ -335,14 +330,14 @@ class Pilot:
     """The pilot of an experiment: steps on `shared.target`'s deployment in `pilot_dir`, until
     `next_scale` says done or the budget (the experiment's runs together) is spent."""
 
-    def __init__(self, shared, pilot_dir, make_run, check_link=True):
-        """`check_link`: probe the link after the steps (testbed/autolink.py; not with
-        --no-probe)."""
+    def __init__(self, shared, pilot_dir, make_run, link_probes=None):
+        """`link_probes`: the experiment's `measure.LinkProbes`; the link check after the steps
+        (testbed/autolink.py) hands its probes to them (none: no check, as with --no-probe)."""
         self.shared, self.dir, self.make_run = shared, pathlib.Path(pilot_dir), make_run
-        self.check_link = check_link
+        self.link_probes = link_probes
         self.exp, self.look = shared.target, shared.target_look
         self.ceiling = ceiling(self.exp)
-        self.steps, self.backend, self.spent_s, self.last_probe = [], None, 0.0, None
+        self.steps, self.backend, self.spent_s = [], None, 0.0
         self.record = {"pilot_ceiling": self.ceiling, "start": AUTO_START,
                        "pilot_requests": self._requests(),
                        "pilot_outlook": {**dataclasses.asdict(self.look),
@@ -365,12 +360,12 @@ class Pilot:
                 self.spent_s += time.monotonic() - t1
             built = self.record.get("network_build_s", 0.0) if own else 0.0
             self._conclude(time.monotonic() - t0 - built)
-            if not self.check_link:
+            if self.link_probes is None or not self.link_probes.enabled:
                 self.record["link_check"] = {"skipped": "--no-probe"}
             elif self.backend is not None:
-                self.record["link_check"], self.last_probe = autolink.check(
+                self.record["link_check"] = autolink.check(
                     self.backend, self.shared, [ceiling(exp) for exp in self.shared.runs],
-                    events)
+                    events, self.link_probes, label)
                 self.shared.pilot["line"] += autolink.line(self.record["link_check"])
         finally:
             events.close()

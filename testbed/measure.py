@@ -23,6 +23,7 @@ import time
 
 from testbed.fidelity import exceeds_link
 from testbed.net.linkmodel import DIRECTIONS
+from testbed.net.tcp import system_congestion_control
 
 
 class CounterSampler:
@@ -138,6 +139,16 @@ def wan_key(meta):
                        "timers": timers}, sort_keys=True, default=str)
 
 
+def wan_meta(kind, desc, congestion_control):
+    """The metadata keys of a run that decide its link probe (`wan_key`), from its backend's
+    kind, `describe()` and the KV senders' congestion control."""
+    return {"backend": kind, "shaping": desc["shaping"],
+            "tcp": {"congestion_control_kv": congestion_control,
+                    "congestion_control_default": system_congestion_control(),
+                    "segmentation_offload": desc["segmentation_offload"],
+                    "timers": desc.get("tcp_timers", {})}}
+
+
 class LinkProbes:
     """The link probes of one `testbed run`, one per distinct WAN (`wan_key`).
 
@@ -145,17 +156,18 @@ class LinkProbes:
     (the backend's measurement) the first time a WAN is seen, the same result for a later run
     with the same WAN. Either is marked: `measured_in` (the run label that measured it),
     `shared` (false in that run, true in the runs that reuse it) and `measured_at`. With
-    `enabled` false (`--no-probe`) nothing is measured. `offer(...)`: a probe measured on the
-    very network the next run uses (`scale.time: auto`'s link check), which that run takes in
-    place of measuring."""
+    `enabled` false (`--no-probe`) nothing is measured. `adopt(meta, ...)`: a probe measured
+    outside a run (`scale.time: auto`'s link check, on the pilot's network), which the runs
+    with that WAN take as a shared one."""
 
     def __init__(self, enabled=True):
         self.enabled = enabled
         self.done = {}          # wan_key -> (label, measured_at, result)
-        self.offered = None     # (label, measured_at, result) for the next run's probe
 
-    def offer(self, label, measured_at, result):
-        self.offered = (label, measured_at, result)
+    def adopt(self, meta, label, measured_at, result):
+        key = wan_key(meta)
+        if key is not None and key not in self.done:
+            self.done[key] = (label, measured_at, result)
 
     def fidelity(self, label, meta, probe):
         if not self.enabled:
@@ -164,9 +176,8 @@ class LinkProbes:
         if key is not None and key in self.done:
             first, at, result = self.done[key]
             return {**result, "measured_in": first, "shared": True, "measured_at": at}
-        offered, self.offered = self.offered, None
-        label, at, result = offered or (label, time.time(), None)
-        result = result if result is not None else probe()
+        at = time.time()
+        result = probe()
         if key is not None:
             self.done[key] = (label, at, result)
         return {**result, "measured_in": label, "shared": False, "measured_at": at}

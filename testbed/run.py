@@ -45,9 +45,9 @@ from testbed.faults import write_matrix
 from testbed.inject import Injector
 from testbed.live import serve, view
 from testbed.loadstats import read_http
-from testbed.measure import CounterSampler, LinkProbes
+from testbed.measure import CounterSampler, LinkProbes, wan_meta
 from testbed.net.schedule import LinkSchedule
-from testbed.net.tcp import CC_ENV, congestion_control, system_congestion_control
+from testbed.net.tcp import CC_ENV, congestion_control
 from testbed.records import EventLog, RunDir
 from testbed.sim.run import SimRun
 
@@ -180,11 +180,8 @@ class Run:
         desc = self.backend.describe()
         self.meta["versions"].update(desc["versions"])
         self.meta["topology"] = desc["topology"]
-        self.meta["tcp"] = {"congestion_control_kv": self.congestion_control(),
-                            "congestion_control_default": system_congestion_control(),
-                            "segmentation_offload": desc["segmentation_offload"],
-                            "timers": desc.get("tcp_timers", {})}
-        self.meta["shaping"] = desc["shaping"]
+        wan = wan_meta(self.exp.backend.kind, desc, self.congestion_control())
+        self.meta["tcp"], self.meta["shaping"] = wan["tcp"], wan["shaping"]
         self.meta["link_calibration"] = desc.get("link_calibration")
 
     def _probe_link(self, events):

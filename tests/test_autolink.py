@@ -21,6 +21,10 @@ class Path:
         self.rate = deployment.links["kv"].rate_bps
         return self
 
+    def describe(self):
+        return {"shaping": {"backend": "userspace", "emulated": {"kv": {"rate": self.rate}}},
+                "segmentation_offload": True, "tcp_timers": {"rto_min_ms": 5}}
+
     def probe(self, congestion_control):
         self.probed.append(self.rate)
         got = min(self.carry, self.share * self.rate)
@@ -60,10 +64,9 @@ def test_the_rate_is_linear_in_the_scale_and_a_cap_lowers_it_to_two_digits():
 def test_a_path_that_carries_every_rate_is_probed_once_at_the_fastest_run():
     sh, path = _case(), Path()
     before = _rates(sh)
-    rec, last = autolink.check(path, sh, [50, 50, 50], None)
+    rec = autolink.check(path, sh, [50, 50, 50], None)
     assert path.probed == [max(before.values())]          # homogeneous, the fastest
     assert rec["cap_bps"] is None and rec["verified"] and len(rec["probes"]) == 1
-    assert last[0] == rec["probes"][0]["scale"] and last[2]["warnings"] == []
     assert _rates(sh) == before and autolink.line(rec) == ""
 
 
@@ -73,7 +76,7 @@ def test_a_path_that_falls_short_caps_every_run_and_is_probed_again_under_the_ca
     fastest = max(_rates(sh).values())
     carry = 0.5 * fastest
     path = Path(carry_bps=carry)
-    rec, last = autolink.check(path, sh, [50, 50, 50], None)
+    rec = autolink.check(path, sh, [50, 50, 50], None)
     assert path.probed[0] == fastest and len(path.probed) == 2
     assert path.probed[1] <= carry                        # the second link was carried
     assert rec["verified"] and rec["cap_bps"] == pytest.approx(carry * autolink.CARRY_MARGIN)
@@ -86,8 +89,24 @@ def test_a_path_that_falls_short_caps_every_run_and_is_probed_again_under_the_ca
 
 def test_a_path_short_at_every_rate_says_the_cap_is_not_verified():
     sh, path = _case(), Path(share=0.8)
-    rec, last = autolink.check(path, sh, [50, 50, 50], None)
+    rec = autolink.check(path, sh, [50, 50, 50], None)
     assert len(path.probed) == autolink.CHECKS and not rec["verified"]
     assert path.probed[1] < path.probed[0]
     assert rec["cap_bps"] == pytest.approx(path.probed[1] * 0.8 * autolink.CARRY_MARGIN)
     assert "not verified" in autolink.line(rec)
+
+
+def test_each_probe_is_the_probe_of_the_runs_on_its_link():
+    """The fastest run, uncapped, and every capped run on the link probed at the cap take the
+    check's probe as theirs (measure.LinkProbes, shared) instead of measuring again."""
+    from testbed.measure import LinkProbes, wan_meta
+    from testbed.net.tcp import congestion_control
+    sh, path, probes = _case(), Path(carry_bps=2e9), LinkProbes()
+    cc = congestion_control(sh.target.network.congestion_control)
+    rec = autolink.check(path, sh, [50, 50, 50], None, probes, "prfaas")
+    for p, rate in zip(rec["probes"], path.probed):
+        path.rate = rate
+        fid = probes.fidelity("a run", wan_meta("mininet", path.describe(), cc),
+                              lambda: pytest.fail("measured again"))
+        assert fid["shared"] and fid["measured_in"] == "prfaas (the pilot's link check)"
+        assert fid["deviation"]["goodput"] == pytest.approx(min(2e9, rate) / rate - 1)

@@ -84,16 +84,17 @@ def test_a_backend_whose_probe_path_depends_on_placement_is_probed_every_run():
     assert probe.calls == 2 and second["shared"] is False and second["measured_in"] == "b"
 
 
-def test_an_offered_probe_is_the_next_runs_and_shared_after_it():
-    """`scale.time: auto`'s link check probed the network the next run uses, at its scale."""
+def test_an_adopted_probe_is_shared_by_the_runs_on_its_wan():
+    """`scale.time: auto`'s link check probed the pilot's network at a run's scale."""
     probes, probe = LinkProbes(), Prober()
-    probes.offer("prfaas (the pilot's link check)", 123.0, {"measured": {"x": 1},
-                                                            "warnings": []})
-    first = probes.fidelity("prfaas", meta(), probe)
-    assert probe.calls == 0 and first["measured"] == {"x": 1} and first["shared"] is False
+    probes.adopt(meta(), "prfaas (the pilot's link check)", 123.0, {"measured": {"x": 1},
+                                                                  "warnings": []})
+    probes.adopt(meta(), "later", 456.0, {"measured": {"x": 2}, "warnings": []})  # first kept
+    first = probes.fidelity("homogeneous", meta(tcp__timers__hosts=20), probe)
+    assert probe.calls == 0 and first["measured"] == {"x": 1} and first["shared"] is True
     assert first["measured_in"] == "prfaas (the pilot's link check)"
     assert first["measured_at"] == 123.0
-    again = probes.fidelity("naive", meta(), probe)
-    assert probe.calls == 0 and again["shared"] is True and again["measured"] == {"x": 1}
     other = probes.fidelity("fast", meta(shaping__emulated__kv__rate=2e9), probe)
-    assert probe.calls == 1 and other["measured_in"] == "fast"     # offered once only
+    assert probe.calls == 1 and other["measured_in"] == "fast" and other["shared"] is False
+    probes.adopt(meta(backend="ray"), "x", 1.0, {"measured": {}, "warnings": []})
+    assert probes.fidelity("r", meta(backend="ray"), probe)["shared"] is False  # placement
