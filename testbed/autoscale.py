@@ -53,8 +53,8 @@ import pandas as pd
 from testbed import autojudge, autolink, autoshare, deploy, lifecycle
 from testbed.backend import open_backend
 from testbed.errors import ConfigError, RunInterrupted, TestbedError
-from testbed.measure import LinkProbes
 from testbed.experiment import AUTO, AUTO_START
+from testbed.measure import LinkProbes
 from testbed.profiling.cost import children_cpu_s
 from testbed.records import EventLog, RunDir
 
@@ -365,7 +365,7 @@ class Pilot:
             elif self.backend is not None:
                 self.record["link_check"] = autolink.check(
                     self.backend, self.shared, [ceiling(exp) for exp in self.shared.runs],
-                    events, self.link_probes, label)
+                    events, self.link_probes, self.exp.run_label)
                 self.shared.pilot["line"] += autolink.line(self.record["link_check"])
         finally:
             events.close()
