@@ -79,12 +79,14 @@ def queue_p90_ms(requests, rate, capacity):
 @dataclasses.dataclass(frozen=True)
 class Outlook:
     """What the planner expects of the measured run: its request count, its TTFT p90
-    (real-world ms; None: no prediction) and the rate it serves them at (req/s, the offered
-    rate or, above it, Lambda_max)."""
+    (real-world ms; None: no prediction), the rate it serves them at (req/s, the offered
+    rate or, above it, Lambda_max) and the KV cache it sends across the WAN at that rate
+    (`kv_bps`, real-world bit/s; None: none or no prediction)."""
     requests: int
     ttft_p90_ms: float | None = None
     serve_rate: float | None = None
     above_capacity: bool = False
+    kv_bps: float | None = None
 
     @property
     def length_factor(self):
@@ -104,7 +106,16 @@ def outlook(exp):
     serve = min(rate, cap) if cap else rate
     p90 = ttft.get("p90_ttft_ms") or queue_p90_ms(ttft["requests"], rate, cap)
     return Outlook(len(wl), None if p90 is None else float(p90), serve,
-                   above_capacity=bool(cap) and rate > cap)
+                   above_capacity=bool(cap) and rate > cap, kv_bps=kv_bps(pred, serve))
+
+
+def kv_bps(pred, serve_rate):
+    """The PrfaaS egress (real-world bit/s) `pred` (the planner's prediction) implies at
+    `serve_rate` req/s: its egress is at Lambda_max, in proportion to the rate served."""
+    egress, lam = pred.get("egress_gbps"), pred.get("lambda_max")
+    if not egress or not lam or not serve_rate:
+        return None
+    return float(egress * 1e9 * serve_rate / lam)
 
 
 def judge(summary, steady_ms, look):

@@ -32,10 +32,10 @@ stopped with no unfaithful step above the largest faithful one, the scale above 
 excess through the two largest faithful steps (growing at least as the scale) is predicted
 at 80% of its bound, at most the jump the search would have tried next (`extrapolate`;
 `extrapolated`): the piloted run's own scale, while the other runs derive theirs from the
-largest faithful step measured. The pilot stops before a step that would take it past `autojudge.PILOT_SHARE` of the experiment's
-runs' expected wall time, after at least `autojudge.MIN_STEPS` (a measurement and the jump it
-predicts), so a scale twice the choice was tried and warned only where the budget allowed the
-search to bracket; the record says what the scale above did (`faithful_hint`). Stepping
+largest faithful step measured. The pilot stops before a step that would take it past
+`autojudge.PILOT_SHARE` of the experiment's runs' expected wall time, after at least
+`autojudge.MIN_STEPS` (a measurement and the jump it predicts), so a scale twice the choice
+was tried and warned only where the budget allowed the search to bracket; the record says what the scale above did (`faithful_hint`). Stepping
 rather than a CPU-cost model, because the guards are what defines faithful; the jump uses
 what one step measured.
 """
@@ -304,7 +304,8 @@ class AutoRun:
         if p["label"] == self.exp.run_label and p.get("line"):
             return p["line"] + capped
         how = (f"{p['label']}'s {p['base']:g} x {self.shared.factor_of(self.exp):.2g} "
-               "(its room)" if p["chosen"] is not None else "no faithful scale in the pilot")
+               f"({self.shared.bound_of(self.exp)})" if p["chosen"] is not None
+               else "no faithful scale in the pilot")
         return (f"scale.time auto ({self.exp.run_label}): {before:g}, from the pilot of "
                 f"{how}{capped}")
 
@@ -313,7 +314,7 @@ class AutoRun:
         look = sh.look_of(self.exp)
         rec = {"chosen": scale, "faithful": p["chosen"] is not None, "ceiling": self.ceiling,
                "piloted": p["label"], "pilot_chosen": p["chosen"], "pilot_base": p["base"],
-               "factor": round(sh.factor_of(self.exp), 4),
+               "factor": round(sh.factor_of(self.exp), 4), "factor_bound": sh.bound_of(self.exp),
                "room_ms": autoshare.room_ms(look),
                "outlook": {**dataclasses.asdict(look), "length_factor": look.length_factor},
                "budget_share": autojudge.PILOT_SHARE,

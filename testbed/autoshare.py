@@ -18,12 +18,16 @@ pilot of two or three steps is within 20% of them.
   long run). The case study at 4 req/s: prfaas 368 ms, naive 1041, homogeneous 2073.
 - **Every other run's scale** is the pilot's choice times the square root of its room over
   the piloted run's (`GROWTH`, as the jump: the excess grows about as the scale squared near
-  the bound), at most `autojudge.JUMP_MAX` times it and at most the run's own ceiling. This
-  says nothing of the guards that do not depend on the room (KV transfers, first-token lag):
-  naive at 31-38x, from prfaas's 19-23, warned for 1-3 of 600 KV transfers (2026-12-03,
-  docs/performance.md). It assumes the runs' excess in ms is alike at one scale on one machine (2026-12-03 04:27, 12
+  the bound), at most `autojudge.JUMP_MAX` times it and at most the run's own ceiling. It
+  assumes the runs' excess in ms is alike at one scale on one machine (2026-12-03 04:27, 12
   instances each: homogeneous 883 ms and naive 1202 ms at 50x, prfaas 175 ms at 20x, about
   1100 at 50x by the square): the runs' own guards say when it is not.
+- **No more KV cache per wall-clock second** than the piloted run sent at its choice
+  (`kv_factor`; the planner's egress at each run's serve rate, `Outlook.kv_bps`, times its
+  scale.bytes): the pilot measured the KV path faithful up to that much and no further. The
+  room says nothing of the KV-transfer guard: naive at 1.68 times prfaas's scale (28-35x)
+  sent 1.6 times its KV bytes a wall second and warned for 1-12 of 600 KV transfers in 5 of 8
+  runs (2026-12-03, docs/performance.md). A piloted run that sends no KV bounds nothing.
 - **The budget** is `autojudge.PILOT_SHARE` of all the runs' expected wall time together.
 - **The link's cap** (`link_cap_bps`, from testbed/autolink.py): the most kv link rate, wall
   clock, the machine's path carried when the pilot probed it; every run's scale is lowered
@@ -57,6 +61,18 @@ def factor(room, base_room):
     if not room or not base_room or room <= base_room:
         return 1.0
     return min(autojudge.JUMP_MAX, (room / base_room) ** (1 / GROWTH))
+
+
+def kv_wall(exp, look):
+    """The KV bit/s `exp` (`look`: its Outlook) sends across the WAN, emulated, per unit of
+    scale.time; None when it sends none."""
+    return look.kv_bps * exp.scale.bytes if look is not None and look.kv_bps else None
+
+
+def kv_factor(kv, base_kv):
+    """How much faster than the piloted run (KV `base_kv`, `kv_wall`) a run sending `kv` may
+    go for its KV bytes a wall second to stay within the piloted run's (inf: no bound)."""
+    return base_kv / kv if kv and base_kv else math.inf
 
 
 def wall_rate_bps(exp, scale):
@@ -105,15 +121,24 @@ class Shared:
         i = self.position(exp)
         return self.looks[i] if i is not None else autojudge.outlook(exp.at_speed(AUTO_START))
 
+    def factors(self, exp, look):
+        """(room's factor, KV's factor) of `exp` with Outlook `look` against the piloted run."""
+        return (factor(room_ms(look), room_ms(self.target_look)),
+                kv_factor(kv_wall(exp, look), kv_wall(self.target, self.target_look)))
+
     def factor_of(self, exp):
-        """`factor` of `exp` against the piloted run."""
-        return factor(room_ms(self.look_of(exp)), room_ms(self.target_look))
+        """How much faster than the piloted run `exp` may go: the least of `factors`."""
+        return min(self.factors(exp, self.look_of(exp)))
+
+    def bound_of(self, exp):
+        """What sets `factor_of(exp)`: 'its room' or 'its KV egress'."""
+        room, kv = self.factors(exp, self.look_of(exp))
+        return "its KV egress" if kv < room else "its room"
 
     def others(self):
         """(Outlook, factor) of every run but the piloted one: the pilot's budget covers them."""
-        base = room_ms(self.target_look)
-        return [(look, factor(room_ms(look), base))
-                for i, look in enumerate(self.looks) if i != self.index]
+        return [(look, min(self.factors(exp, look)))
+                for i, (exp, look) in enumerate(zip(self.runs, self.looks)) if i != self.index]
 
     def record(self, label, chosen, fallback, steps_record, pilot_s, base=None):
         """Keep the pilot's outcome: its choice (None: nothing faithful, the runs use
@@ -137,4 +162,4 @@ class Shared:
             return min(self.pilot["chosen"], ceiling)
         base = self.pilot.get("base") or self.pilot["chosen"]
         derived = base * self.factor_of(exp)
-        return min(round_down(derived) if derived > base else derived, ceiling)
+        return min(round_down(derived) if derived != base else derived, ceiling)
