@@ -80,9 +80,8 @@ def pilot_line(vdir):
     span = meta["end_time"] - meta["start_time"]
     if "steps" not in rec:
         return (f"{vdir.name}: {rec['chosen']:g} from the pilot of {rec['piloted']} "
-                f"({rec.get('pilot_base', rec['pilot_chosen'])} x {rec['factor']:.3g}, its "
-                f"room); no pilot of its "
-                f"own; span {span:.1f} s")
+                f"({rec.get('pilot_base', rec['pilot_chosen'])} x {rec['factor']:.3g}, "
+                f"{rec.get('factor_bound', 'its room')}); no pilot of its own; span {span:.1f} s")
     tried = ", ".join(f"{s['scale']:g}{'' if s['faithful'] else '!'}{_share(s)}"
                       for s in rec["steps"])
     return (f"{vdir.name}: pilot on {rec['piloted']}: {rec['pilot_chosen']} of {tried}; "
