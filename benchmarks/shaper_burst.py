@@ -11,7 +11,7 @@ bucket holds at most one burst of them), not the senders and not the queue. Not 
 part of the suite.
 
     sudo .venv/bin/python benchmarks/shaper_burst.py [--rate 1.8Gbit] [--bursts 0.001,0.005]
-        [--pairs 3] [--probes 3] [--json F]
+        [--pairs 3] [--probes 3] [--json F] [--smoke]
 """
 
 import argparse
@@ -55,7 +55,11 @@ def main(argv=None):
     ap.add_argument("--pairs", type=int, default=3, help="rounds of every burst, alternated")
     ap.add_argument("--probes", type=int, default=3, help="probes per link built")
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny: 100 Mbit/s, one probe per burst (the path, not the machine)")
     a = ap.parse_args(argv)
+    if a.smoke:
+        a.rate, a.pairs, a.probes = "100Mbit", 1, 1
     rate, bursts = units.rate_bps(a.rate), [float(b) for b in a.bursts.split(",")]
     rows = [r for _ in range(a.pairs) for b in bursts for r in measure(rate, b, a.probes)]
     for b in bursts:

@@ -98,8 +98,24 @@ def _run_facts(run) -> dict:
     pools = {dc: json.loads(p.read_text()) for dc, p in rd.cache_pools().items()}
     if pools:
         out["cache_pools"] = pools
-    out["link_warnings"] = (meta.get("link_fidelity") or {}).get("warnings", [])
     return out
+
+
+def link_judgement(summary: dict, meta: dict) -> tuple[list[str], list[str]]:
+    """(warnings, notes) of the run's link probe: its warnings, but a goodput shortfall that
+    did not bear on this run (`fidelity.link_shortfall`) as a note that says why."""
+    warn = list((meta.get("link_fidelity") or {}).get("warnings", []))
+    short = (summary.get("fidelity") or {}).get("link_shortfall")
+    if not short or short["bears"] or short["warning"] not in warn:
+        return warn, []
+    warn.remove(short["warning"])
+    peak = ("" if short["peak_share"] is None else
+            f"; the kv link's busiest counter sample carried {short['peak_share']:.0%} of its "
+            "rate")
+    return warn, [f"the link probe's {short['warning']} (bulk TCP, this machine) did not bear "
+                  f"on this run: at the {short['carried']:.0%} of the rate it carried, each of "
+                  f"its {short['transfers']} KV transfers would still have ended with its "
+                  f"sender's last byte{peak}"]
 
 
 def links(run) -> dict:
@@ -130,8 +146,8 @@ def incomplete_reasons(run_dir, events=None) -> list[str]:
 
 
 def _warnings(summary: dict, meta: dict, reasons: list[str], guards: list[str]) -> list[str]:
-    fid = meta.get("link_fidelity") or {}
-    out = list(fid.get("warnings", [])) + (summary.get("emulation") or {}).get("warnings", [])
+    summary["link_warnings"], summary["link_notes"] = link_judgement(summary, meta)
+    out = summary["link_warnings"] + (summary.get("emulation") or {}).get("warnings", [])
     out += [f"scheduled link change at {e['at_s']:g}s (emulated) failed: {e['error']}"
             for e in meta.get("link_schedule_errors") or []]
     out += guards          # testbed/fidelity.py: transfers, rate artifacts, TCP timeouts

@@ -9,7 +9,9 @@ machine's TCP and shaping cannot carry at a scale shows only in the run's own li
 a 3.3 Gbit/s emulated link of which the probe measured 26% less: a warning at the choice that
 no pilot step could have seen.
 
-How: probe at the fastest run's rate (`fastest`); a goodput short by more than
+How: probe at the fastest rate of the runs that send KV across the WAN (`fastest`: a run that
+sends none, such as the case study's homogeneous, is neither probed for nor capped); a
+goodput short by more than
 `probe.DEVIATION_WARN` caps the rate at `CARRY_MARGIN` of what it carried (`shortfall_cap`),
 and the runs' scales are taken again under the cap (`autoshare.capped`) and probed once more
 at the new fastest, up to `CHECKS` probes; the record says whether the last one was within
@@ -25,7 +27,7 @@ network it built) and `testbed.autoshare` (which applies the cap to every run's 
 import time
 
 from testbed import deploy
-from testbed.autoshare import wall_rate_bps
+from testbed.autoshare import sends_kv, wall_rate_bps
 from testbed.errors import ConfigError, TestbedError
 from testbed.measure import wan_meta
 from testbed.net.probe import DEVIATION_WARN
@@ -46,10 +48,12 @@ def shortfall_cap(result, rate_bps):
 
 
 def fastest(shared, ceilings):
-    """The fastest kv link (wall-clock bit/s) of `shared`'s runs at the scales it gives them
-    (`ceilings`: each run's, in order)."""
-    return max(wall_rate_bps(exp, shared.scale_for(exp, ceilings[i]))
-               for i, exp in enumerate(shared.runs))
+    """The fastest kv link (wall-clock bit/s) of `shared`'s runs that send KV across it
+    (`autoshare.sends_kv`) at the scales it gives them (`ceilings`: each run's, in order);
+    None when no run sends any."""
+    rates = [wall_rate_bps(exp, shared.scale_for(exp, ceilings[i]))
+             for i, (exp, look) in enumerate(zip(shared.runs, shared.looks)) if sends_kv(look)]
+    return max(rates, default=None)
 
 
 def probe_scale(shared, ceilings, rate_bps):
@@ -70,6 +74,8 @@ def check(backend, shared, ceilings, events, link_probes=None, label=""):
     last scale probed (the measured run carries it over to its own)."""
     target, probes, cap, t0 = shared.target, [], None, time.monotonic()
     cc = congestion_control(target.network.congestion_control)
+    if fastest(shared, ceilings) is None:
+        return {"skipped": "no run sends KV across the WAN (the planner's egress)"}
     for _ in range(CHECKS):
         scale = probe_scale(shared, ceilings, fastest(shared, ceilings))
         try:

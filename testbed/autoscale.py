@@ -35,9 +35,9 @@ at 80% of its bound, at most the jump the search would have tried next (`extrapo
 largest faithful step measured. The pilot stops before a step that would take it past
 `autojudge.PILOT_SHARE` of the experiment's runs' expected wall time, after at least
 `autojudge.MIN_STEPS` (a measurement and the jump it predicts), so a scale twice the choice
-was tried and warned only where the budget allowed the search to bracket; the record says what the scale above did (`faithful_hint`). Stepping
-rather than a CPU-cost model, because the guards are what defines faithful; the jump uses
-what one step measured.
+was tried and warned only where the budget allowed the search to bracket; the record says
+what the scale above did (`faithful_hint`). Stepping rather than a CPU-cost model, because the
+guards are what defines faithful; the jump uses what one step measured.
 """
 
 import dataclasses

@@ -30,8 +30,8 @@ pilot of two or three steps is within 20% of them.
   runs (2026-12-03, docs/performance.md). A piloted run that sends no KV bounds nothing.
 - **The budget** is `autojudge.PILOT_SHARE` of all the runs' expected wall time together.
 - **The link's cap** (`link_cap_bps`, from testbed/autolink.py): the most kv link rate, wall
-  clock, the machine's path carried when the pilot probed it; every run's scale is lowered
-  until its kv link is within it (`capped`).
+  clock, the machine's path carried when the pilot probed it; the scale of every run that
+  sends KV across the WAN (`sends_kv`) is lowered until its kv link is within it (`capped`).
 """
 
 import math
@@ -61,6 +61,12 @@ def factor(room, base_room):
     if not room or not base_room or room <= base_room:
         return 1.0
     return min(autojudge.JUMP_MAX, (room / base_room) ** (1 / GROWTH))
+
+
+def sends_kv(look):
+    """Whether a run with Outlook `look` sends KV across the WAN's kv link: the planner's
+    egress says so, or the planner predicts nothing for it (then it may)."""
+    return look is None or look.serve_rate is None or bool(look.kv_bps)
 
 
 def kv_wall(exp, look):
@@ -150,9 +156,13 @@ class Shared:
                       "base": chosen if base is None else base}
 
     def scale_for(self, exp, ceiling):
-        """The scale.time `exp` runs at after the pilot, at most `ceiling` (its links') and
-        within the link's cap, once the pilot measured one."""
-        return capped(exp, self.uncapped(exp, ceiling), self.pilot.get("link_cap_bps"))
+        """The scale.time `exp` runs at after the pilot, at most `ceiling` (its links') and,
+        where it sends KV across the WAN (`sends_kv`), within the link's cap once the pilot
+        measured one: a run that sends none has nothing on that link to slow."""
+        scale = self.uncapped(exp, ceiling)
+        if not sends_kv(self.look_of(exp)):
+            return scale
+        return capped(exp, scale, self.pilot.get("link_cap_bps"))
 
     def uncapped(self, exp, ceiling):
         """`scale_for` before the link's cap."""

@@ -36,6 +36,7 @@ import pandas as pd
 
 from testbed.net.linkmodel import BURST_S, DIRECTIONS   # the shaper's HTB burst
 from testbed.net.ns import ns_run
+from testbed.net.probe import deviation_warning
 WIRE_PER_PAYLOAD = 1514 / 1448     # Ethernet frame bytes per TCP payload byte at full MTU
 INFLATION_TOL = 0.25               # a transfer is inflated beyond 1.25x what the link allows
 RATE_TOL = 0.02                    # counter rounding, HZ-granular HTB token refills
@@ -143,30 +144,64 @@ def link_model(run, ts, links):
     if ts is None or not len(ts) or "kv_link_gbps" not in ts:
         return FluidLink([0.0], [links["kv"].rate_bps])
     up = ts.kv_up.to_numpy() if "kv_up" in ts else 1
-    rate = (ts.kv_link_bps.to_numpy() if "kv_link_bps" in ts     # emulated, as sampled
+    return FluidLink(ts.time.to_numpy(), _kv_link_bps(run, ts) * up)
+
+
+def _kv_link_bps(run, ts):
+    """The kv link's rate in each sample of `ts` (emulated bit/s)."""
+    return (ts.kv_link_bps.to_numpy() if "kv_link_bps" in ts     # emulated, as sampled
             else run.scale.emulated_rate(ts.kv_link_gbps.to_numpy() * 1e9))   # older runs
-    return FluidLink(ts.time.to_numpy(), rate * up)
 
 
-def transfer_bounds(df, link, rtt_s):
-    """Per remote KV transfer (emulated seconds): measured and allowed duration from the
-    sender's first byte. Columns id, measured_s, allowed_s, inflation, excess_s."""
+def _remote_transfers(df):
+    """The remote KV transfers of the requests table with their times, by first byte."""
     cols = ["send_start", "send_end", "kv_recv_end", "kv_bytes"]
     if not {"id", "route", *cols} <= set(df.columns):
-        t = df.iloc[:0]
-    else:
-        t = df[(df.route == "remote")].dropna(subset=cols).sort_values("send_start")
-    if not len(t):
-        return pd.DataFrame(columns=["id", "measured_s", "allowed_s", "inflation", "excess_s"])
+        return df.iloc[:0]
+    return df[(df.route == "remote")].dropna(subset=cols).sort_values("send_start")
+
+
+def _fifo(t, link):
+    """Per transfer of `t` (`_remote_transfers`): when `link` (a FluidLink), serving every
+    transfer's bytes from its first byte on in the order they started, would have carried it."""
     start, bits = t.send_start.to_numpy(), t.kv_bytes.to_numpy() * 8 * WIRE_PER_PAYLOAD
     fifo, free = np.empty(len(t)), -math.inf
     for i in range(len(t)):               # all transfers one queue, in the order they started
         free = link.served_at(max(free, start[i]), bits[i])
         fifo[i] = free
+    return fifo
+
+
+def _busy_until(t, link):
+    """Per transfer of `t`: when `link` would have carried its bytes behind every transfer
+    that started before it ended."""
+    fifo = _fifo(t, link)
     # everything that started before this transfer ended may have been served ahead of it
-    ahead = np.searchsorted(start, t.kv_recv_end.to_numpy(), side="left") - 1
-    busy = fifo[np.maximum(ahead, np.arange(len(t)))]
-    allowed_end = np.maximum(busy, t.send_end.to_numpy()) + rtt_s
+    ahead = np.searchsorted(t.send_start.to_numpy(), t.kv_recv_end.to_numpy(), side="left") - 1
+    return fifo[np.maximum(ahead, np.arange(len(t)))]
+
+
+def _link_bound(t, link):
+    """Per transfer of `t`: whether `link` could have held it past its sender's last byte. The
+    link serves each transfer's bytes from its first byte on (sooner than the sender handed them
+    over), in any work-conserving order; a transfer is served by the end of the busy period it
+    falls in, so it is bound where that end is after its sender's last byte."""
+    if not len(t):
+        return np.zeros(0, dtype=bool)
+    fifo, start = _fifo(t, link), t.send_start.to_numpy()
+    period = np.cumsum(np.r_[True, start[1:] >= fifo[:-1]])
+    end = pd.Series(fifo).groupby(period).transform("max").to_numpy()
+    return end > t.send_end.to_numpy()
+
+
+def transfer_bounds(df, link, rtt_s):
+    """Per remote KV transfer (emulated seconds): measured and allowed duration from the
+    sender's first byte. Columns id, measured_s, allowed_s, inflation, excess_s."""
+    t = _remote_transfers(df)
+    if not len(t):
+        return pd.DataFrame(columns=["id", "measured_s", "allowed_s", "inflation", "excess_s"])
+    start = t.send_start.to_numpy()
+    allowed_end = np.maximum(_busy_until(t, link), t.send_end.to_numpy()) + rtt_s
     measured = t.kv_recv_end.to_numpy() - start
     allowed = allowed_end - start
     return pd.DataFrame({"id": t.id.to_numpy(), "measured_s": measured, "allowed_s": allowed,
@@ -212,6 +247,40 @@ def kv_transfers(df, run, ts, links):
                     f"{out['max_inflation']:.2f}x; inflated ones {out['median_excess_ms']:.0f} ms "
                     f"over it (median), {out['excess_total_s']:.1f} s in total, real-world)")
     return out, warn
+
+
+def link_shortfall(df, run, ts, links, meta):
+    """Whether the link probe's goodput warning (metadata `link_fidelity`: bulk TCP carried
+    less than the rate, beyond the probe's tolerance) bears on what this run measured; None
+    when the probe gave no such warning. A link that carried `carried` of its rate in bulk
+    bears when at that rate some remote KV transfer could have been held past its sender's last
+    byte (`_link_bound` on the model of `transfer_bounds`, its rate times `carried`:
+    `link_bound`), or when some counter sample of the kv direction carried more than that
+    (`samples_above`). Where neither,
+    every transfer was paced by its sender (a prefill streams its KV layer by layer) and the
+    link never ran near the rate the machine fell short of: the shortfall could not have moved
+    a transfer, a TTFT or the egress. The run's own transfers are still judged against the full
+    rate (`kv_transfers`)."""
+    fid = meta.get("link_fidelity") or {}
+    dev = (fid.get("deviation") or {}).get("goodput")
+    if dev is None or dev >= 0 or deviation_warning("goodput", dev) not in fid.get("warnings",
+                                                                                    ()):
+        return None
+    carried = 1 + dev
+    model = link_model(run, ts, links)
+    t = _remote_transfers(df)
+    bound = _link_bound(t, FluidLink(model.t, model.rate * carried))
+    peak, above = None, 0
+    if ts is not None and len(ts) and "kv_rate_bps" in ts and "kv_link_gbps" in ts:
+        rate = _kv_link_bps(run, ts)
+        keep = ~artifact_mask(ts, "kv").to_numpy() & (rate > 0)
+        share = ts.kv_rate_bps.to_numpy()[keep] / rate[keep]
+        peak = float(share.max()) if len(share) else None
+        above = int((share > carried).sum())
+    return {"warning": deviation_warning("goodput", dev), "carried": round(carried, 4),
+            "transfers": int(len(t)), "link_bound": int(bound.sum()),
+            "samples_above": above, "peak_share": None if peak is None else round(peak, 4),
+            "bears": bool(bound.any() or above)}
 
 
 def _q(series, q):
@@ -314,7 +383,8 @@ def guards(df, run, ts, meta, links, logs_dir=None):
     (`run`: testbed.rundir.RunInfo; `links`: its emulated links, deployment.json; `logs_dir`:
     its worker logs)."""
     transfers, warn = kv_transfers(df, run, ts, links)
-    out = {"kv_transfers": transfers, "rate_artifacts": rate_artifacts(ts)}
+    out = {"kv_transfers": transfers, "rate_artifacts": rate_artifacts(ts),
+           "link_shortfall": link_shortfall(df, run, ts, links, meta)}
     if logs_dir is not None and meta.get("client_start_at") is not None:
         out["startup"], w = startup_warnings(logs_dir, meta["client_start_at"])
         warn += w

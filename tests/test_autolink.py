@@ -41,8 +41,11 @@ def _case(chosen=20.0):
     return sh
 
 
-def _rates(sh):
-    return {e.run_label: autoshare.wall_rate_bps(e, sh.scale_for(e, 50)) for e in sh.runs}
+def _rates(sh, kv_only=False):
+    """Each run's kv link rate (wall clock) at its scale; `kv_only`: only the runs that send KV
+    across the WAN (the case study's homogeneous sends none)."""
+    return {e.run_label: autoshare.wall_rate_bps(e, sh.scale_for(e, 50))
+            for e, look in zip(sh.runs, sh.looks) if not kv_only or autoshare.sends_kv(look)}
 
 
 def test_a_probe_within_tolerance_caps_nothing():
@@ -65,24 +68,37 @@ def test_a_path_that_carries_every_rate_is_probed_once_at_the_fastest_run():
     sh, path = _case(), Path()
     before = _rates(sh)
     rec = autolink.check(path, sh, [50, 50, 50], None)
-    assert path.probed == [max(before.values())]          # homogeneous, the fastest
+    assert path.probed == [before["prfaas"]] == [max(_rates(sh, kv_only=True).values())]
+    assert before["homogeneous"] > before["prfaas"]      # faster, but nothing on its kv link
     assert rec["cap_bps"] is None and rec["verified"] and len(rec["probes"]) == 1
     assert _rates(sh) == before and autolink.line(rec) == ""
+
+
+def test_without_a_run_that_sends_kv_there_is_nothing_to_check():
+    sh = autoshare.Shared(load_experiment(CASE, ["workload.arrival.rate=4/s"])[1:2])
+    assert sh.target.run_label == "homogeneous" and not autoshare.sends_kv(sh.target_look)
+    sh.record("homogeneous", 40.0, 10.0, [], 6.0)
+    path = Path(share=0.5)
+    rec = autolink.check(path, sh, [50], None)
+    assert path.probed == [] and "no run sends KV" in rec["skipped"]
+    assert autolink.line(rec) == ""
 
 
 def test_a_path_that_falls_short_caps_every_run_and_is_probed_again_under_the_cap():
     """Occasion 7 (2026-12-03): homogeneous at 33 had a 3.3 Gbit/s link, 26% short."""
     sh = _case()
-    fastest = max(_rates(sh).values())
+    homogeneous = _rates(sh)["homogeneous"]
+    fastest = max(_rates(sh, kv_only=True).values())
     carry = 0.5 * fastest
     path = Path(carry_bps=carry)
     rec = autolink.check(path, sh, [50, 50, 50], None)
     assert path.probed[0] == fastest and len(path.probed) == 2
     assert path.probed[1] <= carry                        # the second link was carried
     assert rec["verified"] and rec["cap_bps"] == pytest.approx(carry * autolink.CARRY_MARGIN)
-    rates = _rates(sh)
+    rates = _rates(sh, kv_only=True)
     assert max(rates.values()) <= rec["cap_bps"]
     assert min(rates.values()) >= 0.5 * rec["cap_bps"]    # lowered to the cap, not far below
+    assert _rates(sh)["homogeneous"] == homogeneous       # no KV: not capped
     assert sh.scale_for(sh.target, 50) <= sh.uncapped(sh.target, 50)
     assert "capped at" in autolink.line(rec) and "50% of its payload rate" in autolink.line(rec)
 

@@ -40,6 +40,7 @@ NEEDS = {
     "profile_run.py": {"root", "py-spy"},
     "ray_linktest.py": {"root", "ray"},
     "ray_vs_mininet.py": {"root", "ray"},
+    "shaper_burst.py": {"root"},
     "tcp_timers.py": {"root"},
     "ttft_excess.py": {"root"},
     "vllm_bench_up.py": {"root", "vllm"},
@@ -54,6 +55,8 @@ COVERED = {
     "link_fidelity.py": "tests/test_link_root.py, tests/test_path_limits_root.py and "
                         "tests/test_crosscheck_root.py (the probe on built links, checked by "
                         "ping and iperf3)",
+    "shaper_burst.py": "tests/test_link_root.py (the probe on built links; this builds them "
+                       "the same way, with another HTB burst)",
     "live_cost.py": "tests/test_live_root.py (a real Prometheus scrapes live runs), "
                     "test_smoke[profile_run] and tests/test_replicates.py (compare)",
     "ray_linktest.py": "tests/test_ray_root.py::test_linktest_through_the_agents_meets_linktest_"

@@ -5,7 +5,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from testbed import config, deploy, fidelity, metrics
+from testbed import analysis, config, deploy, fidelity, metrics
+from testbed.net import probe
 from testbed.rundir import RunInfo
 from testbed.scale import Scale
 
@@ -156,6 +157,62 @@ def test_a_link_cut_is_allowed_for(exp):
     assert out["inflated"] == 0
 
 
+# ---------------------------------------------------------------- the probe's shortfall
+
+def _short_probe(dev):
+    """metadata with a link probe whose bulk TCP carried `dev` (a share) off the rate."""
+    return {"link_fidelity": {"deviation": {"goodput": dev},
+                              "warnings": [probe.deviation_warning("goodput", dev)]}}
+
+
+def _shortfall(rows, rates_bps, dev=-0.26):
+    run = RunInfo.of(config.load_experiment(QUICK)[2], metadata=_short_probe(dev))
+    ts = _timeseries(rates_bps, link_gbps=100.0)   # real-world: 1 Gbit/s emulated at 10x 1e-3
+    return fidelity.link_shortfall(_transfers(rows), run, ts, _links(run), run.metadata)
+
+
+def test_a_shortfall_under_transfers_paced_by_their_senders_does_not_bear():
+    """1 MB (8 ms at 1 Gbit/s, 10.8 ms at 74%) handed over in 40 ms: a prefill's layers."""
+    mb = 1_000_000 / fidelity.WIRE_PER_PAYLOAD
+    rows = [(100.0, 100.04, 100.0405, mb), (100.5, 100.54, 100.5405, mb)]
+    out = _shortfall(rows, [0.2 * GBIT] * 20)
+    assert out["carried"] == pytest.approx(0.74) and out["transfers"] == 2
+    assert (out["link_bound"], out["samples_above"], out["bears"]) == (0, 0, False)
+    assert out["peak_share"] == pytest.approx(0.2)
+
+
+def test_a_shortfall_bears_on_transfers_the_link_paces_or_on_a_busy_link():
+    mb = 1_000_000 / fidelity.WIRE_PER_PAYLOAD
+    # handed over in 9 ms: within 1 Gbit/s's 8 ms, not 74%'s 10.8 ms
+    out = _shortfall([(100.0, 100.009, 100.0095, mb)], [0.2 * GBIT] * 20)
+    assert out["link_bound"] == 1 and out["bears"]
+    # two paced alone, but back to back their busy period (16 -> 21.6 ms) outlasts the first
+    rows = [(100.0, 100.012, 100.0125, mb), (100.001, 100.03, 100.0305, mb)]
+    assert _shortfall(rows, [0.2 * GBIT] * 20)["link_bound"] == 1
+    busy = _shortfall([], [0.2 * GBIT] * 10 + [0.9 * GBIT] + [0.2 * GBIT] * 9)
+    assert busy["samples_above"] == 1 and busy["bears"]
+
+
+def test_no_shortfall_without_the_probes_goodput_warning():
+    run = RunInfo.of(config.load_experiment(QUICK)[2], metadata={})
+    within = {"link_fidelity": {"deviation": {"goodput": -0.05}, "warnings": []}}   # its 10%
+    for meta in ({}, within, _short_probe(0.2)):        # none, within, above the rate
+        assert fidelity.link_shortfall(_transfers([]), run, None, _links(run), meta) is None
+    assert _shortfall([], [0.0] * 5)["transfers"] == 0       # a probe's warning, no transfers
+
+
+def test_a_shortfall_that_does_not_bear_is_a_note_not_a_warning():
+    meta = _short_probe(-0.26)
+    warning = meta["link_fidelity"]["warnings"][0]
+    short = {"warning": warning, "carried": 0.74, "transfers": 600, "link_bound": 0,
+             "samples_above": 0, "peak_share": 0.17, "bears": False}
+    warn, notes = analysis.link_judgement({"fidelity": {"link_shortfall": short}}, meta)
+    assert warn == [] and len(notes) == 1
+    assert warning in notes[0] and "600 KV transfers" in notes[0] and "17%" in notes[0]
+    bears = {"fidelity": {"link_shortfall": {**short, "link_bound": 3, "bears": True}}}
+    assert analysis.link_judgement(bears, meta) == ([warning], [])
+
+
 # ---------------------------------------------------------------- kernel TCP counters
 
 NETSTAT = ("TcpExt: SyncookiesSent TCPTimeouts TCPLossProbes\nTcpExt: 0 3 7\n"
@@ -187,7 +244,8 @@ def test_guards_collect_the_three(exp):
     ts = fidelity.flag_artifacts(_timeseries([0.5 * GBIT, 3 * GBIT]), Scale())
     meta = {"tcp_counters": {"rp0": {"TCPTimeouts": 2, "TCPLossProbes": 0, "RetransSegs": 4}}}
     out, warn = fidelity.guards(_transfers([]), exp, ts, meta, _links(exp))
-    assert set(out["fidelity"]) == {"kv_transfers", "rate_artifacts", "tcp"}
+    assert set(out["fidelity"]) == {"kv_transfers", "rate_artifacts", "link_shortfall", "tcp"}
+    assert out["fidelity"]["link_shortfall"] is None        # no probe, no shortfall
     assert len(warn) == 2
 
 

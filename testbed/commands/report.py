@@ -57,6 +57,7 @@ def _run_section(d, s):
     for w in s.get("warnings") or []:
         if not w.startswith("incomplete run:"):
             lines.append(f"- **warning**: {w}")
+    lines += [f"- note: {n}" for n in s.get("link_notes") or []]
     if s.get("failed"):
         lines.append(f"- failed requests: {s['failed']}: {s.get('failure_reasons')}")
     return lines + [""]

@@ -49,6 +49,8 @@ def main(args):
                   f"{w['prefix_hit_share']:.1%} (unbounded cache, arrival order)")
         for w in s.get("warnings") or []:
             print(f"warning ({s['label']}): {w}")
+        for n in s.get("link_notes") or []:
+            print(f"note ({s['label']}): {n}")
         if s.get("failed"):
             print(f"note ({s['label']}): {s['failed']} failed: {s.get('failure_reasons')}")
     print(top)

@@ -280,6 +280,11 @@ def measure_requests(link, segments, drop=(), trials=20, settle_s=0.05):
     return out
 
 
+def deviation_warning(key, value):
+    """The probe's warning for measured `key` off its configured value by `value` (a share)."""
+    return f"{key} deviates {value:+.0%} from configured"
+
+
 def _expected(configured):
     fwd = configured
     rev = configured.get("reverse", configured)
@@ -445,7 +450,7 @@ def compare(exp, measured, calibrated=True):
                 warn.append(f"goodput {v:+.0%} above the policer's rate (TCP payload)")
             continue
         if abs(v) > limit[k]:
-            warn.append(f"{k} deviates {v:+.0%} from configured")
+            warn.append(deviation_warning(k, v))
     if exp.get("mtu"):
         warn += _mtu_warnings(exp, measured)
     if measured["reordered"] and not exp.get("reorder_share"):
