@@ -112,10 +112,11 @@ def link_judgement(summary: dict, meta: dict) -> tuple[list[str], list[str]]:
     peak = ("" if short["peak_share"] is None else
             f"; the kv link's busiest counter sample carried {short['peak_share']:.0%} of its "
             "rate")
+    sent = (f"at the {short['carried']:.0%} of the rate it carried, each of its "
+            f"{short['transfers']} KV transfers would still have ended with its sender's last "
+            "byte" if short["transfers"] else "it sent no KV transfer across the WAN")
     return warn, [f"the link probe's {short['warning']} (bulk TCP, this machine) did not bear "
-                  f"on this run: at the {short['carried']:.0%} of the rate it carried, each of "
-                  f"its {short['transfers']} KV transfers would still have ended with its "
-                  f"sender's last byte{peak}"]
+                  f"on this run: {sent}{peak}"]
 
 
 def links(run) -> dict:

@@ -209,6 +209,8 @@ def test_a_shortfall_that_does_not_bear_is_a_note_not_a_warning():
     warn, notes = analysis.link_judgement({"fidelity": {"link_shortfall": short}}, meta)
     assert warn == [] and len(notes) == 1
     assert warning in notes[0] and "600 KV transfers" in notes[0] and "17%" in notes[0]
+    none = {"fidelity": {"link_shortfall": {**short, "transfers": 0, "peak_share": 0.0}}}
+    assert "it sent no KV transfer across the WAN" in analysis.link_judgement(none, meta)[1][0]
     bears = {"fidelity": {"link_shortfall": {**short, "link_bound": 3, "bears": True}}}
     assert analysis.link_judgement(bears, meta) == ([warning], [])
 
