@@ -80,7 +80,7 @@ def check(backend, shared, ceilings, events, link_probes=None, label=""):
         scale = probe_scale(shared, ceilings, fastest(shared, ceilings))
         try:
             dep = deploy.compile(target.at_speed(scale))
-            at = time.time()
+            at, t1 = time.time(), time.monotonic()
             result = backend.rescale(dep, events).probe(cc)
         except (ConfigError, TestbedError) as e:
             probes.append({"scale": round(scale, 4), "error": f"{type(e).__name__}: {e}"})
@@ -93,7 +93,8 @@ def check(backend, shared, ceilings, events, link_probes=None, label=""):
         probes.append({"scale": round(scale, 4), "rate_bps": rate,
                        "goodput_bps": result["measured"].get("goodput_bps"),
                        "deviation": result.get("deviation"), "warnings": result["warnings"],
-                       "slowness": result.get("slowness"), "cap_bps": cap})
+                       "slowness": result.get("slowness"), "cap_bps": cap,
+                       "measured_at": at, "wall_s": round(time.monotonic() - t1, 3)})
         if cap is None:
             break
         old = shared.pilot.get("link_cap_bps")

@@ -72,6 +72,8 @@ def test_a_path_that_carries_every_rate_is_probed_once_at_the_fastest_run():
     assert before["homogeneous"] > before["prfaas"]      # faster, but nothing on its kv link
     assert rec["cap_bps"] is None and rec["verified"] and len(rec["probes"]) == 1
     assert _rates(sh) == before and autolink.line(rec) == ""
+    # when and how long: a run that takes the probe as its own (its measured_at) took that time
+    assert rec["probes"][0]["measured_at"] > 0 and rec["probes"][0]["wall_s"] >= 0
 
 
 def test_without_a_run_that_sends_kv_there_is_nothing_to_check():
