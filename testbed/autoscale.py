@@ -286,7 +286,7 @@ class AutoRun:
                 own = self.shared.target is self.exp
                 pilot = Pilot(self.shared, self.dir / PILOT_DIR, self.make_run,
                               link_probes=self.kw["probes"])
-                self.backend = pilot.execute(registry if own else None, self.exp.run_label)
+                self.backend = pilot.execute(registry if own else None)
             scale = self.shared.scale_for(self.exp, self.ceiling)
             print(self._line(scale), flush=True)
             exp = self.exp.at_speed(scale)
@@ -344,7 +344,7 @@ class Pilot:
                        "pilot_outlook": {**dataclasses.asdict(self.look),
                                          "length_factor": self.look.length_factor}}
 
-    def execute(self, registry, label):
+    def execute(self, registry):
         """Run the pilot; `registry`: the measured run's, whose network the pilot builds and
         hands over (returned), or None (another run's deployment: built and torn down here).
         Records the outcome in `shared`."""
