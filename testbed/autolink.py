@@ -74,10 +74,11 @@ def check(backend, shared, ceilings, events, link_probes=None, label=""):
     last scale probed (the measured run carries it over to its own)."""
     target, probes, cap, t0 = shared.target, [], None, time.monotonic()
     cc = congestion_control(target.network.congestion_control)
-    if fastest(shared, ceilings) is None:
+    rate_bps = fastest(shared, ceilings)
+    if rate_bps is None:
         return {"skipped": "no run sends KV across the WAN (the planner's egress)"}
     for _ in range(CHECKS):
-        scale = probe_scale(shared, ceilings, fastest(shared, ceilings))
+        scale = probe_scale(shared, ceilings, rate_bps)
         try:
             dep = deploy.compile(target.at_speed(scale))
             at, t1 = time.time(), time.monotonic()
@@ -99,6 +100,7 @@ def check(backend, shared, ceilings, events, link_probes=None, label=""):
             break
         old = shared.pilot.get("link_cap_bps")
         shared.pilot["link_cap_bps"] = cap if old is None else min(old, cap)
+        rate_bps = fastest(shared, ceilings)        # the fastest run under the cap
     return {"probes": probes, "cap_bps": shared.pilot.get("link_cap_bps"),
             "verified": bool(probes) and "error" not in probes[-1] and cap is None,
             "carry_margin": CARRY_MARGIN, "wall_s": round(time.monotonic() - t0, 3)}

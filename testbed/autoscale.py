@@ -303,18 +303,18 @@ class AutoRun:
         capped = f"; runs at {scale:g}, within the link's cap" if scale != before else ""
         if p["label"] == self.exp.run_label and p.get("line"):
             return p["line"] + capped
-        how = (f"{p['label']}'s {p['base']:g} x {self.shared.factor_of(self.exp):.2g} "
-               f"({self.shared.bound_of(self.exp)})" if p["chosen"] is not None
+        fac, bound = self.shared.bound(self.exp)
+        how = (f"{p['label']}'s {p['base']:g} x {fac:.2g} ({bound})" if p["chosen"] is not None
                else "no faithful scale in the pilot")
         return (f"scale.time auto ({self.exp.run_label}): {before:g}, from the pilot of "
                 f"{how}{capped}")
 
     def _meta(self, scale, pilot):
         p, sh = self.shared.pilot, self.shared
-        look = sh.look_of(self.exp)
+        look, (fac, bound) = sh.look_of(self.exp), sh.bound(self.exp)
         rec = {"chosen": scale, "faithful": p["chosen"] is not None, "ceiling": self.ceiling,
                "piloted": p["label"], "pilot_chosen": p["chosen"], "pilot_base": p["base"],
-               "factor": round(sh.factor_of(self.exp), 4), "factor_bound": sh.bound_of(self.exp),
+               "factor": round(fac, 4), "factor_bound": bound,
                "room_ms": autoshare.room_ms(look),
                "outlook": {**dataclasses.asdict(look), "length_factor": look.length_factor},
                "budget_share": autojudge.PILOT_SHARE,

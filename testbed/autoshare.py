@@ -134,12 +134,16 @@ class Shared:
 
     def factor_of(self, exp):
         """How much faster than the piloted run `exp` may go: the least of `factors`."""
-        return min(self.factors(exp, self.look_of(exp)))
+        return self.bound(exp)[0]
 
     def bound_of(self, exp):
         """What sets `factor_of(exp)`: 'its room' or 'its KV egress'."""
+        return self.bound(exp)[1]
+
+    def bound(self, exp):
+        """(`factor_of(exp)`, `bound_of(exp)`) from one evaluation of `factors`."""
         room, kv = self.factors(exp, self.look_of(exp))
-        return "its KV egress" if kv < room else "its room"
+        return (kv, "its KV egress") if kv < room else (room, "its room")
 
     def others(self):
         """(Outlook, factor) of every run but the piloted one: the pilot's budget covers them."""

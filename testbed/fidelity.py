@@ -256,15 +256,14 @@ def link_shortfall(df, run, ts, links, meta):
     bears when at that rate some remote KV transfer could have been held past its sender's last
     byte (`_link_bound` on the model of `transfer_bounds`, its rate times `carried`:
     `link_bound`), or when some counter sample of the kv direction carried more than that
-    (`samples_above`). Where neither,
-    every transfer was paced by its sender (a prefill streams its KV layer by layer) and the
-    link never ran near the rate the machine fell short of: the shortfall could not have moved
-    a transfer, a TTFT or the egress. The run's own transfers are still judged against the full
-    rate (`kv_transfers`)."""
+    (`samples_above`). Where neither, every transfer was paced by its sender (a prefill streams
+    its KV layer by layer) and the link never ran near the rate the machine fell short of: the
+    shortfall could not have moved a transfer, a TTFT or the egress. The run's own transfers are
+    still judged against the full rate (`kv_transfers`)."""
     fid = meta.get("link_fidelity") or {}
     dev = (fid.get("deviation") or {}).get("goodput")
-    if dev is None or dev >= 0 or deviation_warning("goodput", dev) not in fid.get("warnings",
-                                                                                    ()):
+    warning = None if dev is None or dev >= 0 else deviation_warning("goodput", dev)
+    if warning is None or warning not in fid.get("warnings", ()):
         return None
     carried = 1 + dev
     model = link_model(run, ts, links)
@@ -277,7 +276,7 @@ def link_shortfall(df, run, ts, links, meta):
         share = ts.kv_rate_bps.to_numpy()[keep] / rate[keep]
         peak = float(share.max()) if len(share) else None
         above = int((share > carried).sum())
-    return {"warning": deviation_warning("goodput", dev), "carried": round(carried, 4),
+    return {"warning": warning, "carried": round(carried, 4),
             "transfers": int(len(t)), "link_bound": int(bound.sum()),
             "samples_above": above, "peak_share": None if peak is None else round(peak, 4),
             "bears": bool(bound.any() or above)}
