@@ -36,6 +36,7 @@ NEEDS = {
     "live_cost.py": {"root"},
     "loss_recovery.py": {"root"},
     "model_step.py": {"torch"},
+    "pilot_pairs.py": {"root"},
     "prefix_prefill.py": {"torch"},
     "profile_run.py": {"root", "py-spy"},
     "ray_linktest.py": {"root", "ray"},
@@ -55,6 +56,9 @@ COVERED = {
     "link_fidelity.py": "tests/test_link_root.py, tests/test_path_limits_root.py and "
                         "tests/test_crosscheck_root.py (the probe on built links, checked by "
                         "ping and iperf3)",
+    "pilot_pairs.py": "test_smoke[emulation_speed] (`testbed run` of the case study, its one "
+                      "path) and tests/test_autojudge.py (the steady excess and the outlook it "
+                      "reads)",
     "shaper_burst.py": "tests/test_link_root.py (the probe on built links; this builds them "
                        "the same way, with another HTB burst)",
     "live_cost.py": "tests/test_live_root.py (a real Prometheus scrapes live runs), "
