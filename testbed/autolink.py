@@ -20,8 +20,21 @@ slow spell, testbed/net/calibrate.py), so a spell that outlasts it lowers the sc
 careful side. The cap assumes the runs' links alike but for their rate (the case study's
 are); a run whose kv link has loss is carried per frame, slower, and its own probe says so.
 
+The round trip: a probe whose goodput was within tolerance but whose RTT p50 was off by more
+than the probe's bound (`probe.rtt_limit`: 5% of the configured RTT, at least 0.05 ms), late or
+early, first corrects the link's calibration by that error (`backend.correct_round_trip`,
+`testbed.net.calibrate.correct`): the calibration's two passes at the network's start are a few
+hundred echoes in one moment, and on 2026-12-06 they left many_instances' round trip (5 ms each
+way) 68 us late at 8.4x (+6%, a warning at the choice), 101 us early at 6.8x (-7%, a warning)
+and 270 us early at 14x (-19%). Where the probe after the correction is off again, the error is
+the machine's now (the delay line's lateness, wall-clock time, about the same at any scale) and
+every run's wall-clock round trip is floored where that error is `RTT_MARGIN` of the bound
+(`rtt_floor_ms`, `autoshare.rtt_floored`): a faster run has less round trip to hide it in. The
+case study's WAN has no delay: nothing to correct or floor.
+
 Place in the architecture: between `testbed.autoscale` (its Pilot calls `check` on the
-network it built) and `testbed.autoshare` (which applies the cap to every run's scale).
+network it built) and `testbed.autoshare` (which applies the cap and the floor to every run's
+scale).
 """
 
 import time
@@ -30,11 +43,13 @@ from testbed import deploy
 from testbed.autoshare import sends_kv, wall_rate_bps
 from testbed.errors import ConfigError, TestbedError
 from testbed.measure import wan_meta
-from testbed.net.probe import DEVIATION_WARN
+from testbed.net.probe import DEVIATION_WARN, deviation_warning, rtt_limit
 from testbed.net.tcp import congestion_control
 
 CARRY_MARGIN = 0.95     # a cap: this share of the rate the probe's link carried
-CHECKS = 2              # probes: at the fastest run's link, then once more under the cap
+CHECKS = 4              # probes: at the fastest run's link, then after a cap, a correction
+                        # of the calibration and a floor of the round trip
+RTT_MARGIN = 0.9        # a floor: the lateness at this share of the probe's RTT bound
 
 
 def shortfall_cap(result, rate_bps):
@@ -65,16 +80,38 @@ def probe_scale(shared, ceilings, rate_bps):
     return base if abs(factor - 1) < 1e-9 else min(ceilings[i], base * factor)
 
 
+def rtt_off_ms(result):
+    """A probe's RTT p50 over the configured RTT (wall ms; below 0: early), or None."""
+    measured = (result.get("measured") or {}).get("rtt_p50_ms")
+    expected = ((result.get("configured") or {}).get("expected") or {}).get("rtt_ms")
+    return None if measured is None or not expected else measured - expected
+
+
+def rtt_floor_ms(result):
+    """The shortest wall-clock RTT (ms) at which the error a probe measured on its round trip
+    (`rtt_off_ms`, either way) stays within `RTT_MARGIN` of the probe's bound
+    (`probe.rtt_limit`); None where the probe did not warn of its RTT. The error is wall-clock
+    time, about the same at any scale (the delay line's lateness, what the calibration
+    subtracts off the path's fixed cost now), and the configured RTT is inverse in the scale:
+    a faster run has less of it to hide the error in."""
+    dev = (result.get("deviation") or {}).get("rtt_p50")
+    if not dev or deviation_warning("rtt_p50", dev) not in result["warnings"]:
+        return None
+    share, _ = rtt_limit(result.get("calibrated", True))
+    return abs(rtt_off_ms(result)) / (share * RTT_MARGIN)
+
+
 def check(backend, shared, ceilings, events, link_probes=None, label=""):
     """Probe the kv link of `backend` (the pilot's network, `shared.target`'s deployment) at the
-    fastest run's rate, cap `shared`'s runs where it fell short, and probe again under the cap;
-    the record for metadata.json's `scale_auto.link_check`. Each probe goes to `link_probes`
-    (the experiment's `measure.LinkProbes`): a run on the same WAN at the same scale takes it
-    as its own, shared, marked "`label` (the pilot's link check)". The backend is left at the
+    fastest run's rate and act on what it measured (`_act`: cap the runs' rate, correct the
+    link's calibration, floor their round trip), then probe again; the record for
+    metadata.json's `scale_auto.link_check`. Each probe goes to `link_probes` (the
+    experiment's `measure.LinkProbes`): a run on the same WAN at the same scale takes it as
+    its own, shared, marked "`label` (the pilot's link check)". The backend is left at the
     last scale probed (the measured run carries it over to its own)."""
-    target, probes, cap, t0 = shared.target, [], None, time.monotonic()
+    target, probes, t0 = shared.target, [], time.monotonic()
     cc = congestion_control(target.network.congestion_control)
-    rate_bps = fastest(shared, ceilings)
+    rate_bps, acted = fastest(shared, ceilings), []
     if rate_bps is None:
         return {"skipped": "no run sends KV across the WAN (the planner's egress)"}
     for _ in range(CHECKS):
@@ -89,30 +126,72 @@ def check(backend, shared, ceilings, events, link_probes=None, label=""):
         if link_probes is not None:
             link_probes.adopt(wan_meta(target.backend.kind, backend.describe(), cc),
                               f"{label} (the pilot's link check)", at, result)
-        rate = dep.links["kv"].rate_bps
-        cap = shortfall_cap(result, rate)
-        probes.append({"scale": round(scale, 4), "rate_bps": rate,
-                       "goodput_bps": result["measured"].get("goodput_bps"),
-                       "deviation": result.get("deviation"), "warnings": result["warnings"],
-                       "slowness": result.get("slowness"), "cap_bps": cap,
-                       "measured_at": at, "wall_s": round(time.monotonic() - t1, 3)})
-        if cap is None:
+        probes.append(_probe_record(result, dep.links["kv"].rate_bps, scale, at, t1))
+        acted.append(_act(backend, shared.pilot, probes[-1], "corrected" in acted))
+        if acted[-1] is None:
             break
-        old = shared.pilot.get("link_cap_bps")
-        shared.pilot["link_cap_bps"] = cap if old is None else min(old, cap)
-        rate_bps = fastest(shared, ceilings)        # the fastest run under the cap
+        rate_bps = fastest(shared, ceilings)        # the fastest run now
     return {"probes": probes, "cap_bps": shared.pilot.get("link_cap_bps"),
-            "verified": bool(probes) and "error" not in probes[-1] and cap is None,
-            "carry_margin": CARRY_MARGIN, "wall_s": round(time.monotonic() - t0, 3)}
+            "rtt_floor_ms": shared.pilot.get("rtt_floor_ms"),
+            "verified": bool(probes) and "error" not in probes[-1] and acted[-1:] == [None],
+            "carry_margin": CARRY_MARGIN, "rtt_margin": RTT_MARGIN,
+            "wall_s": round(time.monotonic() - t0, 3)}
+
+
+def _probe_record(result, rate_bps, scale, at, t1):
+    """One probe of the check as its record holds it, with the cap and floor it implies (a
+    probe short of goodput implies no floor: the machine did not keep up at that rate, its
+    round trip with it, so the rate comes down first and the next probe measures it again)."""
+    cap = shortfall_cap(result, rate_bps)
+    return {"scale": round(scale, 4), "rate_bps": rate_bps,
+            "goodput_bps": result["measured"].get("goodput_bps"),
+            "deviation": result.get("deviation"), "warnings": result["warnings"],
+            "slowness": result.get("slowness"), "cap_bps": cap,
+            "rtt_off_ms": rtt_off_ms(result),
+            "rtt_floor_ms": None if cap is not None else rtt_floor_ms(result),
+            "measured_at": at, "wall_s": round(time.monotonic() - t1, 3)}
+
+
+def _act(backend, pilot, probe, corrected):
+    """What the check does after `probe` (its record), into `pilot` (the shared outcome):
+    take its cap ('capped'); or, its round trip off, correct the link's calibration by the
+    error the first time (`backend.correct_round_trip`: 'corrected'; its floor then stands
+    only if the next probe is off again) and floor the round trip after that ('floored');
+    None: nothing to do, the probe was within tolerance."""
+    if probe["cap_bps"] is not None:
+        old = pilot.get("link_cap_bps")
+        pilot["link_cap_bps"] = probe["cap_bps"] if old is None else min(old, probe["cap_bps"])
+        return "capped"
+    if probe["rtt_floor_ms"] is None:
+        return None
+    if not corrected and backend.correct_round_trip(probe["rtt_off_ms"]) is not None:
+        probe["corrected_ms"], probe["rtt_floor_ms"] = probe["rtt_off_ms"], None
+        return "corrected"
+    pilot["rtt_floor_ms"] = max(probe["rtt_floor_ms"], pilot.get("rtt_floor_ms") or 0.0)
+    return "floored"
 
 
 def line(record):
-    """What the check adds to the choice's line: '' when nothing was capped."""
-    cap = record.get("cap_bps")
-    if cap is None:
+    """What the check adds to the choice's line: '' when it lowered and corrected nothing."""
+    cap, floor = record.get("cap_bps"), record.get("rtt_floor_ms")
+    out = _corrections(record)
+    if cap is not None:
+        first = next(p for p in record["probes"] if p.get("cap_bps") is not None)
+        out.append(f"kv links capped at {cap / 1e9:.3g} Gbit/s wall clock: the link at "
+                   f"{first['scale']:g}x carried "
+                   f"{100 * (1 + first['deviation']['goodput']):.0f}% of its payload rate")
+    if floor is not None:
+        first = next(p for p in record["probes"] if p.get("rtt_floor_ms") is not None)
+        out.append(f"round trips kept at {floor:.2g} ms wall clock at least: the link at "
+                   f"{first['scale']:g}x measured {100 * first['deviation']['rtt_p50']:+.0f}% off")
+    if not out:
         return ""
-    first = record["probes"][0]
     how = "" if record["verified"] else ", not verified"
-    return (f"; kv links capped at {cap / 1e9:.3g} Gbit/s wall clock: the link at "
-            f"{first['scale']:g}x carried {100 * (1 + first['deviation']['goodput']):.0f}% of "
-            f"its payload rate{how} (check {record['wall_s']:.1f} s)")
+    return f"; {'; '.join(out)}{how} (check {record['wall_s']:.1f} s)"
+
+
+def _corrections(record):
+    """The check's corrections of the link calibration, a phrase each."""
+    return [f"the link's calibration corrected by {p['corrected_ms']:+.2f} ms (the link at "
+            f"{p['scale']:g}x measured {100 * p['deviation']['rtt_p50']:+.0f}% off)"
+            for p in record.get("probes", ()) if p.get("corrected_ms") is not None]

@@ -32,12 +32,16 @@ pilot of two or three steps is within 20% of them.
 - **The link's cap** (`link_cap_bps`, from testbed/autolink.py): the most kv link rate, wall
   clock, the machine's path carried when the pilot probed it; the scale of every run that
   sends KV across the WAN (`sends_kv`) is lowered until its kv link is within it (`capped`).
+- **The round trip's floor** (`rtt_floor_ms`, testbed/autolink.py): the shortest wall-clock
+  RTT at which the delay line's lateness the check measured stays within the probe's bound;
+  every run's scale is lowered until its WAN's round trip is at least that (`rtt_floored`).
 """
 
 import math
 
 from testbed import autojudge, deploy
 from testbed.experiment import AUTO, AUTO_START
+from testbed.net.probe import round_trip_ms
 
 GROWTH = autojudge.GROWTH
 
@@ -86,6 +90,12 @@ def wall_rate_bps(exp, scale):
     return deploy.compile(exp.at_speed(scale)).links["kv"].rate_bps
 
 
+def wall_rtt_ms(exp, scale):
+    """`exp`'s kv link round trip (both directions' delay), emulated (wall ms), at scale.time
+    `scale`; 0 for a WAN without delay."""
+    return round_trip_ms(deploy.compile(exp.at_speed(scale)).links["kv"].params())
+
+
 def capped(exp, scale, cap_bps):
     """`scale`, lowered (two significant digits, down) until `exp`'s kv link is within
     `cap_bps` wall clock (None: no cap); the rate is linear in the scale."""
@@ -93,6 +103,14 @@ def capped(exp, scale, cap_bps):
         return scale
     rate = wall_rate_bps(exp, scale)
     return scale if rate <= cap_bps else round_down(scale * cap_bps / rate)
+
+
+def rtt_floored(exp, scale, floor_ms):
+    """`scale`, lowered (two significant digits, down) until `exp`'s kv link's round trip is
+    at least `floor_ms` wall clock (None: no floor; a WAN without delay has none to keep); the
+    round trip is inverse in the scale."""
+    rtt = wall_rtt_ms(exp, scale) if floor_ms else 0.0
+    return scale if rtt <= 0 or rtt >= floor_ms else round_down(scale * rtt / floor_ms)
 
 
 class Shared:
@@ -160,10 +178,11 @@ class Shared:
                       "base": chosen if base is None else base}
 
     def scale_for(self, exp, ceiling):
-        """The scale.time `exp` runs at after the pilot, at most `ceiling` (its links') and,
-        where it sends KV across the WAN (`sends_kv`), within the link's cap once the pilot
-        measured one: a run that sends none has nothing on that link to slow."""
-        scale = self.uncapped(exp, ceiling)
+        """The scale.time `exp` runs at after the pilot, at most `ceiling` (its links'), with
+        a round trip no shorter than the link check's floor (`rtt_floored`) and, where it
+        sends KV across the WAN (`sends_kv`), within the link's cap once the pilot measured
+        one: a run that sends none has nothing on that link to slow."""
+        scale = rtt_floored(exp, self.uncapped(exp, ceiling), self.pilot.get("rtt_floor_ms"))
         if not sends_kv(self.look_of(exp)):
             return scale
         return capped(exp, scale, self.pilot.get("link_cap_bps"))

@@ -6,19 +6,35 @@ import pytest
 
 from testbed import autolink, autoshare
 from testbed.config import load_experiment
+from testbed.net.probe import deviation_warning, round_trip_ms
 
 CASE = "experiments/paper_case_study.yaml"
+MANY = "experiments/many_instances.yaml"        # one run; its WAN has 5 ms each way
 
 
 class Path:
     """A backend whose kv path carries at most `carry_bps` of a link's rate, or `share` of
     it (a machine that falls short at any rate); records the rates probed."""
 
-    def __init__(self, carry_bps=float("inf"), share=1.0):
+    def __init__(self, carry_bps=float("inf"), share=1.0, late_ms=0.0, miscalibrated_ms=0.0,
+                 calibrated=True):
         self.carry, self.share, self.probed, self.rate = carry_bps, share, [], None
+        # its round trip: `late_ms` late (the machine's) plus `miscalibrated_ms` (the start's
+        # calibration off, which a correction takes away); `calibrated`: a correction applies
+        self.late_ms, self.miscal, self.calibrated, self.rtt_ms = (late_ms, miscalibrated_ms,
+                                                                   calibrated, 0.0)
+        self.corrected = []
+
+    def correct_round_trip(self, off_ms):
+        if not self.calibrated:
+            return None
+        self.corrected.append(off_ms)
+        self.miscal -= off_ms
+        return {"corrections_ms": self.corrected}
 
     def rescale(self, deployment, events=None):
         self.rate = deployment.links["kv"].rate_bps
+        self.rtt_ms = round_trip_ms(deployment.links["kv"].params())
         return self
 
     def describe(self):
@@ -29,9 +45,17 @@ class Path:
         self.probed.append(self.rate)
         got = min(self.carry, self.share * self.rate)
         dev = got / self.rate - 1
-        warn = [f"goodput deviates {100 * dev:+.0f}% from configured"] if dev < -0.1 else []
-        return {"measured": {"goodput_bps": 0.956 * got}, "deviation": {"goodput": dev},
-                "warnings": warn, "slowness": 0.4}
+        warn = [deviation_warning("goodput", dev)] if dev < -0.1 else []
+        out = {"measured": {"goodput_bps": 0.956 * got}, "deviation": {"goodput": dev},
+               "warnings": warn, "slowness": 0.4, "calibrated": True,
+               "configured": {"expected": {"rtt_ms": self.rtt_ms}}}
+        if self.rtt_ms > 0:
+            late = self.late_ms + self.miscal
+            out["measured"]["rtt_p50_ms"] = self.rtt_ms + late
+            out["deviation"]["rtt_p50"] = late / self.rtt_ms
+            if abs(late) > max(0.05, 0.05 * self.rtt_ms):     # probe.compare's bound
+                warn.append(deviation_warning("rtt_p50", late / self.rtt_ms))
+        return out
 
 
 def _case(chosen=20.0):
@@ -110,7 +134,7 @@ def test_a_path_short_at_every_rate_says_the_cap_is_not_verified():
     rec = autolink.check(path, sh, [50, 50, 50], None)
     assert len(path.probed) == autolink.CHECKS and not rec["verified"]
     assert path.probed[1] < path.probed[0]
-    assert rec["cap_bps"] == pytest.approx(path.probed[1] * 0.8 * autolink.CARRY_MARGIN)
+    assert rec["cap_bps"] == pytest.approx(path.probed[-1] * 0.8 * autolink.CARRY_MARGIN)
     assert "not verified" in autolink.line(rec)
 
 
@@ -128,3 +152,79 @@ def test_each_probe_is_the_probe_of_the_runs_on_its_link():
                               lambda: pytest.fail("measured again"))
         assert fid["shared"] and fid["measured_in"] == "prfaas (the pilot's link check)"
         assert fid["deviation"]["goodput"] == pytest.approx(min(2e9, rate) / rate - 1)
+
+
+def _many(chosen=10.0):
+    sh = autoshare.Shared(load_experiment(MANY))
+    sh.record(sh.target.run_label, chosen, 5.0, [], 6.0)
+    return sh
+
+
+def test_a_round_trip_off_by_the_calibration_is_corrected_and_keeps_its_scale():
+    """2026-12-06: many_instances' probes 68 us late at 8.4x, 101 us early at 6.8x, 270 us
+    early at 14x, each after the start's calibration: the check corrects the calibration by
+    the error and the probe after it is within its bound; no run slows down."""
+    for off in (0.068, -0.101, -0.27):
+        sh, path = _many(), Path(miscalibrated_ms=off)
+        rec = autolink.check(path, sh, [50], None)
+        assert path.corrected == [pytest.approx(off)] and len(path.probed) == 2
+        assert rec["verified"] and rec["rtt_floor_ms"] is None and rec["cap_bps"] is None
+        assert rec["probes"][0]["corrected_ms"] == pytest.approx(off)
+        assert sh.scale_for(sh.target, 50) == 10.0
+        assert "the link's calibration corrected by" in autolink.line(rec)
+
+
+def test_a_round_trip_the_machine_makes_late_is_floored_after_one_correction():
+    """The delay line late now (no calibration takes that away): one correction, then the
+    floor keeps the lateness at RTT_MARGIN of the 5% bound, and the probe there is within it."""
+    sh = _many()
+    path = Path(late_ms=0.068)
+    path.correct_round_trip = lambda off_ms: {"corrections_ms": [off_ms]}    # changes nothing
+    rtt10 = autoshare.wall_rtt_ms(sh.target, 10.0)
+    assert rtt10 == pytest.approx(1.0)                   # 10 ms at 10x
+    rec = autolink.check(path, sh, [50], None)
+    floor = 0.068 / (0.05 * autolink.RTT_MARGIN)
+    assert rec["rtt_floor_ms"] == pytest.approx(floor) and rec["cap_bps"] is None
+    assert len(path.probed) == 3 and rec["verified"]
+    assert [p.get("corrected_ms") is not None for p in rec["probes"]] == [True, False, False]
+    scale = sh.scale_for(sh.target, 50)
+    assert scale == autoshare.round_down(10.0 * rtt10 / floor) == 6.6
+    assert autoshare.wall_rtt_ms(sh.target, scale) >= floor
+    assert path.probed[2] == pytest.approx(autoshare.wall_rate_bps(sh.target, scale))
+    assert "round trips kept at 1.5 ms" in autolink.line(rec) and "+7% off" in autolink.line(rec)
+
+
+def test_without_a_calibration_to_correct_the_round_trip_is_floored_at_once():
+    sh, path = _many(), Path(late_ms=-0.101, calibrated=False)
+    rec = autolink.check(path, sh, [50], None)
+    assert rec["rtt_floor_ms"] == pytest.approx(0.101 / (0.05 * autolink.RTT_MARGIN))
+    assert rec["verified"] and len(path.probed) == 2 and "-10% off" in autolink.line(rec)
+
+
+def test_a_round_trip_within_its_bound_floors_nothing():
+    sh, path = _many(), Path(late_ms=0.045)      # under the 0.05 ms floor of the bound
+    rec = autolink.check(path, sh, [50], None)
+    assert rec["rtt_floor_ms"] is None and len(path.probed) == 1 and rec["verified"]
+    assert path.corrected == [] and sh.scale_for(sh.target, 50) == 10.0
+    assert autolink.line(rec) == ""
+
+
+def test_a_short_goodput_lowers_the_rate_first_and_the_round_trip_is_measured_again():
+    """A probe that fell short says the machine did not keep up at that rate, its RTT with it:
+    its round trip is neither corrected nor floored; the probe under the cap acts on it."""
+    sh = _many()
+    fastest = autoshare.wall_rate_bps(sh.target, 10.0)
+    path = Path(carry_bps=0.85 * fastest, miscalibrated_ms=0.068)
+    rec = autolink.check(path, sh, [50], None)
+    first, second = rec["probes"][:2]
+    assert first["cap_bps"] is not None and first.get("corrected_ms") is None
+    assert second["cap_bps"] is None and second["corrected_ms"] == pytest.approx(0.068)
+    assert len(path.probed) == 3 and rec["verified"] and rec["rtt_floor_ms"] is None
+    assert "capped at" in autolink.line(rec) and "calibration corrected" in autolink.line(rec)
+
+
+def test_a_wan_without_delay_has_no_round_trip_to_floor():
+    exp = _case().runs[0]
+    assert autoshare.wall_rtt_ms(exp, 20.0) == 0.0
+    assert autoshare.rtt_floored(exp, 20.0, 5.0) == 20.0
+    assert autoshare.rtt_floored(exp, 20.0, None) == 20.0

@@ -1,5 +1,8 @@
 """Delay-line calibration on paper: the RTT warning's tolerance and the shortfall line."""
 
+import pytest
+
+from testbed.net import calibrate
 from testbed.net.calibrate import shortfall
 from testbed.net.linkmodel import check_params
 from testbed.net.probe import compare
@@ -194,3 +197,27 @@ def test_a_probe_with_no_tries_is_measured_once_and_claims_no_spell(monkeypatch)
                     monkeypatch, tries=0)
     assert n == 1 and out["late_us"] == 2000 and out["spell"] is None
     assert out["warnings"] == ["loss deviates +30% from configured"]
+
+
+class _CostWan:
+    """A WAN that records the fixed cost its delay lines subtract."""
+
+    def __init__(self):
+        self.cost_s = None
+
+    def subtract_fixed_cost(self, cost_s):
+        self.cost_s = dict(cost_s)
+
+
+def test_a_correction_moves_each_hops_cost_by_its_share_of_the_probes_error():
+    """The link check (testbed/autolink.py) corrects the start's calibration by what a later
+    probe measured off: early takes cost away, late adds it, within the calibration's bounds."""
+    cal = {"fixed_cost_ms": {"kv": 0.2987, "request": 0.2987}}
+    wan = _CostWan()
+    calibrate.correct(wan, cal, -0.101)                       # 101 us early: hold 50.5 us more
+    assert wan.cost_s == pytest.approx({"kv": 0.2482e-3, "request": 0.2482e-3})
+    assert cal["fixed_cost_ms"] == pytest.approx({"kv": 0.2482, "request": 0.2482})
+    calibrate.correct(wan, cal, -1.0)                         # never below 0
+    assert wan.cost_s == {"kv": 0.0, "request": 0.0} and cal["corrections_ms"] == [-0.101, -1.0]
+    calibrate.correct(wan, cal, 5.0)                          # never above MAX_COST_S
+    assert wan.cost_s == {"kv": calibrate.MAX_COST_S, "request": calibrate.MAX_COST_S}

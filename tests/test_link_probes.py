@@ -87,13 +87,15 @@ def test_a_backend_whose_probe_path_depends_on_placement_is_probed_every_run():
 def test_an_adopted_probe_is_shared_by_the_runs_on_its_wan():
     """`scale.time: auto`'s link check probed the pilot's network at a run's scale."""
     probes, probe = LinkProbes(), Prober()
-    probes.adopt(meta(), "prfaas (the pilot's link check)", 123.0, {"measured": {"x": 1},
+    probes.adopt(meta(), "early", 123.0, {"measured": {"x": 1}, "warnings": ["off"]})
+    # the check probed again after correcting the link's calibration: the later one describes
+    # the link the runs get
+    probes.adopt(meta(), "prfaas (the pilot's link check)", 456.0, {"measured": {"x": 2},
                                                                   "warnings": []})
-    probes.adopt(meta(), "later", 456.0, {"measured": {"x": 2}, "warnings": []})  # first kept
     first = probes.fidelity("homogeneous", meta(tcp__timers__hosts=20), probe)
-    assert probe.calls == 0 and first["measured"] == {"x": 1} and first["shared"] is True
+    assert probe.calls == 0 and first["measured"] == {"x": 2} and first["shared"] is True
     assert first["measured_in"] == "prfaas (the pilot's link check)"
-    assert first["measured_at"] == 123.0
+    assert first["measured_at"] == 456.0 and first["warnings"] == []
     other = probes.fidelity("fast", meta(shaping__emulated__kv__rate=2e9), probe)
     assert probe.calls == 1 and other["measured_in"] == "fast" and other["shared"] is False
     probes.adopt(meta(backend="ray"), "x", 1.0, {"measured": {}, "warnings": []})

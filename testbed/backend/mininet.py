@@ -46,6 +46,11 @@ class MininetBackend:
         self.net.rescale(deployment, events)
         return self
 
+    def correct_round_trip(self, off_ms):
+        """The link calibration corrected by a probe's RTT error (`Network.correct_round_trip`);
+        None where there is none to correct."""
+        return self.net.correct_round_trip(off_ms)
+
     def spawn(self, host, argv, log_path, env=None):
         return self.net.popen(host, argv, log_path, env=env)
 

@@ -15,7 +15,7 @@ import sys
 
 from testbed import lifecycle
 from testbed.errors import NetworkError, PrivilegeError
-from testbed.net.calibrate import calibrate, shortfall
+from testbed.net.calibrate import calibrate, correct, shortfall
 from testbed.net.linkmodel import SETTABLE, needs_checksums
 from testbed.net.ns import disable_checksum_offload, disable_offloads, sysctl
 from testbed.net.timers import TcpTimers, apply
@@ -111,6 +111,14 @@ class Network:
             if short:
                 self.calibration["warning"] = short
         return self
+
+    def correct_round_trip(self, off_ms):
+        """The delay lines' fixed cost moved by `off_ms` (a probe's RTT p50 over the configured
+        one: `testbed.net.calibrate.correct`); the calibration record, or None where nothing
+        was calibrated (netem, no delay) and so nothing can be corrected."""
+        if self.calibration is None or not self.calibration.get("fixed_cost_ms"):
+            return None
+        return correct(self.wan, self.calibration, off_ms)
 
     def _scale_tcp_timers(self):
         """rto_min and quickack on the end hosts' routes (`net.timers`); recorded for metadata.

@@ -285,11 +285,16 @@ def deviation_warning(key, value):
     return f"{key} deviates {value:+.0%} from configured"
 
 
+def round_trip_ms(configured):
+    """The configured RTT (ms) of a link's parameters: both directions' delay."""
+    return 1e3 * (configured.get("delay", 0.0)
+                  + configured.get("reverse", configured).get("delay", 0.0))
+
+
 def _expected(configured):
     fwd = configured
-    rev = configured.get("reverse", configured)
     return {"goodput_bps": fwd["rate"],
-            "rtt_ms": 1e3 * (fwd.get("delay", 0.0) + rev.get("delay", 0.0)),
+            "rtt_ms": round_trip_ms(configured),
             "jitter_ms": 1e3 * fwd.get("jitter", 0.0),
             "loss": fwd.get("loss", 0.0),
             "loss_burst": fwd.get("loss_burst") if fwd.get("loss", 0.0) > 0 else None,
@@ -366,7 +371,8 @@ def measure_link(src_ns_path, dst_ns_path, dst_ip, configured, duration_s=2.0,
                                "corrupt", "duplicate", "reorder_prob", "reorder_gap", "mtu",
                                "mtu_icmp", "police", "police_burst")},
                            "expected": exp},
-            "measured": measured, "deviation": deviation, "warnings": warnings}
+            "measured": measured, "deviation": deviation, "warnings": warnings,
+            "calibrated": calibrated}
 
 
 def _steady_measured(exp, s, train, probes):
@@ -406,6 +412,12 @@ def _mean_burst(sent, got, runs):
     return lost / max(runs, 1) if lost > 0 else None
 
 
+def rtt_limit(calibrated=True):
+    """(share, ms): the RTT p50 warns beyond max(ms, share of the configured RTT)."""
+    return ((RTT_WARN, RTT_WARN_FLOOR_MS) if calibrated else
+            (DEVIATION_WARN, RTT_UNCALIBRATED_FLOOR_MS))
+
+
 def compare(exp, measured, calibrated=True):
     """Relative deviations measured vs expected, and a warning for each above 10%.
 
@@ -434,8 +446,8 @@ def compare(exp, measured, calibrated=True):
         dev["loss_burst"] = measured["loss_burst"] / exp["loss_burst"] - 1
     limit = dict.fromkeys(dev, DEVIATION_WARN)
     if "rtt_p50" in dev:
-        limit["rtt_p50"] = (max(RTT_WARN, RTT_WARN_FLOOR_MS / exp["rtt_ms"]) if calibrated else
-                            max(DEVIATION_WARN, RTT_UNCALIBRATED_FLOOR_MS / exp["rtt_ms"]))
+        share, floor_ms = rtt_limit(calibrated)
+        limit["rtt_p50"] = max(share, floor_ms / exp["rtt_ms"])
     if "loss" in dev and measured.get("loss_packets"):
         # a loss count is binomial: three standard errors of the count, at least 10%
         limit["loss"] = max(DEVIATION_WARN, 3 / math.sqrt(measured["loss_packets"] * exp["loss"]))
