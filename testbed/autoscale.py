@@ -32,7 +32,10 @@ stopped with no unfaithful step above the largest faithful one, the scale above 
 excess through the two largest faithful steps (growing at least as the scale) is predicted
 at 80% of its bound, at most the jump the search would have tried next (`extrapolate`;
 `extrapolated`): the piloted run's own scale, while the other runs derive theirs from the
-largest faithful step measured. The pilot stops before a step that would take it past
+largest faithful step measured. Where the largest faithful step kept less headroom than that
+80% (its steady excess above 4% of the p90, or its lag above 40 ms), the choice is pulled
+back below it to where they are predicted at 80% (`pull_back`; `pulled_back`): a step is one
+short sample, and a run at a step measured at 4.6% warned at 5.2%. The pilot stops before a step that would take it past
 `autojudge.PILOT_SHARE` of the experiment's runs' expected wall time, after at least
 `autojudge.MIN_STEPS` (a measurement and the jump it predicts), so a scale twice the choice
 was tried and warned only where the budget allowed the search to bracket; the record says
@@ -212,6 +215,27 @@ def extrapolate(steps, top=MAX_SCALE):
     return (scale, round(k, 3)) if scale > b.scale else None
 
 
+def pull_back(steps):
+    """(scale, exponent) where the largest faithful step b kept less headroom than the pilot
+    aims a run at (`Step.margin` under 1 / `INTERPOLATE_AIM`: its steady TTFT excess above 4%
+    of the p90, or its lag above 40 ms): the scale below b at which it is predicted at the aim,
+    the excess ~ scale ** k through the faithful step a below b (k at least 1, and 1 without
+    a: the larger cut), not below a; None when b is within the aim. A step is one short
+    sample: on 2026-12-06 many_instances' step at 14 measured 4.6% of the p90 and its run at
+    14 5.2% (a warning), and its run at 15 5.05%, extrapolated from steps at 3.5%."""
+    ok = sorted((s for s in steps if s.faithful and s.margin is not None),
+                key=lambda s: s.scale)
+    if not ok or ok[-1].margin * INTERPOLATE_AIM >= 1:
+        return None
+    b, a = ok[-1], (ok[-2] if len(ok) > 1 else None)
+    k = 1.0
+    if a is not None and a.steady_share and b.steady_share:
+        k = max(1.0, math.log(b.steady_share / a.steady_share) / math.log(b.scale / a.scale))
+    scale = autoshare.round_down(b.scale * (INTERPOLATE_AIM * b.margin) ** (1 / k))
+    scale = max(scale, a.scale) if a is not None else scale
+    return (scale, round(k, 3)) if scale < b.scale else None
+
+
 def faithful_hint(steps, chosen, top=MAX_SCALE):
     """What a scale above the choice did: the basis of 'a run at twice it would warn'
     (`top`: the pilot's ceiling)."""
@@ -236,9 +260,9 @@ def why_not(step):
     return f"{len(others)} warning(s): {others[0][:60]}" if others else "no request completed"
 
 
-def choice_line(label, steps, chosen, pilot_s, between=False, beyond=False):
+def choice_line(label, steps, chosen, pilot_s, between=False, beyond=False, back=False):
     """The one line `testbed run` prints (`between`: the choice was interpolated; `beyond`:
-    extrapolated)."""
+    extrapolated; `back`: pulled back below the largest faithful step)."""
     tried = ", ".join(f"{s.scale:g}{'' if s.faithful else '!'}" for s in steps)
     if chosen is None:
         return (f"scale.time auto ({label}): no scale tried was faithful ({tried}; ! warned); "
@@ -249,6 +273,10 @@ def choice_line(label, steps, chosen, pilot_s, between=False, beyond=False):
                 f"of {tried} where the TTFT excess is predicted at "
                 f"{100 * INTERPOLATE_AIM * autojudge.WARN_SHARE:g}% (! warned; pilot "
                 f"{pilot_s:.1f} s)")
+    if back:
+        return (f"scale.time auto ({label}): {chosen:g}, below the largest faithful of {tried} "
+                f"where its TTFT excess and lag are predicted at "
+                f"{100 * INTERPOLATE_AIM:g}% of their bounds (! warned; pilot {pilot_s:.1f} s)")
     if beyond:
         return (f"scale.time auto ({label}): {chosen:g}, above the faithful {tried} where the "
                 f"TTFT excess through them is predicted at "
@@ -319,7 +347,7 @@ class AutoRun:
                "outlook": {**dataclasses.asdict(look), "length_factor": look.length_factor},
                "budget_share": autojudge.PILOT_SHARE,
                "uncapped": sh.uncapped(self.exp, self.ceiling),
-               "link_cap_bps": p.get("link_cap_bps")}
+               "link_cap_bps": p.get("link_cap_bps"), "rtt_floor_ms": p.get("rtt_floor_ms")}
         if pilot is not None:        # this run ran the experiment's pilot
             rec.update(pilot.record, pilot_s=p["pilot_s"], steps=p["steps"])
             if p["label"] == self.exp.run_label:
@@ -383,6 +411,12 @@ class Pilot:
         chosen = choose(self.steps)
         between = interpolate(self.steps)
         beyond = extrapolate(self.steps, self.ceiling) if between is None else None
+        back = pull_back(self.steps) if between is None and beyond is None else None
+        if back is not None:
+            chosen = back[0]
+            self.record["pulled_back"] = {"scale": back[0], "exponent": back[1],
+                                          "aim_share": INTERPOLATE_AIM * autojudge.WARN_SHARE,
+                                          "from": choose(self.steps)}
         if between is not None:
             chosen = between[0]
             self.record["interpolated"] = {"scale": between[0], "exponent": between[1],
@@ -397,7 +431,8 @@ class Pilot:
                            [s.as_dict() for s in self.steps], pilot_s,
                            base=choose(self.steps) if beyond is not None else None)
         self.shared.pilot["line"] = choice_line(self.exp.run_label, self.steps, chosen, pilot_s,
-                                                between is not None, beyond is not None)
+                                                between is not None, beyond is not None,
+                                                back is not None)
         self.record["expected_run_s"] = self._expected(chosen or fallback)
 
     def _requests(self):

@@ -180,3 +180,24 @@ def test_no_extrapolation_above_an_unfaithful_step_and_the_others_derive_from_th
     assert shared.scale_for(other, 1000) == autoshare.round_down(19 * shared.factor_of(other))
     line = autoscale.choice_line("prfaas", steps[:2], 30, 7.8, beyond=True)
     assert line.startswith("scale.time auto (prfaas): 30, above the faithful 10, 19 where")
+
+
+@pytest.mark.parametrize("steps, chosen", [
+    # 2026-12-06 many_instances: its run at 14 warned at 5.2% (k 0.92 -> 1: 12.07)
+    ([(10, 0.034, 5), (14, 0.0464, 5)], 12),
+    ([(10, 0.0097, 6), (23, 0.048, 6)], 20),   # 2026-12-06 prfaas: k 1.92, 20.9
+    ([(10, 0.027, 3), (14, 0.043, 3)], 13),    # k 1.38: 13.3
+    ([(10, 0.01, 40), (20, 0.012, 45)], 17),   # the lag at 90% of its bound: 17.8
+    ([(10, 0.045, 5)], 8.8),                   # one step: k 1, 8.89
+    ([(10, 0.039, 5), (11, 0.049, 5)], 10),    # 10.1, and never below the faithful step a
+    ([(10, 0.01, 5), (20, 0.03, 5)], None),    # within the aim: the choice stands
+])
+def test_a_largest_faithful_step_near_its_bound_is_pulled_back_to_the_aim(steps, chosen):
+    got = autoscale.pull_back([_lagged(*s) for s in steps])
+    assert (got and got[0]) == chosen, got
+    if chosen is not None:
+        assert steps[-2 if len(steps) > 1 else -1][0] <= chosen < steps[-1][0] or \
+            len(steps) == 1 and chosen < steps[0][0]
+        line = autoscale.choice_line("many", [_lagged(*s) for s in steps], chosen, 9.0,
+                                     back=True)
+        assert line.startswith(f"scale.time auto (many): {chosen:g}, below the largest faithful")

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from conftest import assert_decisions_replay, assert_remote_kv_crossed_the_wan
-from testbed import excess
+from testbed import autolink, excess
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -103,9 +103,11 @@ def test_auto_scale_runs_a_pilot_on_one_network_and_records_it(tmp_path):
         others = [w for w in summary["warnings"] if not w.startswith(excess.WARN_PREFIX)]
         within = st["steady_share"] is None or st["steady_share"] <= excess.WARN_SHARE
         assert st["faithful"] == (not others and within)     # testbed/autojudge.py
-    if rec["faithful"]:     # the largest faithful step, or a scale interpolated above it
-        best = max(st["scale"] for st in steps if st["faithful"])
-        assert rec["chosen"] == rec.get("interpolated", {}).get("scale", best) >= best
+    if rec["faithful"]:     # the largest faithful step, or a scale inter- or extrapolated
+        best = max(st["scale"] for st in steps if st["faithful"])    # above it, or pulled back
+        moved = rec.get("interpolated") or rec.get("extrapolated") or rec.get("pulled_back")
+        assert rec["chosen"] == (moved or {}).get("scale", best)
+        assert (rec["chosen"] < best) == ("pulled_back" in rec)
     assert yaml.safe_load((out / "config.yaml").read_text())["scale"]["time"] == rec["chosen"]
     assert json.loads((out / "summary.json").read_text())["completed"] == 6
     check = rec["link_check"]
@@ -115,11 +117,13 @@ def test_auto_scale_runs_a_pilot_on_one_network_and_records_it(tmp_path):
     # the check's last probe was on this network at this scale: the run's own probe
     assert fid["measured_in"] == "prfaas (the pilot's link check)", fid
     assert fid["configured"]["rate"] == check["probes"][-1]["rate_bps"]
-    if check["cap_bps"] is None:      # carried: the run at the choice, its probe within it too
+    cap, floor = check["cap_bps"], check["rtt_floor_ms"]
+    if cap is None and floor is None:   # carried in time: the run at the choice, its probe too
         assert rec["chosen"] == rec["uncapped"] and len(check["probes"]) == 1
-    else:                             # short: the run at a scale whose link is within the cap
-        assert rec["chosen"] < rec["uncapped"] and len(check["probes"]) == 2
-        assert fid["configured"]["rate"] <= check["cap_bps"], (fid["configured"], check)
+    else:           # short or late: the run at a scale whose link is within the cap and floor
+        assert rec["chosen"] < rec["uncapped"] and 2 <= len(check["probes"]) <= autolink.CHECKS
+        assert cap is None or fid["configured"]["rate"] <= cap, (fid["configured"], check)
+        assert floor is None or fid["configured"]["expected"]["rtt_ms"] >= floor, check
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
     assert f": tb{rec['network_run_id']}" not in links
     assert leftovers(out) == []
