@@ -26,7 +26,7 @@ early, first corrects the link's calibration by that error (`backend.correct_rou
 `testbed.net.calibrate.correct`): the calibration's two passes at the network's start are a few
 hundred echoes in one moment, and on 2026-12-06 they left many_instances' round trip (5 ms each
 way) 68 us late at 8.4x (+6%, a warning at the choice), 101 us early at 6.8x (-7%, a warning)
-and 270 us early at 14x (-19%). Where the probe after the correction is off again, the error is
+and 139 us early at 14x (-19%). Where the probe after the correction is off again, the error is
 the machine's now (the delay line's lateness, wall-clock time, about the same at any scale) and
 every run's wall-clock round trip is floored where that error is `RTT_MARGIN` of the bound
 (`rtt_floor_ms`, `autoshare.rtt_floored`): a faster run has less round trip to hide it in. The
