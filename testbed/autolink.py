@@ -128,7 +128,7 @@ def check(backend, shared, ceilings, events, link_probes=None, label=""):
                               f"{label} (the pilot's link check)", at, result)
         probes.append(_probe_record(result, dep.links["kv"].rate_bps, scale, at, t1))
         acted.append(_act(backend, shared.pilot, probes[-1], "corrected" in acted))
-        if acted[-1] is None:
+        if acted[-1] in (None, "kept"):
             break
         rate_bps = fastest(shared, ceilings)        # the fastest run now
     return {"probes": probes, "cap_bps": shared.pilot.get("link_cap_bps"),
@@ -155,19 +155,25 @@ def _probe_record(result, rate_bps, scale, at, t1):
 def _act(backend, pilot, probe, corrected):
     """What the check does after `probe` (its record), into `pilot` (the shared outcome):
     take its cap ('capped'); or, its round trip off, correct the link's calibration by the
-    error the first time (`backend.correct_round_trip`: 'corrected'; its floor then stands
-    only if the next probe is off again) and floor the round trip after that ('floored');
-    None: nothing to do, the probe was within tolerance."""
+    error the first time, unless the probe ran in a slow spell (`backend.correct_round_trip`:
+    'corrected'; the next probe measures what is left), and else floor the round trip
+    ('floored'; 'kept' where the floor in force was already that high: a probe at it was off
+    again, and another would only repeat it); None: nothing to do, the probe was within
+    tolerance."""
     if probe["cap_bps"] is not None:
         old = pilot.get("link_cap_bps")
         pilot["link_cap_bps"] = probe["cap_bps"] if old is None else min(old, probe["cap_bps"])
         return "capped"
     if probe["rtt_floor_ms"] is None:
         return None
-    if not corrected and backend.correct_round_trip(probe["rtt_off_ms"]) is not None:
+    quiet = (probe.get("slowness") or 0.0) <= 1.0      # a spell's lateness is not a fixed cost
+    if not corrected and quiet and backend.correct_round_trip(probe["rtt_off_ms"]) is not None:
         probe["corrected_ms"], probe["rtt_floor_ms"] = probe["rtt_off_ms"], None
         return "corrected"
-    pilot["rtt_floor_ms"] = max(probe["rtt_floor_ms"], pilot.get("rtt_floor_ms") or 0.0)
+    old = pilot.get("rtt_floor_ms") or 0.0
+    if probe["rtt_floor_ms"] <= old:
+        return "kept"
+    pilot["rtt_floor_ms"] = probe["rtt_floor_ms"]
     return "floored"
 
 

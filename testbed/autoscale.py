@@ -220,19 +220,22 @@ def pull_back(steps):
     aims a run at (`Step.margin` under 1 / `INTERPOLATE_AIM`: its steady TTFT excess above 4%
     of the p90, or its lag above 40 ms): the scale below b at which it is predicted at the aim,
     the excess ~ scale ** k through the faithful step a below b (k at least 1, and 1 without
-    a: the larger cut), not below a; None when b is within the aim. A step is one short
+    a: the larger cut), not below a where a is within the aim, nor below `MIN_SCALE`; None
+    when b is within the aim. It comes before `interpolate` and `extrapolate`, which look up
+    from b by its TTFT excess alone. A step is one short
     sample: on 2026-12-06 many_instances' step at 14 measured 4.6% of the p90 and its run at
     14 5.2% (a warning), and its run at 15 5.05%, extrapolated from steps at 3.5%."""
-    ok = sorted((s for s in steps if s.faithful and s.margin is not None),
-                key=lambda s: s.scale)
-    if not ok or ok[-1].margin * INTERPOLATE_AIM >= 1:
+    ok = sorted((s for s in steps if s.faithful), key=lambda s: s.scale)
+    if not ok or ok[-1].margin is None or ok[-1].margin * INTERPOLATE_AIM >= 1:
         return None
     b, a = ok[-1], (ok[-2] if len(ok) > 1 else None)
     k = 1.0
     if a is not None and a.steady_share and b.steady_share:
         k = max(1.0, math.log(b.steady_share / a.steady_share) / math.log(b.scale / a.scale))
     scale = autoshare.round_down(b.scale * (INTERPOLATE_AIM * b.margin) ** (1 / k))
-    scale = max(scale, a.scale) if a is not None else scale
+    if a is not None and a.margin is not None and a.margin * INTERPOLATE_AIM >= 1:
+        scale = max(scale, a.scale)         # a step within the aim: never below it
+    scale = max(scale, MIN_SCALE)
     return (scale, round(k, 3)) if scale < b.scale else None
 
 
@@ -328,7 +331,10 @@ class AutoRun:
     def _line(self, scale):
         p = self.shared.pilot
         before = self.shared.uncapped(self.exp, self.ceiling)
-        capped = f"; runs at {scale:g}, within the link's cap" if scale != before else ""
+        limits = " and ".join(k for k, v in (("the link's cap", p.get("link_cap_bps")),
+                                             ("the round trip's floor", p.get("rtt_floor_ms")))
+                              if v is not None) or "the link check"
+        capped = f"; runs at {scale:g}, within {limits}" if scale != before else ""
         if p["label"] == self.exp.run_label and p.get("line"):
             return p["line"] + capped
         fac, bound = self.shared.bound(self.exp)
@@ -409,9 +415,10 @@ class Pilot:
         """The choice from the steps, recorded in `shared` (the link check comes after);
         `pilot_s`: the steps' wall time."""
         chosen = choose(self.steps)
-        between = interpolate(self.steps)
-        beyond = extrapolate(self.steps, self.ceiling) if between is None else None
-        back = pull_back(self.steps) if between is None and beyond is None else None
+        back = pull_back(self.steps)
+        between = interpolate(self.steps) if back is None else None
+        beyond = (extrapolate(self.steps, self.ceiling) if back is None and between is None
+                  else None)
         if back is not None:
             chosen = back[0]
             self.record["pulled_back"] = {"scale": back[0], "exponent": back[1],

@@ -188,7 +188,7 @@ class Shared:
         return capped(exp, scale, self.pilot.get("link_cap_bps"))
 
     def uncapped(self, exp, ceiling):
-        """`scale_for` before the link's cap."""
+        """`scale_for` before the round trip's floor and the link's cap."""
         if self.pilot["chosen"] is None:
             return min(self.pilot["fallback"], ceiling)
         if self.position(exp) == self.index:

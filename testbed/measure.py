@@ -127,22 +127,26 @@ SHARED_PROBE_BACKENDS = ("mininet",)
 def wan_key(meta):
     """What decides a link probe's result, from a run's metadata as described after the build
     (`backend`, `shaping`: the shaping backend and every link's emulated parameters before any
-    scheduled change, `tcp`: congestion control, segmentation offload and TCP timers); None
+    scheduled change, `tcp`: congestion control, segmentation offload and TCP timers, and any
+    correction of the link's calibration, `link_calibration.corrections_ms`); None
     where the backend's probe path is not the same from run to run."""
     if meta.get("backend") not in SHARED_PROBE_BACKENDS:
         return None
     tcp = meta.get("tcp") or {}
     timers = {k: v for k, v in (tcp.get("timers") or {}).items() if k != "hosts"}
+    # a link whose calibration a probe corrected (the link check's) is not a fresh network's
+    fixed = (meta.get("link_calibration") or {}).get("corrections_ms")
     return json.dumps({"backend": meta["backend"], "shaping": meta.get("shaping"),
                        "cc": tcp.get("congestion_control_kv"),
                        "segmentation_offload": tcp.get("segmentation_offload"),
-                       "timers": timers}, sort_keys=True, default=str)
+                       "timers": timers, "corrections_ms": fixed}, sort_keys=True, default=str)
 
 
 def wan_meta(kind, desc, congestion_control):
     """The metadata keys of a run that decide its link probe (`wan_key`), from its backend's
     kind, `describe()` and the KV senders' congestion control."""
     return {"backend": kind, "shaping": desc["shaping"],
+            "link_calibration": desc.get("link_calibration"),
             "tcp": {"congestion_control_kv": congestion_control,
                     "congestion_control_default": system_congestion_control(),
                     "segmentation_offload": desc["segmentation_offload"],

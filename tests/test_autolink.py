@@ -17,13 +17,13 @@ class Path:
     it (a machine that falls short at any rate); records the rates probed."""
 
     def __init__(self, carry_bps=float("inf"), share=1.0, late_ms=0.0, miscalibrated_ms=0.0,
-                 calibrated=True):
+                 calibrated=True, slowness=0.4):
         self.carry, self.share, self.probed, self.rate = carry_bps, share, [], None
         # its round trip: `late_ms` late (the machine's) plus `miscalibrated_ms` (the start's
         # calibration off, which a correction takes away); `calibrated`: a correction applies
         self.late_ms, self.miscal, self.calibrated, self.rtt_ms = (late_ms, miscalibrated_ms,
                                                                    calibrated, 0.0)
-        self.corrected = []
+        self.corrected, self.slowness = [], slowness
 
     def correct_round_trip(self, off_ms):
         if not self.calibrated:
@@ -47,7 +47,7 @@ class Path:
         dev = got / self.rate - 1
         warn = [deviation_warning("goodput", dev)] if dev < -0.1 else []
         out = {"measured": {"goodput_bps": 0.956 * got}, "deviation": {"goodput": dev},
-               "warnings": warn, "slowness": 0.4, "calibrated": True,
+               "warnings": warn, "slowness": self.slowness, "calibrated": True,
                "configured": {"expected": {"rtt_ms": self.rtt_ms}}}
         if self.rtt_ms > 0:
             late = self.late_ms + self.miscal
@@ -199,6 +199,16 @@ def test_without_a_calibration_to_correct_the_round_trip_is_floored_at_once():
     rec = autolink.check(path, sh, [50], None)
     assert rec["rtt_floor_ms"] == pytest.approx(0.101 / (0.05 * autolink.RTT_MARGIN))
     assert rec["verified"] and len(path.probed) == 2 and "-10% off" in autolink.line(rec)
+
+
+def test_a_probe_in_a_slow_spell_floors_the_round_trip_without_touching_the_calibration():
+    """A spell's lateness is the machine's now, not the path's fixed cost: correcting the
+    calibration by it would leave the delay line short for the rest of the run."""
+    sh, path = _many(), Path(miscalibrated_ms=0.068, slowness=1.6)
+    rec = autolink.check(path, sh, [50], None)
+    assert path.corrected == [] and rec["rtt_floor_ms"] == pytest.approx(
+        0.068 / (0.05 * autolink.RTT_MARGIN))
+    assert sh.scale_for(sh.target, 50) == 6.6 and rec["verified"]
 
 
 def test_a_round_trip_within_its_bound_floors_nothing():

@@ -189,15 +189,17 @@ def test_no_extrapolation_above_an_unfaithful_step_and_the_others_derive_from_th
     ([(10, 0.027, 3), (14, 0.043, 3)], 13),    # k 1.38: 13.3
     ([(10, 0.01, 40), (20, 0.012, 45)], 17),   # the lag at 90% of its bound: 17.8
     ([(10, 0.045, 5)], 8.8),                   # one step: k 1, 8.89
-    ([(10, 0.039, 5), (11, 0.049, 5)], 10),    # 10.1, and never below the faithful step a
+    ([(10, 0.039, 5), (11, 0.049, 5)], 10),    # 10.1, and never below a step within the aim
+    ([(10, 0.045, 5), (11, 0.049, 5)], 8.9),   # a over the aim too: no floor at a
+    ([(1.1, 0.049, 5)], 1.0),                  # never below real time (MIN_SCALE)
+    ([(10, 0.01, 46)], 8.6),                   # the lag at 46 ms, its TTFT excess far below
     ([(10, 0.01, 5), (20, 0.03, 5)], None),    # within the aim: the choice stands
 ])
 def test_a_largest_faithful_step_near_its_bound_is_pulled_back_to_the_aim(steps, chosen):
     got = autoscale.pull_back([_lagged(*s) for s in steps])
     assert (got and got[0]) == chosen, got
     if chosen is not None:
-        assert steps[-2 if len(steps) > 1 else -1][0] <= chosen < steps[-1][0] or \
-            len(steps) == 1 and chosen < steps[0][0]
+        assert autoscale.MIN_SCALE <= chosen < steps[-1][0]
         line = autoscale.choice_line("many", [_lagged(*s) for s in steps], chosen, 9.0,
                                      back=True)
         assert line.startswith(f"scale.time auto (many): {chosen:g}, below the largest faithful")

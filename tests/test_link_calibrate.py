@@ -42,7 +42,12 @@ def test_shortfall_names_the_largest_scale_time():
     cal = {"fixed_cost_ms": {"kv": 0.25, "request": 0.25}, "short": ["kv", "request"]}
     line = shortfall(cal, links, Scale(time=40.0))
     assert "cannot be emulated at scale.time 40" in line and line.endswith("can is 20")
-    assert shortfall({**cal, "short": []}, links, Scale(time=40.0)) is None
+    # judged on the links now (a rescale or a correction), not the calibration's own list
+    assert shortfall({**cal, "short": []}, links, Scale(time=40.0)) == line
+    slower = {d: check_params({"rate": 1e9, "delay": 0.0005}, d) for d in ("kv", "request")}
+    assert shortfall(cal, slower, Scale(time=10.0)) is None
+    assert shortfall({"fixed_cost_ms": {"kv": 0.0, "request": 0.0}, "short": []}, links,
+                     Scale(time=40.0)) is None                  # a cost corrected to 0
     assert shortfall(None, links, Scale()) is None
 
 

@@ -212,13 +212,16 @@ def _round(x):
 
 
 def shortfall(cal, links, scale):
-    """One line when a configured delay is below the fixed cost (else None): the delay cannot
-    be emulated at this scale.time (`scale`: the run's `testbed.scale.Scale`), and the largest
-    scale.time at which it can: the real-world delay over the fixed cost."""
-    if not cal or not cal["short"]:
+    """One line when a configured delay of `links` (now: a rescale or a correction moves
+    either side) is below the fixed cost (else None): the delay cannot be emulated at this
+    scale.time (`scale`: the run's `testbed.scale.Scale`), and the largest scale.time at which
+    it can: the real-world delay over the fixed cost."""
+    if not cal:
         return None
-    fits = {d: 1e3 * scale.real_s(links[d].delay_s) / cal["fixed_cost_ms"][d]
-            for d in cal["short"]}
+    short = [d for d, c in cal["fixed_cost_ms"].items() if c > 1e3 * links[d].delay_s]
+    if not short:
+        return None
+    fits = {d: 1e3 * scale.real_s(links[d].delay_s) / cal["fixed_cost_ms"][d] for d in short}
     d = min(fits, key=fits.get)
     return (f"the {d} direction's emulated one-way delay {links[d].delay_s * 1e3:.3f} ms is "
             f"below the delay line's fixed cost here ({cal['fixed_cost_ms'][d]:.3f} ms a hop): "
