@@ -7,8 +7,10 @@ excess p90) against the TTFT p90 the planner expects of the whole run, times a f
 offered above capacity, whose backlog keeps every instance busy for far longer than the pilot's
 requests do. This benchmark measures that factor instead of assuming it: for one variant of the
 paper's case study (offered at 4/s, above every policy's capacity, as
-benchmarks/emulation_speed.py runs it) and each scale.time asked for, it runs a pilot-sized run
-and the whole run side by side (alternated, no link probe) and prints per scale
+benchmarks/emulation_speed.py runs it), or any one-run experiment given with `--experiment`
+(as its file says: many_instances is below capacity, its factor 1), and each scale.time asked
+for, it runs a pilot-sized run and the whole run side by side (alternated, no link probe) and
+prints per scale
 
 | scale.time | pilot steady excess p90 | run excess p90 | run TTFT p90 | the planner's p90 |
 pilot share x1 | run share | implied factor |
@@ -60,11 +62,12 @@ def variant_set(label):
     return f"variants={json.dumps(found)}"
 
 
-def pair(scale, sets, out, pilot_n, run_n=None):
-    """The pilot-sized run and the whole run at `scale` under `out`: the table's row values."""
-    common = [f"scale.time={scale:g}", CAPACITY_RATE, *sets]
-    cost.timed_run(EXPERIMENT, out / "pilot", [*common, f"requests={pilot_n}"], REPO, False)
-    cost.timed_run(EXPERIMENT, out / "run",
+def pair(experiment, scale, sets, out, pilot_n, run_n=None):
+    """The pilot-sized run and the whole run of `experiment` at `scale` under `out`: the
+    table's row values."""
+    common = [f"scale.time={scale:g}", *sets]
+    cost.timed_run(experiment, out / "pilot", [*common, f"requests={pilot_n}"], REPO, False)
+    cost.timed_run(experiment, out / "run",
                    [*common, *([f"requests={run_n}"] if run_n else [])], REPO, False)
     pdir, rdir = (rundir.find_runs(out / d)[0] for d in ("pilot", "run"))
     steady = autojudge.steady_excess_p90_ms(rundir.requests(pdir))
@@ -96,6 +99,9 @@ def row(r):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--experiment", type=pathlib.Path, default=EXPERIMENT,
+                    help="a one-run experiment file (default: the case study, one --variant "
+                         "of it, offered at 4/s)")
     ap.add_argument("--variant", default="prfaas", help="the case study's policy (prfaas)")
     ap.add_argument("--scale", type=float, action="append",
                     help="scale.time of a pair (repeatable; default 14 and 28)")
@@ -107,14 +113,17 @@ def main():
     args = ap.parse_args()
     scales = SMOKE["scales"] if args.smoke else args.scale or [14.0, 28.0]
     pilot_n, run_n = (SMOKE["pilot"], SMOKE["run"]) if args.smoke else (PILOT_REQUESTS, None)
-    sets = [variant_set(args.variant), *args.set]
+    case = args.experiment.resolve() == EXPERIMENT
+    sets = [variant_set(args.variant), CAPACITY_RATE, *args.set] if case else args.set
+    name = args.variant if case else args.experiment.stem
     with tempfile.TemporaryDirectory(prefix="pilot_pairs-") as tmp:
         base, rows = pathlib.Path(args.out or tmp), []
         for i in range(args.repeat):
             for s in scales:
-                rows.append(pair(s, sets, base / f"s{s:g}-{i + 1}", pilot_n, run_n))
+                rows.append(pair(args.experiment, s, sets, base / f"s{s:g}-{i + 1}", pilot_n,
+                                 run_n))
                 print(row(rows[-1]), file=sys.stderr, flush=True)       # progress
-        print(f"{args.variant}, pilot {pilot_n} requests, offered at 4/s:")
+        print(f"{name}, pilot {pilot_n} requests{', offered at 4/s' if case else ''}:")
         print(HEADER)
         print("\n".join(row(r) for r in rows))
         implied = sorted(r["implied"] for r in rows if r["implied"] is not None)
