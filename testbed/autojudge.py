@@ -23,7 +23,11 @@ steps and need no root.
   requests never reach: prfaas at 40x (2026-12-02 22:47) had a steady excess p90 of 473 ms
   in the pilot and 1878 ms in the run (6.5% of its p90: a warning), at 28x 187 and 618 ms;
   homogeneous and naive 1.2-1.3x, many_instances (below capacity) 0.6-1.0x. So above the
-  planner's Lambda_max the steady excess counts `ABOVE_CAPACITY_FACTOR` (4) times.
+  planner's Lambda_max the steady excess counts `ABOVE_CAPACITY_FACTOR` (4) times. Measured
+  side by side on 2026-12-06 (benchmarks/pilot_pairs.py, docs/performance.md): prfaas's run
+  over its pilot 0.5-2.2x up to 28x and 4.4-10x at 36x, where the whole run falls off a cliff
+  the pilot's requests do not reach; many_instances 1.06-1.27x, which the pilot's aim at 80%
+  of the bound covers (`autoscale.pull_back`).
 - **Every other guard as the run has it** (first-token lag, decode wake-ups, step and prefill
   ratios, KV transfers, TCP timeouts, start-up): a step with any of their warnings is not
   faithful.
