@@ -23,24 +23,24 @@ module never imports it: layers point down), and `AutoRun` drives one expanded r
 
 The search (`next_scale`, pure): start at `AUTO_START` (10); from a faithful step jump up by
 the headroom its guards measured (`autojudge.jump`: 1.4-4x; 2x when a step measured none),
-halve while not faithful, and once there is a faithful scale a below an unfaithful one b >
-1.5 a, try their geometric mean once; the largest faithful scale tried is the choice, or,
-where the budget stopped the search before that mean and b failed on the TTFT excess alone,
-the scale between a and the mean at which the excess, through the two steps as ~ scale ** k,
-is predicted at 80% of its bound (`interpolate`; recorded as `interpolated`); where it
-stopped with no unfaithful step above the largest faithful one, the scale above it where the
-excess through the two largest faithful steps (growing at least as the scale) is predicted
-at 80% of its bound, at most the jump the search would have tried next (`extrapolate`;
-`extrapolated`): the piloted run's own scale, while the other runs derive theirs from the
-largest faithful step measured. Where the largest faithful step kept less headroom than that
-80% (its steady excess above 4% of the p90, or its lag above 40 ms), the choice is pulled
-back below it to where they are predicted at 80% (`pull_back`; `pulled_back`): a step is one
-short sample, and a run at a step measured at 4.6% warned at 5.2%. The pilot stops before a step that would take it past
+halve while not faithful, and once there is a faithful scale a below an unfaithful one b > 1.5
+a, try their geometric mean once; the largest faithful scale tried is the choice, or, where the
+budget stopped the search before that mean and b failed on the TTFT excess alone, the scale
+between a and the mean at which the excess, through the two steps as ~ scale ** k, is predicted
+at 80% of its bound (`interpolate`; recorded as `interpolated`); where it stopped with no
+unfaithful step above the largest faithful one, the scale above it where the excess through the
+two largest faithful steps (growing at least as the scale) is predicted at 80% of its bound, at
+most the jump the search would have tried next (`extrapolate`; `extrapolated`): the piloted
+run's own scale, while the other runs derive theirs from the largest faithful step measured.
+Where the largest faithful step kept less headroom than that 80% (its steady excess above 4% of
+the p90, or its lag above 40 ms), the choice is pulled back below it to where they are
+predicted at 80% (`pull_back`; `pulled_back`): a step is one short sample, and a run at a step
+measured at 4.6% warned at 5.2%. The pilot stops before a step that would take it past
 `autojudge.PILOT_SHARE` of the experiment's runs' expected wall time, after at least
-`autojudge.MIN_STEPS` (a measurement and the jump it predicts), so a scale twice the choice
-was tried and warned only where the budget allowed the search to bracket; the record says
-what the scale above did (`faithful_hint`). Stepping rather than a CPU-cost model, because the
-guards are what defines faithful; the jump uses what one step measured.
+`autojudge.MIN_STEPS` (a measurement and the jump it predicts), so a scale twice the choice was
+tried and warned only where the budget allowed the search to bracket; the record says what the
+scale above did (`faithful_hint`). Stepping rather than a CPU-cost model, because the guards
+are what defines faithful; the jump uses what one step measured.
 """
 
 import dataclasses
@@ -209,7 +209,7 @@ def extrapolate(steps, top=MAX_SCALE):
     if len(ok) < 2 or any(not s.faithful and s.scale > ok[-1].scale for s in steps):
         return None
     a, b = ok[-2], ok[-1]
-    k = max(1.0, math.log(b.steady_share / a.steady_share) / math.log(b.scale / a.scale))
+    k = _growth(a, b)
     aim = b.scale * (INTERPOLATE_AIM * b.margin) ** (1 / k)
     scale = autoshare.round_down(min(aim, b.scale * autojudge.jump(b.margin), top))
     return (scale, round(k, 3)) if scale > b.scale else None
@@ -222,21 +222,27 @@ def pull_back(steps):
     the excess ~ scale ** k through the faithful step a below b (k at least 1, and 1 without
     a: the larger cut), not below a where a is within the aim, nor below `MIN_SCALE`; None
     when b is within the aim. It comes before `interpolate` and `extrapolate`, which look up
-    from b by its TTFT excess alone. A step is one short
-    sample: on 2026-12-06 many_instances' step at 14 measured 4.6% of the p90 and its run at
-    14 5.2% (a warning), and its run at 15 5.05%, extrapolated from steps at 3.5%."""
+    from b by its TTFT excess alone. A step is one short sample: on 2026-12-06
+    many_instances' step at 14 measured 4.6% of the p90 and its run at 14 5.2% (a warning),
+    and its run at 15 5.05%, extrapolated from steps at 3.5%."""
     ok = sorted((s for s in steps if s.faithful), key=lambda s: s.scale)
     if not ok or ok[-1].margin is None or ok[-1].margin * INTERPOLATE_AIM >= 1:
         return None
     b, a = ok[-1], (ok[-2] if len(ok) > 1 else None)
-    k = 1.0
-    if a is not None and a.steady_share and b.steady_share:
-        k = max(1.0, math.log(b.steady_share / a.steady_share) / math.log(b.scale / a.scale))
+    k = _growth(a, b) if a is not None else 1.0
     scale = autoshare.round_down(b.scale * (INTERPOLATE_AIM * b.margin) ** (1 / k))
     if a is not None and a.margin is not None and a.margin * INTERPOLATE_AIM >= 1:
         scale = max(scale, a.scale)         # a step within the aim: never below it
     scale = max(scale, MIN_SCALE)
     return (scale, round(k, 3)) if scale < b.scale else None
+
+
+def _growth(a, b):
+    """k of the judged share ~ scale ** k through faithful steps a < b, at least 1 (the
+    excess grows no slower than the scale); 1 where either measured no share."""
+    if not a.steady_share or not b.steady_share:
+        return 1.0
+    return max(1.0, math.log(b.steady_share / a.steady_share) / math.log(b.scale / a.scale))
 
 
 def faithful_hint(steps, chosen, top=MAX_SCALE):
@@ -414,29 +420,23 @@ class Pilot:
     def _conclude(self, pilot_s):
         """The choice from the steps, recorded in `shared` (the link check comes after);
         `pilot_s`: the steps' wall time."""
-        chosen = choose(self.steps)
+        best = choose(self.steps)
         back = pull_back(self.steps)
         between = interpolate(self.steps) if back is None else None
         beyond = (extrapolate(self.steps, self.ceiling) if back is None and between is None
                   else None)
-        if back is not None:
-            chosen = back[0]
-            self.record["pulled_back"] = {"scale": back[0], "exponent": back[1],
-                                          "aim_share": INTERPOLATE_AIM * autojudge.WARN_SHARE,
-                                          "from": choose(self.steps)}
-        if between is not None:
-            chosen = between[0]
-            self.record["interpolated"] = {"scale": between[0], "exponent": between[1],
-                                           "aim_share": INTERPOLATE_AIM * autojudge.WARN_SHARE}
-        elif beyond is not None:
-            chosen = beyond[0]
-            self.record["extrapolated"] = {"scale": beyond[0], "exponent": beyond[1],
-                                           "aim_share": INTERPOLATE_AIM * autojudge.WARN_SHARE,
-                                           "from": choose(self.steps)}
+        chosen = best
+        for key, moved in (("pulled_back", back), ("interpolated", between),
+                           ("extrapolated", beyond)):       # at most one of them
+            if moved is not None:
+                chosen = moved[0]
+                self.record[key] = {"scale": moved[0], "exponent": moved[1],
+                                    "aim_share": INTERPOLATE_AIM * autojudge.WARN_SHARE,
+                                    **({} if key == "interpolated" else {"from": best})}
         fallback = min((s.scale for s in self.steps), default=AUTO_START)
         self.shared.record(self.exp.run_label, chosen, fallback,
                            [s.as_dict() for s in self.steps], pilot_s,
-                           base=choose(self.steps) if beyond is not None else None)
+                           base=best if beyond is not None else None)
         self.shared.pilot["line"] = choice_line(self.exp.run_label, self.steps, chosen, pilot_s,
                                                 between is not None, beyond is not None,
                                                 back is not None)
