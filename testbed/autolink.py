@@ -155,19 +155,21 @@ def _probe_record(result, rate_bps, scale, at, t1):
 def _act(backend, pilot, probe, corrected):
     """What the check does after `probe` (its record), into `pilot` (the shared outcome):
     take its cap ('capped'); or, its round trip off, correct the link's calibration by the
-    error the first time, unless the probe ran in a slow spell (`backend.correct_round_trip`:
-    'corrected'; the next probe measures what is left), and else floor the round trip
-    ('floored'; 'kept' where the floor in force was already that high: a probe at it was off
-    again, and another would only repeat it); None: nothing to do, the probe was within
-    tolerance."""
+    error the first time (`backend.correct_round_trip`: 'corrected'; the next probe measures
+    what is left), and else floor the round trip ('floored'; 'kept' where the floor in force
+    was already that high: a probe at it was off again, and another would only repeat it);
+    None: nothing to do, the probe was within tolerance. A probe in a slow spell corrects
+    too, and the probe after it judges: a spell that ends leaves the path early by what was
+    corrected, which that probe measures and floors; one that lasts (2026-12-07 02:05:
+    many_instances 197 us late at 8.6x, 184 us at 2.2x) was the path's cost for the run, and
+    a floor on it ran many_instances 4x slower than it needed."""
     if probe["cap_bps"] is not None:
         old = pilot.get("link_cap_bps")
         pilot["link_cap_bps"] = probe["cap_bps"] if old is None else min(old, probe["cap_bps"])
         return "capped"
     if probe["rtt_floor_ms"] is None:
         return None
-    quiet = (probe.get("slowness") or 0.0) <= 1.0      # a spell's lateness is not a fixed cost
-    if not corrected and quiet and backend.correct_round_trip(probe["rtt_off_ms"]) is not None:
+    if not corrected and backend.correct_round_trip(probe["rtt_off_ms"]) is not None:
         probe["corrected_ms"], probe["rtt_floor_ms"] = probe["rtt_off_ms"], None
         return "corrected"
     old = pilot.get("rtt_floor_ms") or 0.0

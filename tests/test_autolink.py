@@ -201,14 +201,24 @@ def test_without_a_calibration_to_correct_the_round_trip_is_floored_at_once():
     assert rec["verified"] and len(path.probed) == 2 and "-10% off" in autolink.line(rec)
 
 
-def test_a_probe_in_a_slow_spell_floors_the_round_trip_without_touching_the_calibration():
-    """A spell's lateness is the machine's now, not the path's fixed cost: correcting the
-    calibration by it would leave the delay line short for the rest of the run."""
+def test_a_probe_in_a_slow_spell_corrects_and_the_probe_after_it_judges():
+    """A spell that lasts through the check is the path's cost for the run: corrected, the
+    probe after it is within its bound and the run keeps its scale (2026-12-07 02:05: a floor
+    on it ran many_instances at 2.2x instead of 8.6x). A spell that ends leaves the path early
+    by what was corrected: that probe measures it and the round trip is floored."""
     sh, path = _many(), Path(miscalibrated_ms=0.068, slowness=1.6)
     rec = autolink.check(path, sh, [50], None)
-    assert path.corrected == [] and rec["rtt_floor_ms"] == pytest.approx(
-        0.068 / (0.05 * autolink.RTT_MARGIN))
-    assert sh.scale_for(sh.target, 50) == 6.6 and rec["verified"]
+    assert path.corrected == [pytest.approx(0.068)] and rec["verified"]
+    assert rec["rtt_floor_ms"] is None and sh.scale_for(sh.target, 50) == 10.0
+    sh, path = _many(), Path(slowness=1.6)
+    spell = path.probe
+    path.probe = lambda cc: (setattr(path, "late_ms", 0.068 if not path.probed else 0.0),
+                             spell(cc))[1]
+    rec = autolink.check(path, sh, [50], None)
+    assert path.corrected == [pytest.approx(0.068)] and rec["verified"]
+    assert rec["probes"][1]["rtt_off_ms"] == pytest.approx(-0.068)
+    assert rec["rtt_floor_ms"] == pytest.approx(0.068 / (0.05 * autolink.RTT_MARGIN))
+    assert sh.scale_for(sh.target, 50) == 6.6
 
 
 def test_a_round_trip_within_its_bound_floors_nothing():
