@@ -26,11 +26,13 @@ early, first corrects the link's calibration by that error (`backend.correct_rou
 `testbed.net.calibrate.correct`): the calibration's two passes at the network's start are a few
 hundred echoes in one moment, and on 2026-12-06 they left many_instances' round trip (5 ms each
 way) 68 us late at 8.4x (+6%, a warning at the choice), 101 us early at 6.8x (-7%, a warning)
-and 139 us early at 14x (-19%). Where the probe after the correction is off again, the error is
-the machine's now (the delay line's lateness, wall-clock time, about the same at any scale) and
-every run's wall-clock round trip is floored where that error is `RTT_MARGIN` of the bound
-(`rtt_floor_ms`, `autoshare.rtt_floored`): a faster run has less round trip to hide it in. The
-case study's WAN has no delay: nothing to correct or floor.
+and 139 us early at 14x (-19%). A probe after the correction off the other way moves it
+halfway back (`correction`: each probe reads the offset plus its own noise). Where a probe
+after a correction is off the same way again, the error is the machine's now (the delay
+line's lateness, wall-clock time, about the same at any scale) and every run's wall-clock
+round trip is floored where that error is `RTT_MARGIN` of the bound (`rtt_floor_ms`,
+`autoshare.rtt_floored`): a faster run has less round trip to hide it in. The case study's
+WAN has no delay: nothing to correct or floor.
 
 Place in the architecture: between `testbed.autoscale` (its Pilot calls `check` on the
 network it built) and `testbed.autoshare` (which applies the cap and the floor to every run's
@@ -48,7 +50,7 @@ from testbed.net.tcp import congestion_control
 
 CARRY_MARGIN = 0.95     # a cap: this share of the rate the probe's link carried
 CHECKS = 4              # probes: at the fastest run's link, then after a cap, a correction
-                        # of the calibration and a floor of the round trip
+                        # of the calibration (or two) and a floor of the round trip
 RTT_MARGIN = 0.9        # a floor: the lateness at this share of the probe's RTT bound
 
 
@@ -127,7 +129,8 @@ def check(backend, shared, ceilings, events, link_probes=None, label=""):
             link_probes.adopt(wan_meta(target.backend.kind, backend.describe(), cc),
                               f"{label} (the pilot's link check)", at, result)
         probes.append(_probe_record(result, dep.links["kv"].rate_bps, scale, at, t1))
-        acted.append(_act(backend, shared.pilot, probes[-1], "corrected" in acted))
+        done = [p["corrected_ms"] for p in probes if p.get("corrected_ms") is not None]
+        acted.append(_act(backend, shared.pilot, probes[-1], done))
         if acted[-1] in (None, "kept"):
             break
         rate_bps = fastest(shared, ceilings)        # the fastest run now
@@ -152,31 +155,47 @@ def _probe_record(result, rate_bps, scale, at, t1):
             "measured_at": at, "wall_s": round(time.monotonic() - t1, 3)}
 
 
-def _act(backend, pilot, probe, corrected):
+def _act(backend, pilot, probe, corrections):
     """What the check does after `probe` (its record), into `pilot` (the shared outcome):
-    take its cap ('capped'); or, its round trip off, correct the link's calibration by the
-    error the first time (`backend.correct_round_trip`: 'corrected'; the next probe measures
-    what is left), and else floor the round trip ('floored'; 'kept' where the floor in force
-    was already that high: a probe at it was off again, and another would only repeat it);
-    None: nothing to do, the probe was within tolerance. A probe in a slow spell corrects
-    too, and the probe after it judges: a spell that ends leaves the path early by what was
-    corrected, which that probe measures and floors; one that lasts (2026-12-07 02:05:
-    many_instances 197 us late at 8.6x, 184 us at 2.2x) was the path's cost for the run, and
-    a floor on it ran many_instances 4x slower than it needed."""
+    take its cap ('capped'); or, its round trip off, correct the link's calibration
+    (`correction`, `backend.correct_round_trip`: 'corrected'; the next probe measures what is
+    left), and else floor the round trip ('floored'; 'kept' where the floor in force was
+    already that high: a probe at it was off again, and another would only repeat it); None:
+    nothing to do, the probe was within tolerance. `corrections`: the check's corrections so
+    far (ms). A probe in a slow spell corrects too, and the probe after it judges: a spell
+    that ends leaves the path early by what was corrected, which that probe measures; one
+    that lasts (2026-12-07 02:05: many_instances 197 us late at 8.6x, 184 us at 2.2x) was the
+    path's cost for the run, and a floor on it ran many_instances 4x slower than it needed."""
     if probe["cap_bps"] is not None:
         old = pilot.get("link_cap_bps")
         pilot["link_cap_bps"] = probe["cap_bps"] if old is None else min(old, probe["cap_bps"])
         return "capped"
     if probe["rtt_floor_ms"] is None:
         return None
-    if not corrected and backend.correct_round_trip(probe["rtt_off_ms"]) is not None:
-        probe["corrected_ms"], probe["rtt_floor_ms"] = probe["rtt_off_ms"], None
+    by = correction(probe["rtt_off_ms"], corrections)
+    if by is not None and backend.correct_round_trip(by) is not None:
+        probe["corrected_ms"], probe["rtt_floor_ms"] = by, None
         return "corrected"
     old = pilot.get("rtt_floor_ms") or 0.0
     if probe["rtt_floor_ms"] <= old:
         return "kept"
     pilot["rtt_floor_ms"] = probe["rtt_floor_ms"]
     return "floored"
+
+
+def correction(off_ms, corrections):
+    """How much to correct the calibration by after a probe `off_ms` off, the check having
+    corrected it by `corrections` so far; None: no more. The first correction is the whole
+    error. A probe after it off the other way says the first overshot: each probe read the
+    path's offset plus its own noise (2026-12-07 03:06: many_instances' first probe at 13x
+    0.30 ms early, the one after the correction 0.15 ms late), so the second moves the
+    calibration halfway back, to the mean of the two readings. Off the same way again, the
+    error is the delay line's own lateness now, which no calibration removes: floored."""
+    if not corrections:
+        return off_ms
+    if len(corrections) == 1 and off_ms * corrections[0] < 0:
+        return off_ms / 2
+    return None
 
 
 def line(record):

@@ -215,10 +215,26 @@ def test_a_probe_in_a_slow_spell_corrects_and_the_probe_after_it_judges():
     path.probe = lambda cc: (setattr(path, "late_ms", 0.068 if not path.probed else 0.0),
                              spell(cc))[1]
     rec = autolink.check(path, sh, [50], None)
-    assert path.corrected == [pytest.approx(0.068)] and rec["verified"]
     assert rec["probes"][1]["rtt_off_ms"] == pytest.approx(-0.068)
-    assert rec["rtt_floor_ms"] == pytest.approx(0.068 / (0.05 * autolink.RTT_MARGIN))
-    assert sh.scale_for(sh.target, 50) == 6.6
+    assert path.corrected == [pytest.approx(0.068), pytest.approx(-0.034)] and rec["verified"]
+    assert rec["rtt_floor_ms"] is None and sh.scale_for(sh.target, 50) == 10.0
+
+
+def test_a_correction_that_overshot_moves_halfway_back_and_then_floors():
+    """2026-12-07 03:06: many_instances' probe at 13x read 0.30 ms early, the one after the
+    correction 0.15 ms late: the path's offset is between, each reading carries noise. The
+    second correction is half the second error; still off the same way after it, floored."""
+    sh, path = _many(), Path(miscalibrated_ms=-0.30)
+    noise = iter([0.0, 0.15, 0.0, 0.0])
+    spell = path.probe
+    path.probe = lambda cc: (setattr(path, "late_ms", next(noise)), spell(cc))[1]
+    rec = autolink.check(path, sh, [50], None)
+    assert path.corrected == [pytest.approx(-0.30), pytest.approx(0.075)]
+    assert rec["probes"][2]["rtt_off_ms"] == pytest.approx(-0.075)
+    assert rec["rtt_floor_ms"] == pytest.approx(0.075 / (0.05 * autolink.RTT_MARGIN))
+    assert len(path.probed) == 4 and rec["verified"]
+    line = autolink.line(rec)
+    assert "corrected by -0.30 ms" in line and line.count("calibration corrected by") == 2
 
 
 def test_a_round_trip_within_its_bound_floors_nothing():
