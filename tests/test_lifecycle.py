@@ -98,6 +98,38 @@ def test_worker_watch_exits_when_the_orchestrator_is_gone():
         worker.kill()
 
 
+def _switches(pid):
+    """Voluntary context switches of every thread of `pid` so far."""
+    total = 0
+    for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
+        for line in (task / "status").read_text().splitlines():
+            if line.startswith("voluntary_ctxt_switches"):
+                total += int(line.split()[1])
+    return total
+
+
+def test_worker_watch_does_not_wake_while_the_orchestrator_lives():
+    """The watch waits on a pidfd: a worker that sleeps wakes no thread in a second (the
+    polling watch woke five times a second in every worker)."""
+    orchestrator = subprocess.Popen(["sleep", "60"])
+    token = lifecycle.identity(orchestrator.pid)
+    code = "from workers import common; import time; common.die_with_orchestrator(); time.sleep(60)"
+    worker = subprocess.Popen([sys.executable, "-c", code],
+                              env=dict(ENV, **{lifecycle.ORCHESTRATOR_ENV: token}))
+    try:
+        time.sleep(1.5)
+        before = _switches(worker.pid)
+        time.sleep(1.0)
+        assert _switches(worker.pid) - before <= 1 and worker.poll() is None
+        orchestrator.kill()
+        orchestrator.wait()
+        worker.wait(timeout=1.0)
+        assert worker.returncode == -signal.SIGKILL
+    finally:
+        orchestrator.kill()
+        worker.kill()
+
+
 def test_identity_checks_start_time_not_just_pid():
     me = lifecycle.identity()
     assert lifecycle.identity_alive(me)
