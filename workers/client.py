@@ -7,7 +7,8 @@ once, so a crash keeps everything measured so far. Times are the client's own cl
 first token's arrival here minus the send time (vLLM `bench serve` definition); the decode
 worker's per-token stamps come along for ITL (written compactly: testbed/tokentimes.py). The
 tokens come straight from the decode workers, one stream per worker (workers/tokens.py); the
-scheduler's `Submit` stream brings the route and the last chunk.
+scheduler's `Submit` stream, on one framed connection (workers/submit.py), brings the route and
+the last chunk.
 """
 
 import argparse
@@ -22,7 +23,7 @@ from testbed import eventloop
 from testbed.records import RecordLog, RequestRecord, SentRecord
 from testbed.proto import testbed_pb2 as pb
 from testbed.proto import testbed_pb2_grpc as pbg
-from workers import common, tokens
+from workers import common, submit, tokens
 
 
 def _prefill_fields(p):
@@ -156,7 +157,9 @@ async def run(args):
     streams = await tokens.TokenStreams(
         args.name, [i for i in rt.instances.values() if i.may_decode],
         common.setup_logging(args.name)).start()
-    stub = tokens.DirectStub(pbg.SchedulerStub(channel), streams)
+    framed = await submit.SubmitStub.open(pbg.SchedulerStub(channel), sched.ip,
+                                          sched.submit_port, common.WARM_TIMEOUT_S)
+    stub = tokens.DirectStub(framed, streams)
     start_at = args.start_at
     if args.start_file:
         # Ready (workload loaded, scheduler connected); the runner then picks arrival 0, the
@@ -181,6 +184,7 @@ async def run(args):
     rec.write({"ev": "finished", "time": time.time()})
     rec.close()
     await streams.close()
+    framed.close()
     await channel.close()
 
 

@@ -30,7 +30,7 @@ from testbed import profile as profiles
 from testbed.proto import testbed_pb2 as pb
 from testbed.proto import testbed_pb2_grpc as pbg
 from testbed.records import RecordLog, RunDir
-from workers import common, control
+from workers import common, control, submit
 from workers.adaptive import ThresholdController
 from workers.kvfeed import KvEventFeed, endpoints
 from workers.kvplace import KvPlacer
@@ -133,6 +133,7 @@ async def main():
     args, rt, inst, log = common.startup("PrfaaS testbed scheduler")
     service = SchedulerService(rt, log)
     server = await common.start_grpc(inst, pbg.add_SchedulerServicer_to_server, service)
+    framed = await submit.serve(service, inst.ip, inst.submit_port)   # the built-in client's
     # before the first request; a vLLM worker serves gRPC once its server is healthy
     if service.kv_feed is not None:     # subscribed before the workers' warm-up requests
         await service.kv_feed.start()
@@ -154,6 +155,7 @@ async def main():
     log.info("scheduler up on %s, policy %s", inst.addr, rt.scheduler.policy)
 
     async def cleanup():
+        framed.close()
         for t in tasks:
             t.cancel()
         await service.close()

@@ -55,7 +55,7 @@ MAX_FRAME = 64 << 20
 _END = object()
 
 
-class _Framed(asyncio.Protocol):
+class Framed(asyncio.Protocol):
     """Length-prefixed frames in, `on_frame(bytes)` per frame, from the read callback."""
 
     def __init__(self):
@@ -83,7 +83,7 @@ class _Framed(asyncio.Protocol):
         self.transport.write(LENGTH.pack(len(payload)) + payload)
 
 
-class _Sink(_Framed):
+class _Sink(Framed):
     """A decode worker's end of one client's stream: `send_batch` writes a TokenBatch."""
 
     def __init__(self, streams):
@@ -117,7 +117,7 @@ async def serve(host, port, streams):
     return await loop.create_server(lambda: _Sink(streams), host, port, reuse_address=True)
 
 
-class _Source(_Framed):
+class _Source(Framed):
     """The client's end of one decode worker's stream."""
 
     def __init__(self, streams, name):
