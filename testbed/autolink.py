@@ -41,9 +41,9 @@ scale).
 
 import time
 
-from testbed import deploy
+from testbed import analysis, deploy, fidelity, rundir
 from testbed.autoshare import sends_kv, wall_rate_bps
-from testbed.errors import ConfigError, TestbedError
+from testbed.errors import ConfigError, RunDirError, TestbedError
 from testbed.measure import wan_meta
 from testbed.net.probe import DEVIATION_WARN, deviation_warning, rtt_limit
 from testbed.net.tcp import congestion_control
@@ -103,14 +103,36 @@ def rtt_floor_ms(result):
     return abs(rtt_off_ms(result)) / (share * RTT_MARGIN)
 
 
-def check(backend, shared, ceilings, events, link_probes=None, label=""):
+def shortfall_bears(step_dir):
+    """`check`'s test of a goodput shortfall: would the rate a probe carried (its result) have
+    held back any KV transfer of the pilot step in `step_dir` (the largest faithful one), or
+    did its kv link ever carry more than that (`fidelity.link_shortfall`: the run's own
+    judgement of its probe, in emulated time, so whatever the scale)? The result's
+    `link_shortfall` record, or None where it cannot tell (no step, no such warning)."""
+    def bears(result):
+        if step_dir is None:
+            return None
+        try:
+            run = rundir.load_run(step_dir)
+            ts = fidelity.flag_artifacts(rundir.timeseries(step_dir), run.scale)
+            return fidelity.link_shortfall(rundir.requests(step_dir), run, ts,
+                                           analysis.links(run), {"link_fidelity": result})
+        except (OSError, RunDirError, KeyError, ValueError):
+            return None
+    return bears
+
+
+def check(backend, shared, ceilings, events, link_probes=None, label="", bears=None):
     """Probe the kv link of `backend` (the pilot's network, `shared.target`'s deployment) at the
     fastest run's rate and act on what it measured (`_act`: cap the runs' rate, correct the
     link's calibration, floor their round trip), then probe again; the record for
     metadata.json's `scale_auto.link_check`. Each probe goes to `link_probes` (the
     experiment's `measure.LinkProbes`): a run on the same WAN at the same scale takes it as
     its own, shared, marked "`label` (the pilot's link check)". The backend is left at the
-    last scale probed (the measured run carries it over to its own)."""
+    last scale probed (the measured run carries it over to its own). `bears`
+    (`shortfall_bears`): a goodput shortfall that would not have held back any of the pilot's
+    KV transfers caps nothing (the run's own probe is judged the same way: a note, not a
+    warning); without it every shortfall caps."""
     target, probes, t0 = shared.target, [], time.monotonic()
     cc = congestion_control(target.network.congestion_control)
     rate_bps, acted = fastest(shared, ceilings), []
@@ -128,7 +150,7 @@ def check(backend, shared, ceilings, events, link_probes=None, label=""):
         if link_probes is not None:
             link_probes.adopt(wan_meta(target.backend.kind, backend.describe(), cc),
                               f"{label} (the pilot's link check)", at, result)
-        probes.append(_probe_record(result, dep.links["kv"].rate_bps, scale, at, t1))
+        probes.append(_probe_record(result, dep.links["kv"].rate_bps, scale, at, t1, bears))
         done = [p["corrected_ms"] for p in probes if p.get("corrected_ms") is not None]
         acted.append(_act(backend, shared.pilot, probes[-1], done))
         if acted[-1] in (None, "kept"):
@@ -141,17 +163,23 @@ def check(backend, shared, ceilings, events, link_probes=None, label=""):
             "wall_s": round(time.monotonic() - t0, 3)}
 
 
-def _probe_record(result, rate_bps, scale, at, t1):
+def _probe_record(result, rate_bps, scale, at, t1, bears=None):
     """One probe of the check as its record holds it, with the cap and floor it implies (a
     probe short of goodput implies no floor: the machine did not keep up at that rate, its
-    round trip with it, so the rate comes down first and the next probe measures it again)."""
-    cap = shortfall_cap(result, rate_bps)
-    return {"scale": round(scale, 4), "rate_bps": rate_bps,
+    round trip with it, so the rate comes down first and the next probe measures it again;
+    a shortfall that `bears` says would not have held back the pilot's KV transfers implies
+    no cap: `spared`)."""
+    cap, spared = shortfall_cap(result, rate_bps), None
+    if cap is not None and bears is not None:
+        short = bears(result)
+        if short is not None and not short["bears"]:
+            cap, spared = None, short
+    return {"scale": round(scale, 4), "rate_bps": rate_bps, "spared": spared,
             "goodput_bps": result["measured"].get("goodput_bps"),
             "deviation": result.get("deviation"), "warnings": result["warnings"],
             "slowness": result.get("slowness"), "cap_bps": cap,
             "rtt_off_ms": rtt_off_ms(result),
-            "rtt_floor_ms": None if cap is not None else rtt_floor_ms(result),
+            "rtt_floor_ms": None if cap or spared else rtt_floor_ms(result),
             "measured_at": at, "wall_s": round(time.monotonic() - t1, 3)}
 
 
@@ -201,7 +229,7 @@ def correction(off_ms, corrections):
 def line(record):
     """What the check adds to the choice's line: '' when it lowered and corrected nothing."""
     cap, floor = record.get("cap_bps"), record.get("rtt_floor_ms")
-    out = _corrections(record)
+    out = _corrections(record) + _spared(record)
     if cap is not None:
         first = next(p for p in record["probes"] if p.get("cap_bps") is not None)
         out.append(f"kv links capped at {cap / 1e9:.3g} Gbit/s wall clock: the link at "
@@ -222,3 +250,11 @@ def _corrections(record):
     return [f"the link's calibration corrected by {p['corrected_ms']:+.2f} ms (the link at "
             f"{p['scale']:g}x measured {100 * p['deviation']['rtt_p50']:+.0f}% off)"
             for p in record.get("probes", ()) if p.get("corrected_ms") is not None]
+
+
+def _spared(record):
+    """The check's goodput shortfalls that capped nothing, a phrase each."""
+    return [f"the kv link at {p['scale']:g}x carried {100 * p['spared']['carried']:.0f}% of "
+            f"its payload rate, which would have held back none of the pilot's "
+            f"{p['spared']['transfers']} KV transfers: not capped"
+            for p in record.get("probes", ()) if p.get("spared")]

@@ -404,9 +404,11 @@ class Pilot:
             if self.link_probes is None or not self.link_probes.enabled:
                 self.record["link_check"] = {"skipped": "--no-probe"}
             elif self.backend is not None:
+                best = choose(self.steps)
                 self.record["link_check"] = autolink.check(
                     self.backend, self.shared, [ceiling(exp) for exp in self.shared.runs],
-                    events, self.link_probes, self.exp.run_label)
+                    events, self.link_probes, self.exp.run_label, autolink.shortfall_bears(
+                        None if best is None else self.dir / f"time{best:g}"))
                 self.shared.pilot["line"] += autolink.line(self.record["link_check"])
         finally:
             events.close()

@@ -138,6 +138,38 @@ def test_a_path_short_at_every_rate_says_the_cap_is_not_verified():
     assert "not verified" in autolink.line(rec)
 
 
+def test_a_shortfall_that_would_not_have_held_back_the_pilots_transfers_caps_nothing():
+    """2026-12-07 04:02: the check's probe at 14x carried 87% of its rate and capped prfaas and
+    naive at 11; twice that (22), on networks of their own, their probes carried 99%. The run
+    judges its own probe's shortfall by whether it bore on its KV transfers
+    (`fidelity.link_shortfall`): so does the check, on the pilot's largest faithful step."""
+    asked = []
+
+    def bears(verdict):
+        def judge(result):
+            asked.append(result["deviation"]["goodput"])
+            return {"warning": result["warnings"][0], "carried": 1 + result["deviation"]["goodput"],
+                    "transfers": 52, "link_bound": 0, "samples_above": 0, "bears": verdict}
+        return judge
+    sh, path = _case(), Path(share=0.87)
+    rec = autolink.check(path, sh, [50, 50, 50], None, bears=bears(False))
+    assert len(path.probed) == 1 and rec["cap_bps"] is None and rec["verified"]
+    assert asked == [pytest.approx(-0.13)] and rec["probes"][0]["spared"]["transfers"] == 52
+    assert "carried 87% of its payload rate, which would have held back none of the pilot's 52" \
+        in autolink.line(rec)
+    sh, path = _case(), Path(share=0.87)
+    rec = autolink.check(path, sh, [50, 50, 50], None, bears=bears(True))
+    assert rec["cap_bps"] is not None and rec["probes"][0]["spared"] is None
+    sh, path = _case(), Path(share=0.87)
+    rec = autolink.check(path, sh, [50, 50, 50], None, bears=lambda result: None)
+    assert rec["cap_bps"] is not None            # cannot tell: the careful side
+
+
+def test_without_a_faithful_step_the_shortfall_test_cannot_tell(tmp_path):
+    assert autolink.shortfall_bears(None)({"warnings": []}) is None
+    assert autolink.shortfall_bears(tmp_path / "time10")({"warnings": []}) is None
+
+
 def test_each_probe_is_the_probe_of_the_runs_on_its_link():
     """The fastest run, uncapped, and every capped run on the link probed at the cap take the
     check's probe as theirs (measure.LinkProbes, shared) instead of measuring again."""
