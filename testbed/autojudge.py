@@ -27,7 +27,10 @@ steps and need no root.
   side by side on 2026-12-06 (benchmarks/pilot_pairs.py, docs/performance.md): prfaas's run
   over its pilot 0.5-2.2x up to 28x and 4.4-10x at 36x, where the whole run falls off a cliff
   the pilot's requests do not reach; many_instances 1.06-1.27x, which the pilot's aim at 80%
-  of the bound covers (`autoscale.pull_back`).
+  of the bound covers (`autoscale.pull_back`). On 2026-12-07 many_instances' pairs were 0.90-1.41
+  (and 1.74 once), while its run alone varied 1.3-1.9x between occasions at one scale (at 14:
+  3.05%, 3.48% and 6.6% of its p90): below capacity the pilot's p90 of 20 requests is as noisy
+  as the run, not biased, so no factor for it.
 - **Every other guard as the run has it** (first-token lag, decode wake-ups, step and prefill
   ratios, KV transfers, TCP timeouts, start-up): a step with any of their warnings is not
   faithful.
