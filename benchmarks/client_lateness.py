@@ -19,6 +19,7 @@ test suite's pass/fail (its `--smoke` run is).
 import argparse
 import asyncio
 import json
+import logging
 import pathlib
 import socket
 import subprocess
@@ -37,7 +38,7 @@ from testbed.proto import testbed_pb2_grpc as pbg  # noqa: E402
 from testbed.schema import build  # noqa: E402
 from testbed.workload import generate  # noqa: E402
 from testbed.workload.spec import WorkloadSpec  # noqa: E402
-from workers import common  # noqa: E402
+from workers import common, submit  # noqa: E402
 
 TRACE = ROOT / "experiments" / "traces" / "mooncake_conversation.jsonl"
 RATE = 300.0
@@ -48,7 +49,11 @@ SMOKE = {"seconds": 1.0, "hold": 0.05}     # --smoke: the same path in seconds
 # ---- the stand-in scheduler (runs in its own process, like the real one) ----
 
 async def _serve(port, hold_s):
+    """gRPC on `port`, and the client's framed Submit (workers/submit.py) on `port` + 1, as the
+    real scheduler serves both."""
     class Scheduler(pbg.SchedulerServicer):
+        log = logging.getLogger("stand-in scheduler")
+
         async def Submit(self, request, context):
             await asyncio.sleep(hold_s)
             yield pb.TokenChunk(id=request.id, first_index=0,
@@ -56,16 +61,26 @@ async def _serve(port, hold_s):
                                 status="ok")
 
     server = grpc.aio.server(options=common.grpc_options())
-    pbg.add_SchedulerServicer_to_server(Scheduler(), server)
+    service = Scheduler()
+    pbg.add_SchedulerServicer_to_server(service, server)
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
+    await submit.serve(service, "127.0.0.1", port + 1)
     await server.wait_for_termination()
 
 
 def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free with the one after it (the stand-in's gRPC and submit ports)."""
+    for _ in range(100):
+        with socket.socket() as s, socket.socket() as t:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+            try:
+                t.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no two free ports in a row on 127.0.0.1")
 
 
 def _wait_port(port, timeout_s=10.0):
@@ -101,7 +116,7 @@ def measure(df, port, hold_s, tmp):
     out.unlink(missing_ok=True)
     rt.write_text(json.dumps({
         "instances": {"scheduler": {"role": "scheduler", "dc": "local", "ip": "127.0.0.1",
-                                    "grpc_port": port}},
+                                    "grpc_port": port, "submit_port": port + 1}},
         "scale": {"time": 1.0}, "request_timeout_s": 60.0, "drain_timeout_s": 10 * hold_s + 30}))
     subprocess.run([sys.executable, "-m", "workers.client", "--runtime", str(rt), "--workload",
                     str(wl), "--out", str(out)], cwd=ROOT, check=True,
@@ -125,6 +140,7 @@ def main():
                                str(args.hold)], cwd=ROOT)
     try:
         _wait_port(port)
+        _wait_port(port + 1)
         print(f"{'workload':<30} {'sent':>6} {'ok':>6} {'rate/s':>7} {'p50 ms':>7} {'p99 ms':>7} "
               f"{'max ms':>7} {'p99 vs 5 ms':>11}")
         with tempfile.TemporaryDirectory() as tmp:

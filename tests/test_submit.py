@@ -27,8 +27,9 @@ class Service:
                 if self.fail is not None and i == 1:
                     raise self.fail
                 await asyncio.sleep(self.gap_s)
-                yield pb.TokenChunk(id=req.id, first_index=i, times=[float(i)],
-                                    done=i == self.n - 1, status="ok" if i == self.n - 1 else "")
+                last = i == self.n - 1          # a last chunk carries no id (a failure's)
+                yield pb.TokenChunk(id=0 if last else req.id, first_index=i, times=[float(i)],
+                                    done=last, status="ok" if last else "")
             self.ended.append(req.id)
         except asyncio.CancelledError:
             self.cancelled.append(req.id)
@@ -60,7 +61,7 @@ def test_each_request_gets_its_chunks_in_order_and_the_call_ends():
         return await asyncio.gather(*(_collect(c) for c in calls))
     got = _run(body, svc)
     assert [[(c.id, c.first_index) for c in chunks] for chunks in got] == [
-        [(r, i) for i in range(4)] for r in (7, 8, 9)]
+        [(r, 0), (r, 1), (r, 2), (0, 3)] for r in (7, 8, 9)]
     assert all(chunks[-1].done for chunks in got) and sorted(svc.ended) == [7, 8, 9]
 
 
@@ -101,6 +102,19 @@ def test_a_failing_submit_ends_the_call_unknown_with_its_reason():
     err = _run(body, svc)
     assert err.code() == grpc.StatusCode.UNKNOWN
     assert err.details() == "LookupError: no decode instance is up"
+
+
+def test_a_handler_cancelled_from_within_ends_the_call_with_its_reason():
+    """gRPC ends a call whose handler raised CancelledError itself (not the client's cancel)
+    CANCELLED; here it ends with the reason rather than leaving the client to its deadline."""
+    svc = Service(n=3, fail=asyncio.CancelledError())
+
+    async def body(stub, _):
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await _collect(stub.Submit(pb.Request(id=6), timeout=5.0))
+        return e.value
+    err = _run(body, svc)
+    assert "cancelled" in err.details()
 
 
 def test_a_lost_connection_fails_the_calls_in_flight_and_the_next_unavailable():

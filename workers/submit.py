@@ -12,8 +12,10 @@ payload's first byte says what it is:
 
 - client -> scheduler: `R` + a serialized `Request` (its chunks follow); `C` + the request id
   (8 bytes, big-endian): the client gave it up (its consumer stopped, or its deadline passed);
-- scheduler -> client: `K` + a serialized `TokenChunk` (of request `chunk.id`); `Z` + id: that
-  request's stream ended; `E` + id + UTF-8 text: the scheduler's `Submit` raised.
+- scheduler -> client: `K` + id + a serialized `TokenChunk` of that request (a chunk need not
+  carry its request's id: a gRPC stream is the request's own, and a failure's last chunk has
+  none); `Z` + id: that request's stream ended; `E` + id + UTF-8 text: the scheduler's `Submit`
+  raised, or was cancelled from within.
 
 The scheduler serves this beside its gRPC `Submit` (the front door and outside tools keep
 gRPC), with the same `SchedulerService.Submit`: routing, recovery and records are one code path.
@@ -62,14 +64,18 @@ class _Server(Framed):
             self.transport.abort()          # not this protocol
 
     async def _serve(self, req):
-        me = asyncio.current_task()
+        me, rid = asyncio.current_task(), ID.pack(req.id)
         try:
             async for chunk in self.service.Submit(req, None):
-                self._send(b"K" + chunk.SerializeToString())
-            self._send(b"Z" + ID.pack(req.id))
+                self._send(b"K" + rid + chunk.SerializeToString())
+            self._send(b"Z" + rid)
+        except asyncio.CancelledError:
+            if me.cancelling():             # the client's cancel, or its connection's end
+                raise
+            self._send(b"E" + rid + b"CancelledError: the request's handler was cancelled")
         except Exception as e:     # gRPC ends such a call UNKNOWN: so does this
             self.service.log.exception("request %d: Submit failed", req.id)
-            self._send(b"E" + ID.pack(req.id) + f"{type(e).__name__}: {e}".encode())
+            self._send(b"E" + rid + f"{type(e).__name__}: {e}".encode())
         finally:
             if self.tasks.get(req.id) is me:
                 del self.tasks[req.id]
@@ -98,16 +104,18 @@ class _Link(Framed):
 
     def on_frame(self, payload):
         kind = payload[:1]
+        if len(payload) < 1 + ID.size:
+            return
+        rid, body = ID.unpack_from(payload, 1)[0], payload[1 + ID.size:]
         if kind == b"K":
-            chunk = pb.TokenChunk.FromString(payload[1:])
-            call = self.calls.get(chunk.id)
+            call = self.calls.get(rid)
             if call is not None:
-                call.queue.put_nowait(chunk)
-        elif kind in (b"Z", b"E") and len(payload) > ID.size:
-            call = self.calls.pop(ID.unpack_from(payload, 1)[0], None)
+                call.queue.put_nowait(pb.TokenChunk.FromString(body))
+        elif kind in (b"Z", b"E"):
+            call = self.calls.pop(rid, None)
             if call is not None:
                 call.queue.put_nowait(None if kind == b"Z" else SubmitError(
-                    grpc.StatusCode.UNKNOWN, payload[1 + ID.size:].decode("utf-8", "replace")))
+                    grpc.StatusCode.UNKNOWN, body.decode("utf-8", "replace")))
 
     def connection_lost(self, exc):
         error = SubmitError(grpc.StatusCode.UNAVAILABLE,
