@@ -116,7 +116,7 @@ def measure(df, port, hold_s, tmp):
     out.unlink(missing_ok=True)
     rt.write_text(json.dumps({
         "instances": {"scheduler": {"role": "scheduler", "dc": "local", "ip": "127.0.0.1",
-                                    "grpc_port": port, "submit_port": port + 1}},
+                                    "grpc_port": port, "rpc_port": port + 1}},
         "scale": {"time": 1.0}, "request_timeout_s": 60.0, "drain_timeout_s": 10 * hold_s + 30}))
     subprocess.run([sys.executable, "-m", "workers.client", "--runtime", str(rt), "--workload",
                     str(wl), "--out", str(out)], cwd=ROOT, check=True,

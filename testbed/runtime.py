@@ -24,7 +24,7 @@ import typing
 from testbed.profile import DecodeModel
 from testbed.scale import Scale
 
-GRPC_PORT, KV_PORT, CACHE_PORT, TOKEN_PORT, SUBMIT_PORT = 50051, 50052, 50053, 50054, 50055
+GRPC_PORT, KV_PORT, CACHE_PORT, TOKEN_PORT, RPC_PORT = 50051, 50052, 50053, 50054, 50055
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -42,7 +42,9 @@ class InstanceRuntime:
     kv_port: int = KV_PORT
     cache_port: int = CACHE_PORT
     token_port: int = TOKEN_PORT    # a decode worker's token streams to clients (workers/tokens.py)
-    submit_port: int = SUBMIT_PORT  # the scheduler's requests from the client (workers/submit.py)
+    # framed calls off gRPC (workers/framedrpc.py): the scheduler's Submit from the client,
+    # a worker's Prefill and Decode from the scheduler
+    rpc_port: int = RPC_PORT
     cache_capacity_bytes: int = 0   # a cache pool's capacity (emulated bytes)
 
     @property

@@ -158,7 +158,7 @@ async def run(args):
         args.name, [i for i in rt.instances.values() if i.may_decode],
         common.setup_logging(args.name)).start()
     framed = await submit.SubmitStub.open(pbg.SchedulerStub(channel), sched.ip,
-                                          sched.submit_port, common.WARM_TIMEOUT_S)
+                                          sched.rpc_port, common.WARM_TIMEOUT_S)
     stub = tokens.DirectStub(framed, streams)
     start_at = args.start_at
     if args.start_file:

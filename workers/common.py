@@ -26,7 +26,7 @@ import grpc
 from testbed import lifecycle
 from testbed.records import RunDir
 from testbed.runtime import WorkerRuntime
-from workers import control, status
+from workers import control, framedrpc, status
 
 WATCH_INTERVAL_S = 0.2
 
@@ -144,13 +144,35 @@ async def connect_all(channels, log, timeout_s=WARM_TIMEOUT_S):
     await asyncio.gather(*(one(n, c) for n, c in channels.items()))
 
 
-async def run_engine_worker(description, make_service, add_servicer, cache_cls):
+async def connect_framed(channels, log, timeout_s=WARM_TIMEOUT_S):
+    """Open every framed channel (workers/framedrpc.py) before the run starts, as `connect_all`
+    does gRPC's, trying again while refused (a worker listens there just after its gRPC
+    server); a peer not reached in `timeout_s` is logged, and its first call tries again."""
+    async def one(name, ch):
+        loop = asyncio.get_running_loop()
+        deadline, error = loop.time() + timeout_s, "timed out"
+        while loop.time() < deadline:
+            try:
+                await asyncio.wait_for(ch.connect(), max(0.0, deadline - loop.time()))
+                return
+            except asyncio.TimeoutError:
+                break
+            except grpc.aio.AioRpcError as e:
+                error = e.details()
+                await asyncio.sleep(0.05)
+        log.warning("no framed connection to %s after %.0fs (%s); its first call tries again",
+                    name, timeout_s, error)
+    await asyncio.gather(*(one(n, c) for n, c in channels.items()))
+
+
+async def run_engine_worker(description, make_service, add_servicer, method, cache_cls):
     """The life of a prefill or decode worker process (workers/prefill.py, workers/decode.py).
 
     Start-up; the service, its engine made (`make_service(rt, name, inst, log)`); its cache
     when the run has one (`cache_cls`, started); `service.start(inst)`: what serves beside the
-    gRPC server (decode: the KV and token sockets); the gRPC server; the `slow` fault's control
-    of the engine; `service.started()`: what comes once it serves (decode: the step loop;
+    gRPC server (decode: the KV and token sockets); the gRPC server, and `method` (the
+    scheduler's call, workers/framedrpc.py) on the framed port; the `slow` fault's control of
+    the engine; `service.started()`: what comes once it serves (decode: the step loop;
     prefill: its KV connections); under --metrics, `status/<name>.json` rewritten from
     `service.status_sample()` (workers/status.py); ready. Then it serves until SIGTERM, and
     `service.close()` and the cache's close end it."""
@@ -160,6 +182,7 @@ async def run_engine_worker(description, make_service, add_servicer, cache_cls):
         service.cache = await cache_cls(rt, inst, log).start()
     await service.start(inst)
     server = await start_grpc(inst, add_servicer, service)
+    framed = await framedrpc.serve([(method, service)], inst.ip, inst.rpc_port, log)
     control.install(rt, args.name, service.engine, log)
     await service.started()
     status_task = status.start(rt, args.name, service.status_sample)  # noqa: F841 (held)
@@ -167,6 +190,7 @@ async def run_engine_worker(description, make_service, add_servicer, cache_cls):
     log.info(service.up_line(inst))
 
     def cleanup():
+        framed.close()
         done = service.close()      # a coroutine where the engine has one to stop (vLLM)
         if service.cache is not None:
             service.cache.close()

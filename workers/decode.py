@@ -1,6 +1,7 @@
-"""Decode worker: one local decode instance, a gRPC `Decode` service plus a KV receiver socket.
+"""Decode worker: one local decode instance, a `Decode` service plus a KV receiver socket.
 
-The scheduler opens `Decode(request)` (a stream of token chunks) and, concurrently, tells a
+The scheduler opens `Decode(request)` (a stream of token chunks, on the worker's framed port,
+workers/framedrpc.py; the same service answers on gRPC) and, concurrently, tells a
 prefill worker to send that request's KV to this worker's KV socket. The request waits (bounded by
 the KV deadline) until its KV has fully arrived, then joins the continuous batch at the next step
 boundary, up to BS_max. Every step emits one token per batched request, stamped with this
@@ -30,7 +31,8 @@ import time
 from testbed import eventloop
 from testbed.proto import testbed_pb2 as pb
 from testbed.proto import testbed_pb2_grpc as pbg
-from workers import common, control, kvwire, status, stepclock, tokens, vllm_api, vllm_engine
+from workers import (common, control, framedrpc, kvwire, status, stepclock, tokens, vllm_api,
+                     vllm_engine)
 from workers.cache_worker import DecodeCache
 from workers.engine import AssemblingDecodeEngine, DecodeEngine, PacedDecodeEngine
 from workers.engine_profile import ProfileDecodeEngine
@@ -432,7 +434,8 @@ def make_service(rt, name, inst, log):
 
 async def main():
     await common.run_engine_worker("PrfaaS testbed decode worker", make_service,
-                                   pbg.add_DecodeServicer_to_server, DecodeCache)
+                                   pbg.add_DecodeServicer_to_server, framedrpc.DECODE,
+                                   DecodeCache)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Dual-role local worker: one local PD instance that prefills or decodes, and can switch.
 
 Used for every local instance when `scheduler.roles.enabled` (the long timescale, workers/roles.py).
-The process serves the Prefill and Decode gRPC services and the KV receiver socket of
+The process serves the Prefill and Decode services (gRPC, and the scheduler's framed calls,
+workers/framedrpc.py) and the KV receiver socket of
 workers/prefill.py and workers/decode.py, unchanged, on one address, plus `Role.SetRole`: drain
 the work of the role in force (the scheduler has already stopped sending it any: no prefill
 queued or computing, no request holding a decode slot), wait the conversion cost (emulated; the
@@ -19,7 +20,7 @@ import grpc
 from testbed import eventloop
 from testbed.proto import testbed_pb2 as pb
 from testbed.proto import testbed_pb2_grpc as pbg
-from workers import common, control, decode, prefill, status
+from workers import common, control, decode, framedrpc, prefill, status
 
 DRAIN_POLL_S = 0.01
 
@@ -74,6 +75,8 @@ async def main():
     pbg.add_RoleServicer_to_server(role, server)
     server.add_insecure_port(inst.addr)
     await server.start()
+    framed = await framedrpc.serve([(framedrpc.PREFILL, pre), (framedrpc.DECODE, dec)],
+                                   inst.ip, inst.rpc_port, log)
     await dec.started()             # the step loop
 
     class Both:         # the `slow` fault scales both engines' clocks
@@ -93,6 +96,7 @@ async def main():
              inst.accelerator, inst.kv_port)
 
     def cleanup():
+        framed.close()
         dec.close()
         pre.close()
 

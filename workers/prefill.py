@@ -1,4 +1,5 @@
-"""Prefill worker: one prefill instance (PrfaaS or local PD), a gRPC `Prefill` service.
+"""Prefill worker: one prefill instance (PrfaaS or local PD), a `Prefill` service (the
+scheduler calls it on the worker's framed port, workers/framedrpc.py; gRPC serves it too).
 
 Requests queue FIFO; one prefill computes at a time (an instance's throughput is 1/T_prefill).
 As the engine produces KV pieces they are streamed, in order, to the chosen decode worker's KV
@@ -15,7 +16,7 @@ import time
 from testbed import eventloop
 from testbed.proto import testbed_pb2 as pb
 from testbed.proto import testbed_pb2_grpc as pbg
-from workers import common, control, kvpull, kvwire, status, vllm_engine
+from workers import common, control, framedrpc, kvpull, kvwire, status, vllm_engine
 from workers.cache_worker import PrefillCache
 from workers.engine import PrefillEngine
 from workers.engine_profile import ProfilePrefillEngine
@@ -224,7 +225,8 @@ def make_service(rt, name, inst, log):
 
 async def main():
     await common.run_engine_worker("PrfaaS testbed prefill worker", make_service,
-                                   pbg.add_PrefillServicer_to_server, PrefillCache)
+                                   pbg.add_PrefillServicer_to_server, framedrpc.PREFILL,
+                                   PrefillCache)
 
 
 if __name__ == "__main__":

@@ -155,8 +155,8 @@ class RoleManager:
         self.local = self.planner.local
         self.role_stub = {i.name: pbg.RoleStub(svc.channels[i.name]) for i in self.local}
         for i in self.local:        # a dual-role worker serves both services
-            svc.prefill_stub.setdefault(i.name, pbg.PrefillStub(svc.channels[i.name]))
-            svc.decode_stub.setdefault(i.name, pbg.DecodeStub(svc.channels[i.name]))
+            svc.add_stub(i, "prefill")
+            svc.add_stub(i, "decode")
         self.converting = None
 
     @property

@@ -2,7 +2,7 @@
 
 For each request it picks a prefill and a decode instance (`workers.policy.Router`), opens the
 decode worker's `Decode` stream, asks the prefill worker to prefill and ship the KV to that decode
-worker, and relays the last chunk to the client (`workers.recovery.Flight`). The tokens go from
+worker (both calls on one framed connection per worker, workers/framedrpc.py), and relays the last chunk to the client (`workers.recovery.Flight`). The tokens go from
 the decode worker to the client directly, batched per worker on one stream per client
 (workers/tokens.py), when the client holds such streams (`Request.client`); otherwise the
 scheduler relays them too. The last chunk carries the route, the prefill worker's report and any
@@ -30,7 +30,7 @@ from testbed import profile as profiles
 from testbed.proto import testbed_pb2 as pb
 from testbed.proto import testbed_pb2_grpc as pbg
 from testbed.records import RecordLog, RunDir
-from workers import common, control, submit
+from workers import common, control, framedrpc, submit
 from workers.adaptive import ThresholdController
 from workers.kvfeed import KvEventFeed, endpoints
 from workers.kvplace import KvPlacer
@@ -48,10 +48,13 @@ class SchedulerService(pbg.SchedulerServicer):
         instances = self.router.remote + self.router.local + self.router.decode
         opts = common.grpc_options(scale)
         self.channels = {i.name: grpc.aio.insecure_channel(i.addr, options=opts) for i in instances}
-        self.prefill_stub = {i.name: pbg.PrefillStub(self.channels[i.name])
-                             for i in instances if i.role == "prefill"}
-        self.decode_stub = {i.name: pbg.DecodeStub(self.channels[i.name])
-                            for i in instances if i.role == "decode"}
+        # Prefill and Decode on a framed connection per worker (workers/framedrpc.py); Health on
+        # gRPC, through the same stubs
+        where = {i.name: rt.instance(i.name) for i in instances}
+        self.framed = {n: framedrpc.Channel(w.ip, w.rpc_port) for n, w in where.items()}
+        self.prefill_stub, self.decode_stub = {}, {}
+        for i in instances:
+            self.add_stub(i, i.role)
         self.stats = pb.SchedulerStats(threshold=rt.scheduler.threshold)
         self.health = Health(self, rt, log)     # instance states, failover (workers/recovery.py)
         self.placer = None          # workers.placement.CachePlacer when the cache is on
@@ -93,7 +96,20 @@ class SchedulerService(pbg.SchedulerServicer):
                                                 time.time(), self.decisions.write), {})
         return await self.placer.place(req)
 
+    def add_stub(self, inst, role):
+        """The stub of `inst` in `role` (prefill | decode); a dual-role worker has both."""
+        if role == "prefill":
+            self.prefill_stub.setdefault(inst.name, framedrpc.Stub(
+                pbg.PrefillStub(self.channels[inst.name]), self.framed[inst.name],
+                [framedrpc.PREFILL]))
+        elif role == "decode":
+            self.decode_stub.setdefault(inst.name, framedrpc.Stub(
+                pbg.DecodeStub(self.channels[inst.name]), self.framed[inst.name],
+                [framedrpc.DECODE]))
+
     async def close(self):
+        for channel in self.framed.values():
+            channel.close()
         if self.kv_feed is not None:
             rd = RunDir(self.rt.dir)
             await self.kv_feed.close(rd / rd.KV_EVENTS_SUMMARY, self.kv_placer.placed)
@@ -133,12 +149,13 @@ async def main():
     args, rt, inst, log = common.startup("PrfaaS testbed scheduler")
     service = SchedulerService(rt, log)
     server = await common.start_grpc(inst, pbg.add_SchedulerServicer_to_server, service)
-    framed = await submit.serve(service, inst.ip, inst.submit_port)   # the built-in client's
+    framed = await submit.serve(service, inst.ip, inst.rpc_port)   # the built-in client's
     # before the first request; a vLLM worker serves gRPC once its server is healthy
     if service.kv_feed is not None:     # subscribed before the workers' warm-up requests
         await service.kv_feed.start()
-    await common.connect_all(service.channels, log, common.WARM_TIMEOUT_S if rt.vllm is None
-                             else rt.vllm.start_timeout_s)
+    warm_s = common.WARM_TIMEOUT_S if rt.vllm is None else rt.vllm.start_timeout_s
+    await common.connect_all(service.channels, log, warm_s)
+    await common.connect_framed(service.framed, log, warm_s)
     tasks = []
     if rt.scheduler.failover:
         tasks.append(asyncio.create_task(service.health.loop()))

@@ -38,49 +38,19 @@ changes. Every token keeps its decode stamp.
 """
 
 import asyncio
-import struct
 import time
 
 import grpc
 
 from testbed.proto import testbed_pb2 as pb
 from workers import common
+from workers.framedrpc import LENGTH, Framed
 
 # How long the last chunk waits for earlier tokens still on a token stream (emulated s).
 HELD_FINAL_S = 5.0
 RETRY_S = (0.1, 1.0)        # reopening a broken token stream: first and longest wait
 CONNECT_S = 2.0             # one attempt to open it (a dead host's SYNs go unanswered)
-LENGTH = struct.Struct("!I")
-MAX_FRAME = 64 << 20
 _END = object()
-
-
-class Framed(asyncio.Protocol):
-    """Length-prefixed frames in, `on_frame(bytes)` per frame, from the read callback."""
-
-    def __init__(self):
-        self.transport = None
-        self.buf = bytearray()
-
-    def connection_made(self, transport):
-        self.transport = transport
-
-    def data_received(self, data):
-        self.buf += data
-        buf, pos = self.buf, 0
-        while len(buf) - pos >= 4:
-            (n,) = LENGTH.unpack_from(buf, pos)
-            if n > MAX_FRAME:
-                self.transport.abort()
-                return
-            if len(buf) - pos - 4 < n:
-                break
-            self.on_frame(bytes(buf[pos + 4:pos + 4 + n]))
-            pos += 4 + n
-        del buf[:pos]
-
-    def send(self, payload):
-        self.transport.write(LENGTH.pack(len(payload)) + payload)
 
 
 class _Sink(Framed):
