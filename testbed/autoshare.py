@@ -27,7 +27,11 @@ pilot of two or three steps is within 20% of them.
   scale.bytes): the pilot measured the KV path faithful up to that much and no further. The
   room says nothing of the KV-transfer guard: naive at 1.68 times prfaas's scale (28-35x)
   sent 1.6 times its KV bytes a wall second and warned for 1-12 of 600 KV transfers in 5 of 8
-  runs (2026-12-03, docs/performance.md). A piloted run that sends no KV bounds nothing.
+  runs (2026-12-03, docs/performance.md). A piloted run that sends no KV bounds nothing. A run
+  this bounds to no more than the piloted run's speed derives from the piloted run's choice,
+  extrapolated or not; a faster one from the largest step the pilot measured (`pilot_base`):
+  on four occasions in a row (2026-12-07) naive, derived from the step below an extrapolated
+  choice, ran faithful at twice its scale.
 - **The budget** is `autojudge.PILOT_SHARE` of all the runs' expected wall time together.
 - **The link's cap** (`link_cap_bps`, from testbed/autolink.py): the most kv link rate, wall
   clock, the machine's path carried when the pilot probed it; the scale of every run that
@@ -171,8 +175,9 @@ class Shared:
     def record(self, label, chosen, fallback, steps_record, pilot_s, base=None):
         """Keep the pilot's outcome: its choice (None: nothing faithful, the runs use
         `fallback`, the least scale tried), its steps (as metadata holds them) and cost.
-        `base`: what the other runs' scales derive from when not the choice (an extrapolated
-        choice is the piloted run's own: the others derive from a measured step)."""
+        `base`: what the faster runs' scales derive from when not the choice (an extrapolated
+        choice is the piloted run's own: a run faster than it derives from a measured step;
+        one no faster, from the choice: `uncapped`)."""
         self.pilot = {"label": label, "chosen": chosen, "fallback": fallback,
                       "steps": steps_record, "pilot_s": pilot_s,
                       "base": chosen if base is None else base}
@@ -193,6 +198,11 @@ class Shared:
             return min(self.pilot["fallback"], ceiling)
         if self.position(exp) == self.index:
             return min(self.pilot["chosen"], ceiling)
-        base = self.pilot.get("base") or self.pilot["chosen"]
-        derived = base * self.factor_of(exp)
+        f = self.factor_of(exp)
+        # A run no faster than the piloted one (its KV egress bounds it) derives from the
+        # choice: at it, it sends no more KV a wall second than the piloted run will, with more
+        # room. A faster one derives from the largest step measured (`base`).
+        base = self.pilot["chosen"] if f <= 1 else (self.pilot.get("base")
+                                                     or self.pilot["chosen"])
+        derived = base * f
         return min(round_down(derived) if derived != base else derived, ceiling)
