@@ -58,7 +58,6 @@ from testbed.backend import open_backend
 from testbed.errors import ConfigError, RunInterrupted, TestbedError
 from testbed.experiment import AUTO, AUTO_START
 from testbed.measure import LinkProbes
-from testbed.profiling.cost import children_cpu_s
 from testbed.records import EventLog, RunDir
 
 PILOT_REQUESTS = 40        # per step: a few seconds of wall time at the scales tried
@@ -77,7 +76,8 @@ class Step:
     first_token_lag_ms: float | None = None   # median
     warnings: tuple = ()
     wall_s: float = 0.0
-    cpu_s: float | None = None                # the step's processes (workers, client), reaped
+    cpu_s: float | None = None                # its processes' (workers, scheduler, client)
+    cpu_ms_per_request: float | None = None   # cpu_s over the requests it completed
     error: str | None = None                  # the scale could not be run (link, workers)
     steady_excess_p90_ms: float | None = None  # after the warm-up (testbed/autojudge.py)
     steady_share: float | None = None         # judged: x length factor / the run's p90
@@ -111,6 +111,8 @@ def step_of(scale, summary, wall_s, cpu_s=None, requests=None, look=None, load=N
     return Step(scale, faithful=faithful, excess_share_p90=share,
                 first_token_lag_ms=emu.get("first_token_lag_ms"), warnings=warnings,
                 wall_s=round(wall_s, 3), cpu_s=None if cpu_s is None else round(cpu_s, 3),
+                cpu_ms_per_request=(round(1e3 * cpu_s / summary["completed"], 2)
+                                    if cpu_s is not None and summary.get("completed") else None),
                 steady_excess_p90_ms=steady, steady_share=steady_share,
                 span_s=None if span is None else round(span / scale, 3), load=load)
 
@@ -473,7 +475,7 @@ class Pilot:
             self.backend = open_backend(exp.backend.kind, dep, registry, events, exp.backend,
                                         run_dir=self.dir).start()
             self.record["network_build_s"] = round(time.monotonic() - t0, 3)
-        t0, cpu0, load = time.monotonic(), children_cpu_s(), os.getloadavg()[0]
+        t0, load = time.monotonic(), os.getloadavg()[0]
         run = self.make_run(exp, self.dir / f"time{scale:g}", deployment=dep,
                             backend=self.backend, probe=False, progress=False)
         try:
@@ -486,5 +488,12 @@ class Pilot:
                         error=f"{type(e).__name__}: {e}")
         table = RunDir(run.dir).requests
         requests = pd.read_parquet(table) if table.exists() else None
-        return step_of(scale, summary, time.monotonic() - t0, children_cpu_s() - cpu0,
+        return step_of(scale, summary, time.monotonic() - t0, _measured_cpu_s(run),
                        requests, self.look, load)
+
+
+def _measured_cpu_s(run):
+    """The CPU seconds of a step's processes, where the launcher measured every one of them
+    (`testbed.profiling.cost.processes_cpu`), else None."""
+    cpu = getattr(run, "meta", {}).get("processes_cpu") or {}
+    return cpu["cpu_s"] if cpu.get("processes") and cpu["measured"] == cpu["processes"] else None

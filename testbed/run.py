@@ -48,6 +48,7 @@ from testbed.loadstats import read_http
 from testbed.measure import CounterSampler, LinkProbes, wan_meta
 from testbed.net.schedule import LinkSchedule
 from testbed.net.tcp import CC_ENV, congestion_control
+from testbed.profiling import cost
 from testbed.records import EventLog, RunDir
 from testbed.sim.run import SimRun
 
@@ -165,6 +166,7 @@ class Run:
         t0 = time.monotonic()
         errors = registry.close()
         self.meta["phases_s"]["teardown"] = round(time.monotonic() - t0, 3)
+        self.meta["processes_cpu"] = cost.processes_cpu(self.procs.values())
         self.meta["end_time"] = time.time()
         self.meta["teardown_errors"] = errors
         if self.backend is not None:     # measured at start and at teardown

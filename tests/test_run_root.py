@@ -100,6 +100,11 @@ def test_auto_scale_runs_a_pilot_on_one_network_and_records_it(tmp_path):
         summary = json.loads((out / "pilot" / f"time{st['scale']:g}" / "summary.json")
                              .read_text())
         assert summary["completed"] == 6 and st["wall_s"] > 0
+        # its processes' CPU, as the launcher reaped them (the step's own record agrees)
+        cpu = json.loads((out / "pilot" / f"time{st['scale']:g}" / "metadata.json")
+                         .read_text())["processes_cpu"]
+        assert cpu["measured"] == cpu["processes"] > 2 and st["cpu_s"] == cpu["cpu_s"] > 0
+        assert st["cpu_ms_per_request"] == round(1e3 * st["cpu_s"] / 6, 2)
         others = [w for w in summary["warnings"] if not w.startswith(excess.WARN_PREFIX)]
         within = st["steady_share"] is None or st["steady_share"] <= excess.WARN_SHARE
         assert st["faithful"] == (not others and within)     # testbed/autojudge.py

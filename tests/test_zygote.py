@@ -30,6 +30,11 @@ elif what == "exit":
     sys.exit(int(sys.argv[2]))
 elif what == "crash":
     raise RuntimeError("boom")
+elif what == "burn":                  # this much CPU, as its own clock counts it
+    t0 = time.process_time()
+    while time.process_time() - t0 < float(sys.argv[2]):
+        pass
+    print("burnt", time.process_time(), flush=True)
 """
 
 
@@ -118,6 +123,19 @@ def test_crash_is_seen(launcher):
     p = _spawn(z, host_pid, tmp, "crash")
     assert p.wait(timeout=10) == 1
     assert "RuntimeError: boom" in (tmp / "w.log").read_text()
+
+
+@pytest.mark.root
+def test_a_reaped_child_reports_the_cpu_it_used(launcher):
+    """The run's CPU per request counts its workers, which the launcher reaps: each exit
+    carries the child's CPU seconds (wait4), here against the child's own clock."""
+    z, host_pid, tmp = launcher
+    idle = _spawn(z, host_pid, tmp, "exit", "0")
+    busy = _spawn(z, host_pid, tmp, "burn", "0.3")
+    assert idle.wait(timeout=10) == 0 and busy.wait(timeout=20) == 0
+    own = float((tmp / "w.log").read_text().split("burnt ")[1].split()[0])
+    assert 0 <= idle.cpu_s < 0.2
+    assert own <= busy.cpu_s <= own + 0.1
 
 
 @pytest.mark.root

@@ -14,7 +14,8 @@ namespace, calls setsid(), sets the parent-death signal (SIGKILL when the launch
 launcher itself dies with the orchestrator the same way), sends its output to the worker's log,
 takes the worker's environment and argv and runs the module as `__main__` (as `python -m`
 does). The launcher answers each request with the child's PID and start time, reaps its
-children and reports each exit code on stdout.
+children and reports each exit code and CPU time on stdout (`ZygoteProc.cpu_s`: the run's
+CPU per request counts the workers, which are not the orchestrator's children).
 
 The orchestrator's side: `Zygote.spawn()` returns a `ZygoteProc`, a Popen-like handle (pid,
 returncode, poll, wait, send_signal, terminate, kill) whose exit code comes from the launcher's
@@ -165,15 +166,18 @@ def _fork(req, wake_fds):
 
 
 def _reap(children):
+    """Reap exited children, reporting each one's exit code and CPU seconds (user + system,
+    from wait4: what a Popen parent's RUSAGE_CHILDREN would have counted)."""
     while children:
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            pid, status, usage = os.wait4(-1, os.WNOHANG)
         except ChildProcessError:
             return
         if pid == 0:
             return
         children.discard(pid)
-        _send({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+        _send({"exit": pid, "code": os.waitstatus_to_exitcode(status),
+               "cpu": round(usage.ru_utime + usage.ru_stime, 4)})
 
 
 def _read_requests(buf):
@@ -228,10 +232,11 @@ class ZygoteProc:
     def __init__(self, pid, start, args):
         self.pid, self.start, self.args = pid, start, args
         self.returncode = None
+        self.cpu_s = None               # its CPU seconds, once the launcher reaped it
         self._done = threading.Event()
 
-    def _exited(self, code):
-        self.returncode = code
+    def _exited(self, code, cpu_s=None):
+        self.returncode, self.cpu_s = code, cpu_s
         self._done.set()
 
     def poll(self):
@@ -297,9 +302,9 @@ class Zygote:
                 with self._cond:
                     proc = self.procs.get(msg["exit"])
                     if proc is None:        # exited before its spawn() took the answer
-                        self._early_exits[msg["exit"]] = msg["code"]
+                        self._early_exits[msg["exit"]] = (msg["code"], msg.get("cpu"))
                 if proc is not None:
-                    proc._exited(msg["code"])
+                    proc._exited(msg["code"], msg.get("cpu"))
                 continue
             with self._cond:
                 self._replies.append(msg)
@@ -332,9 +337,9 @@ class Zygote:
             proc = ZygoteProc(msg["pid"], msg["start"], argv)
             with self._cond:
                 self.procs[proc.pid] = proc
-                code = self._early_exits.pop(proc.pid, None)
-        if code is not None:
-            proc._exited(code)
+                early = self._early_exits.pop(proc.pid, None)
+        if early is not None:
+            proc._exited(*early)
         return proc
 
     def stop(self):

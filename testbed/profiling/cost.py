@@ -27,6 +27,16 @@ def children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def processes_cpu(procs) -> dict:
+    """{cpu_s, measured, processes}: CPU seconds (user + system) of a run's processes that
+    their launcher reaped and measured (`testbed.net.zygote.ZygoteProc.cpu_s`: the Mininet
+    backend's profile workers, scheduler and client), how many it measured, and how many the
+    run had (others, e.g. vLLM's servers or a Ray node's workers, are not counted)."""
+    procs = list(procs)
+    got = [p.cpu_s for p in procs if getattr(p, "cpu_s", None) is not None]
+    return {"cpu_s": round(sum(got), 3), "measured": len(got), "processes": len(procs)}
+
+
 def run_cost(cpu_s, top) -> dict:
     """{cpu_s, requests, instance_s, cpu_ms_per_request, cpu_ms_per_instance_s} of the
     variants found at or below `top` (`rundir.find_runs`), for `cpu_s` CPU seconds."""
