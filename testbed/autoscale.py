@@ -346,8 +346,8 @@ class AutoRun:
         if p["label"] == self.exp.run_label and p.get("line"):
             return p["line"] + capped
         fac, bound = self.shared.bound(self.exp)
-        how = (f"{p['label']}'s {p['base']:g} x {fac:.2g} ({bound})" if p["chosen"] is not None
-               else "no faithful scale in the pilot")
+        how = (f"{p['label']}'s {self.shared.base_for(self.exp):g} x {fac:.2g} ({bound})"
+               if p["chosen"] is not None else "no faithful scale in the pilot")
         return (f"scale.time auto ({self.exp.run_label}): {before:g}, from the pilot of "
                 f"{how}{capped}")
 
@@ -355,7 +355,8 @@ class AutoRun:
         p, sh = self.shared.pilot, self.shared
         look, (fac, bound) = sh.look_of(self.exp), sh.bound(self.exp)
         rec = {"chosen": scale, "faithful": p["chosen"] is not None, "ceiling": self.ceiling,
-               "piloted": p["label"], "pilot_chosen": p["chosen"], "pilot_base": p["base"],
+               "piloted": p["label"], "pilot_chosen": p["chosen"],
+               "pilot_base": sh.base_for(self.exp) if p["chosen"] is not None else None,
                "factor": round(fac, 4), "factor_bound": bound,
                "room_ms": autoshare.room_ms(look),
                "outlook": {**dataclasses.asdict(look), "length_factor": look.length_factor},

@@ -29,7 +29,8 @@ pilot of two or three steps is within 20% of them.
   sent 1.6 times its KV bytes a wall second and warned for 1-12 of 600 KV transfers in 5 of 8
   runs (2026-12-03, docs/performance.md). A piloted run that sends no KV bounds nothing. A run
   this bounds to no more than the piloted run's speed derives from the piloted run's choice,
-  extrapolated or not; a faster one from the largest step the pilot measured (`pilot_base`):
+  extrapolated or not; a faster one from the largest step the pilot measured (the scale a
+  run derives from is its metadata's `pilot_base`, and `testbed run` prints it):
   on four occasions in a row (2026-12-07) naive, derived from the step below an extrapolated
   choice, ran faithful at twice its scale.
 - **The budget** is `autojudge.PILOT_SHARE` of all the runs' expected wall time together.
@@ -199,10 +200,15 @@ class Shared:
         if self.position(exp) == self.index:
             return min(self.pilot["chosen"], ceiling)
         f = self.factor_of(exp)
-        # A run no faster than the piloted one (its KV egress bounds it) derives from the
-        # choice: at it, it sends no more KV a wall second than the piloted run will, with more
-        # room. A faster one derives from the largest step measured (`base`).
-        base = self.pilot["chosen"] if f <= 1 else (self.pilot.get("base")
-                                                     or self.pilot["chosen"])
+        base = self.base_for(exp)
         derived = base * f
         return min(round_down(derived) if derived != base else derived, ceiling)
+
+    def base_for(self, exp):
+        """The scale `exp`'s derives from (the pilot chose one): a run no faster than the
+        piloted one (its KV egress bounds it) from the choice, at which it sends no more KV a
+        wall second than the piloted run will, with more room; a faster one from the largest
+        step measured (`base`, where the choice was extrapolated beyond it)."""
+        if self.factor_of(exp) <= 1:
+            return self.pilot["chosen"]
+        return self.pilot.get("base") or self.pilot["chosen"]

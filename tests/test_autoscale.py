@@ -185,6 +185,10 @@ def test_no_extrapolation_above_an_unfaithful_step_and_the_faster_runs_derive_fr
         assert shared.scale_for(e, 1000) == autoshare.round_down(19 * shared.factor_of(e))
     for e in slower:        # no faster than the piloted run: from its choice
         assert shared.scale_for(e, 1000) == autoshare.round_down(30 * shared.factor_of(e))
+    # what each run says it derives from is what it did derive from (07:27's naive line
+    # printed the step, 33, beside a scale derived from the choice, 50)
+    assert {shared.base_for(e) for e in faster} == {19}
+    assert {shared.base_for(e) for e in slower} == {30}
     line = autoscale.choice_line("prfaas", steps[:2], 30, 7.8, beyond=True)
     assert line.startswith("scale.time auto (prfaas): 30, above the faithful 10, 19 where")
 
