@@ -140,3 +140,14 @@ def test_a_large_payload_sent_in_pieces_arrives_when_its_last_byte_does():
         assert frames[0][:4] == (5, 0, kvwire.FLAG_LAST, payload)
         assert frames[0][5] - frames[0][4] >= 0.14     # it took the three pauses to arrive
     asyncio.run(main())
+
+
+def test_the_receiver_keeps_freed_memory_without_running_ldconfig():
+    """glibc takes the receiver's allocator settings (`keep_receive_memory`), found among the
+    process's own symbols: no child process (find_library ran `ldconfig -p` in each decode
+    worker's start-up)."""
+    import resource
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    assert kvwire.keep_receive_memory() is True
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    assert (after.ru_utime, after.ru_stime) == (before.ru_utime, before.ru_stime)

@@ -138,10 +138,11 @@ async def _read_start(path, timeout_s=60.0):
 
 def read_workload(path):
     """The rows of workload.parquet in order, each a namedtuple of its columns (plain ints,
-    floats and lists). pyarrow alone: pandas would add ~0.4 s of CPU to every client's start."""
+    floats and lists). pyarrow's file reader alone: `pq.read_table` imports pyarrow.dataset,
+    which imports pandas, ~0.3 s of CPU more at every client's start."""
     import pyarrow.parquet as pq  # reason: pyarrow starts a thread at import; the worker
     # launcher (testbed/net/zygote.py) imports this module and must stay one thread to fork
-    table = pq.read_table(path)
+    table = pq.ParquetFile(path).read()
     Row = collections.namedtuple("Row", table.column_names)
     return [Row(**r) for r in table.to_pylist()]
 

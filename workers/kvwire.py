@@ -42,7 +42,6 @@ sequence numbers (`workers.kvintake`) start it over and discard frames that come
 import asyncio
 import contextlib
 import ctypes
-import ctypes.util
 import fcntl
 import os
 import socket
@@ -295,8 +294,9 @@ def keep_receive_memory(trim_bytes=64 << 20, mmap_bytes=32 << 20):
     heap) removes that. Process-wide, so the process that receives calls it, once.
     """
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        # the process's own symbols, libc's among them: `ctypes.util.find_library` would run
+        # `ldconfig -p` in every decode worker's start-up
+        mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
