@@ -31,7 +31,7 @@ def _payload(n):
     global _BUF
     if _BUF is None or len(_BUF) < n:
         size = max(n, 4 << 20)
-        _BUF = memoryview((os.urandom(_BLOCK) * (size // _BLOCK + 1))[:size])
+        _BUF = memoryview(os.urandom(_BLOCK) * (size // _BLOCK + 1))
     return _BUF[:n]
 
 
