@@ -39,8 +39,7 @@ measured at 4.6% warned at 5.2%. The pilot stops before a step that would take i
 `autojudge.PILOT_SHARE` of the experiment's runs' expected wall time, after at least
 `autojudge.MIN_STEPS` (a measurement and the jump it predicts), so a scale twice the choice was
 tried and warned only where the budget allowed the search to bracket; the record says what the
-scale above did (`faithful_hint`). Stepping rather than a CPU-cost model, because the guards
-are what defines faithful; the jump uses what one step measured.
+scale above did (`faithful_hint`). Steps, not a CPU-cost model: the guards define faithful.
 """
 
 import dataclasses
@@ -58,6 +57,7 @@ from testbed.backend import open_backend
 from testbed.errors import ConfigError, RunInterrupted, TestbedError
 from testbed.experiment import AUTO, AUTO_START
 from testbed.measure import LinkProbes
+from testbed.profiling import cost
 from testbed.records import EventLog, RunDir
 
 PILOT_REQUESTS = 40        # per step: a few seconds of wall time at the scales tried
@@ -78,6 +78,7 @@ class Step:
     wall_s: float = 0.0
     cpu_s: float | None = None                # its processes' (workers, scheduler, client)
     cpu_ms_per_request: float | None = None   # cpu_s over the requests it completed
+    steady_share_interval: tuple | None = None  # steady_share's 90% bootstrap interval
     error: str | None = None                  # the scale could not be run (link, workers)
     steady_excess_p90_ms: float | None = None  # after the warm-up (testbed/autojudge.py)
     steady_share: float | None = None         # judged: x length factor / the run's p90
@@ -102,11 +103,14 @@ def step_of(scale, summary, wall_s, cpu_s=None, requests=None, look=None, load=N
     emu = summary.get("emulation") or {}
     warnings = tuple(summary.get("warnings") or ())
     share = (emu.get("ttft_excess_ms") or {}).get("share_p90")
+    steady_share = interval = None
     steady = None if requests is None else autojudge.steady_excess_p90_ms(requests)
     if requests is None:
-        faithful, steady_share = not warnings and summary.get("completed", 0) > 0, None
+        faithful = not warnings and summary.get("completed", 0) > 0
     else:
         faithful, steady_share = autojudge.judge(summary, steady, look)
+        ms = autojudge.steady_interval_ms(requests) if steady_share and steady else None
+        interval = ms and tuple(round(x * steady_share / steady, 4) for x in ms)
     span = summary.get("duration_s")
     return Step(scale, faithful=faithful, excess_share_p90=share,
                 first_token_lag_ms=emu.get("first_token_lag_ms"), warnings=warnings,
@@ -114,6 +118,7 @@ def step_of(scale, summary, wall_s, cpu_s=None, requests=None, look=None, load=N
                 cpu_ms_per_request=(round(1e3 * cpu_s / summary["completed"], 2)
                                     if cpu_s is not None and summary.get("completed") else None),
                 steady_excess_p90_ms=steady, steady_share=steady_share,
+                steady_share_interval=interval,
                 span_s=None if span is None else round(span / scale, 3), load=load)
 
 
@@ -266,7 +271,9 @@ def why_not(step):
         return step.error
     share = step.steady_share if step.steady_share is not None else step.excess_share_p90
     if share is not None and share > autojudge.WARN_SHARE:
-        return f"TTFT excess {100 * share:.2g}% of p90"
+        lo_hi = step.steady_share_interval if step.steady_share is not None else None
+        return f"TTFT excess {100 * share:.2g}% of p90" + (
+            f" (90% interval {100 * lo_hi[0]:.2g}-{100 * lo_hi[1]:.2g}%)" if lo_hi else "")
     others = [w for w in step.warnings if not w.startswith(autojudge.WARN_PREFIX)]
     return f"{len(others)} warning(s): {others[0][:60]}" if others else "no request completed"
 
@@ -489,12 +496,5 @@ class Pilot:
                         error=f"{type(e).__name__}: {e}")
         table = RunDir(run.dir).requests
         requests = pd.read_parquet(table) if table.exists() else None
-        return step_of(scale, summary, time.monotonic() - t0, _measured_cpu_s(run),
-                       requests, self.look, load)
-
-
-def _measured_cpu_s(run):
-    """The CPU seconds of a step's processes, where the launcher measured every one of them
-    (`testbed.profiling.cost.processes_cpu`), else None."""
-    cpu = getattr(run, "meta", {}).get("processes_cpu") or {}
-    return cpu["cpu_s"] if cpu.get("processes") and cpu["measured"] == cpu["processes"] else None
+        return step_of(scale, summary, time.monotonic() - t0,
+                       cost.measured_cpu_s(getattr(run, "meta", {})), requests, self.look, load)

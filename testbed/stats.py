@@ -129,6 +129,20 @@ def interval(values, confidence=CONFIDENCE) -> Interval:
     return Interval(center, float(lo), float(hi), n, method)
 
 
+def quantile_interval(values, q, confidence=CONFIDENCE):
+    """(low, high): the percentile-bootstrap interval of the `q` quantile (0-1) of `values`
+    (fixed random state), or None with fewer than `BOOTSTRAP_MIN` finite values. How far a
+    small sample can place a tail quantile: of 20 values, the p90 is about the second largest."""
+    a = clean(values)
+    if a.size < BOOTSTRAP_MIN:
+        return None
+    res = _sps().bootstrap((a,), lambda x, axis: np.quantile(x, q, axis=axis),
+                           confidence_level=confidence, method="percentile",
+                           n_resamples=BOOTSTRAP_RESAMPLES, random_state=SEED)
+    lo, hi = res.confidence_interval
+    return float(lo), float(hi)
+
+
 def _welch(a, b, confidence):
     """Welch's interval of mean(b) - mean(a)."""
     if np.ptp(a) == 0 and np.ptp(b) == 0:

@@ -72,6 +72,10 @@ def test_above_capacity_the_steady_excess_counts_four_times(outlooks):
     assert step.steady_excess_p90_ms == pytest.approx(479, abs=1)
     assert not step.faithful and step.steady_share == pytest.approx(4 * 479 / 29415, rel=0.01)
     assert "TTFT excess 6.5% of p90" in autoscale.why_not(step)
+    # the verdict's sampling error, recorded beside it: the p90 of the 20 steady requests
+    lo, hi = step.steady_share_interval
+    assert lo <= step.steady_share <= hi and hi > 1.1 * lo
+    assert f"(90% interval {100 * lo:.2g}-{100 * hi:.2g}%)" in autoscale.why_not(step)
     assert not outlooks["many"].above_capacity and outlooks["many"].length_factor == 1.0
 
 

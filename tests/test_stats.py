@@ -83,3 +83,13 @@ def test_compare_bad_input(tmp_path, capsys):
 def test_split_side(tmp_path):
     assert compare.split_side("runs/x:prfaas") == (compare.pathlib.Path("runs/x"), "prfaas")
     assert compare.split_side(str(tmp_path)) == (tmp_path, None)
+
+
+def test_a_quantile_interval_brackets_the_sample_quantile_and_needs_five_values():
+    """The pilot's steps record how far 20 requests place their p90 (testbed/autojudge.py)."""
+    rng = np.random.default_rng(3)
+    x = rng.lognormal(3, 0.5, 20)
+    lo, hi = stats.quantile_interval(x, 0.9, 0.9)
+    assert lo <= np.quantile(x, 0.9) <= hi and lo >= x.min() and hi <= x.max()
+    assert stats.quantile_interval(x, 0.9, 0.9) == (lo, hi)       # a fixed random state
+    assert stats.quantile_interval([1.0, 2.0, None, 3.0, 4.0], 0.9) is None

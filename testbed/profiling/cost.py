@@ -37,6 +37,13 @@ def processes_cpu(procs) -> dict:
     return {"cpu_s": round(sum(got), 3), "measured": len(got), "processes": len(procs)}
 
 
+def measured_cpu_s(meta):
+    """A run's processes' CPU seconds from its metadata (`processes_cpu`), where the launcher
+    measured every one of them, else None."""
+    cpu = meta.get("processes_cpu") or {}
+    return cpu["cpu_s"] if cpu.get("processes") and cpu["measured"] == cpu["processes"] else None
+
+
 def run_cost(cpu_s, top) -> dict:
     """{cpu_s, requests, instance_s, cpu_ms_per_request, cpu_ms_per_instance_s} of the
     variants found at or below `top` (`rundir.find_runs`), for `cpu_s` CPU seconds."""
