@@ -271,7 +271,7 @@ def why_not(step):
         return step.error
     share = step.steady_share if step.steady_share is not None else step.excess_share_p90
     if share is not None and share > autojudge.WARN_SHARE:
-        lo_hi = step.steady_share_interval if step.steady_share is not None else None
+        lo_hi = step.steady_share_interval         # set only beside a steady share
         return f"TTFT excess {100 * share:.2g}% of p90" + (
             f" (90% interval {100 * lo_hi[0]:.2g}-{100 * lo_hi[1]:.2g}%)" if lo_hi else "")
     others = [w for w in step.warnings if not w.startswith(autojudge.WARN_PREFIX)]
