@@ -27,19 +27,16 @@ halve while not faithful, and once there is a faithful scale a below an unfaithf
 a, try their geometric mean once; the largest faithful scale tried is the choice, or, where the
 budget stopped the search before that mean and b failed on the TTFT excess alone, the scale
 between a and the mean at which the excess, through the two steps as ~ scale ** k, is predicted
-at 80% of its bound (`interpolate`; recorded as `interpolated`); where it stopped with no
-unfaithful step above the largest faithful one, the scale above it where the excess through the
-two largest faithful steps (growing at least as the scale) is predicted at 80% of its bound, at
-most the jump the search would have tried next (`extrapolate`; `extrapolated`): the piloted
-run's own scale, while the other runs derive theirs from the largest faithful step measured.
-Where the largest faithful step kept less headroom than that 80% (its steady excess above 4% of
-the p90, or its lag above 40 ms), the choice is pulled back below it to where they are
-predicted at 80% (`pull_back`; `pulled_back`): a step is one short sample, and a run at a step
-measured at 4.6% warned at 5.2%. The pilot stops before a step that would take it past
-`autojudge.PILOT_SHARE` of the experiment's runs' expected wall time, after at least
-`autojudge.MIN_STEPS` (a measurement and the jump it predicts), so a scale twice the choice was
-tried and warned only where the budget allowed the search to bracket; the record says what the
-scale above did (`faithful_hint`). Steps, not a CPU-cost model: the guards define faithful.
+at 80% of its bound (`interpolate`; `interpolated`); where it stopped with no unfaithful step
+above the largest faithful one, the scale above it where the excess through the two largest
+faithful steps (growing at least as the scale) is predicted at 80% of its bound, at most the
+next jump (`extrapolate`; `extrapolated`; the piloted run's own scale: the other runs derive
+theirs from the largest faithful step). Where the largest faithful step kept less headroom
+than that (`pull_back`; `pulled_back`), the choice moves below it. A step's share is planned
+with where its 90% interval reaches further (`Step.planned`). The pilot stops before a step
+that would take it past `autojudge.PILOT_SHARE` of the runs' expected wall time, after at
+least `autojudge.MIN_STEPS`; the record says what the scale above the choice did
+(`faithful_hint`). Steps, not a CPU-cost model: the guards define faithful.
 """
 
 import dataclasses
@@ -64,7 +61,7 @@ PILOT_REQUESTS = 40        # per step: a few seconds of wall time at the scales 
 MIN_SCALE = 1.0            # below real time the pilot does not go
 MAX_SCALE = 1000.0         # the key's own limit
 PILOT_DIR = "pilot"        # run_dir/pilot/time<scale>/: each step a run directory
-INTERPOLATE_AIM = 0.8      # an interpolated choice: the TTFT excess at 80% of its bound
+INTERPOLATE_AIM = autojudge.AIM  # a moved choice: the TTFT excess at 80% of its bound
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,14 +83,19 @@ class Step:
     load: float | None = None                 # the machine's 1-minute load when it started
 
     def as_dict(self):
-        return {**dataclasses.asdict(self), "warnings": list(self.warnings)}
+        return {**dataclasses.asdict(self), "warnings": list(self.warnings),
+                "planned_share": self.planned}
+
+    @property
+    def planned(self):
+        """The judged share the search plans with (`autojudge.planned_share`)."""
+        return autojudge.planned_share(self.steady_share, self.steady_share_interval)
 
     @property
     def margin(self):
-        """The guards' headroom at this step (None: not measured)."""
-        if self.steady_share is None and self.first_token_lag_ms is None:
-            return None
-        return autojudge.margin(self.steady_share, self.first_token_lag_ms)
+        """The guards' headroom at this step, on its planned share (None: not measured)."""
+        if self.steady_share is not None or self.first_token_lag_ms is not None:
+            return autojudge.margin(self.planned, self.first_token_lag_ms)
 
 
 def step_of(scale, summary, wall_s, cpu_s=None, requests=None, look=None, load=None):
@@ -199,7 +201,7 @@ def interpolate(steps):
     k = math.log(hi.steady_share / lo.steady_share) / math.log(hi.scale / lo.scale)
     if k <= 0:
         return None
-    aim = lo.scale * (INTERPOLATE_AIM * autojudge.WARN_SHARE / lo.steady_share) ** (1 / k)
+    aim = lo.scale * (INTERPOLATE_AIM * autojudge.WARN_SHARE / lo.planned) ** (1 / k)
     scale = _round(min(aim, math.sqrt(lo.scale * hi.scale)))
     return (scale, round(k, 3)) if scale > lo.scale else None
 
@@ -224,14 +226,13 @@ def extrapolate(steps, top=MAX_SCALE):
 
 def pull_back(steps):
     """(scale, exponent) where the largest faithful step b kept less headroom than the pilot
-    aims a run at (`Step.margin` under 1 / `INTERPOLATE_AIM`: its steady TTFT excess above 4%
-    of the p90, or its lag above 40 ms): the scale below b at which it is predicted at the aim,
+    aims at (`Step.margin` under 1 / `INTERPOLATE_AIM`: its planned share above 4% of the
+    p90, or its lag above 40 ms): the scale below b at which it is predicted at the aim,
     the excess ~ scale ** k through the faithful step a below b (k at least 1, and 1 without
     a: the larger cut), not below a where a is within the aim, nor below `MIN_SCALE`; None
     when b is within the aim. It comes before `interpolate` and `extrapolate`, which look up
     from b by its TTFT excess alone. A step is one short sample: on 2026-12-06
-    many_instances' step at 14 measured 4.6% of the p90 and its run at 14 5.2% (a warning),
-    and its run at 15 5.05%, extrapolated from steps at 3.5%."""
+    many_instances' step at 14 measured 4.6% of the p90 and its run at 14 5.2%."""
     ok = sorted((s for s in steps if s.faithful), key=lambda s: s.scale)
     if not ok or ok[-1].margin is None or ok[-1].margin * INTERPOLATE_AIM >= 1:
         return None
@@ -318,9 +319,9 @@ class AutoRun:
         if "probes" not in kw:       # the experiment's, or this run's own
             kw["probes"] = LinkProbes(kw.pop("probe", True))
         self.exp, self.dir, self.make_run, self.kw = exp, pathlib.Path(run_dir), make_run, kw
-        self.shared = shared if shared is not None else autoshare.Shared([exp])
-        if self.shared.position(exp) is None:        # not among the runs it was made for
-            self.shared = autoshare.Shared([exp])
+        # the experiment's, unless none or not made for this run
+        self.shared = (shared if shared is not None and shared.position(exp) is not None
+                       else autoshare.Shared([exp]))
         self.ceiling = ceiling(exp)
         self.backend = None
 

@@ -214,3 +214,27 @@ def test_a_largest_faithful_step_near_its_bound_is_pulled_back_to_the_aim(steps,
         line = autoscale.choice_line("many", [_lagged(*s) for s in steps], chosen, 9.0,
                                      back=True)
         assert line.startswith(f"scale.time auto (many): {chosen:g}, below the largest faithful")
+
+
+def test_a_step_measured_in_a_wide_interval_moves_the_choice_as_far_as_its_high_end_allows():
+    """2026-12-07 14:01, many_instances: steps at 10 (1.2%, 90% interval 1.1-2.6%) and 20 (2.9%,
+    2.3-3.9%) extrapolated to 26, whose run warned at 5.6%. Planned with the high ends held at
+    the bound (0.8 x 3.9% = 3.1%), the choice lands lower; a narrow interval changes nothing,
+    and a point inside the aim whose interval reaches past the bound is pulled back."""
+    def step(scale, share, interval):
+        return Step(scale, True, steady_share=share, first_token_lag_ms=7,
+                    steady_share_interval=interval)
+    wide = [step(10, 0.012, (0.011, 0.026)), step(20, 0.029, (0.023, 0.039))]
+    bare = [step(10, 0.012, None), step(20, 0.029, None)]
+    assert wide[1].planned == pytest.approx(0.8 * 0.039)
+    assert wide[1].as_dict()["planned_share"] == wide[1].planned
+    assert autoscale.extrapolate(bare)[0] == 25       # 26 from the unrounded shares
+    assert 20 < autoscale.extrapolate(wide)[0] < 25
+    narrow = [step(10, 0.012, (0.011, 0.013)), step(20, 0.029, (0.027, 0.030))]
+    assert autoscale.extrapolate(narrow) == autoscale.extrapolate(bare)
+    # 3.5% judged, its interval up to 6.0%: planned at 4.8%, above the aim's 4%
+    near = [step(10, 0.02, (0.018, 0.024)), step(14, 0.035, (0.025, 0.060))]
+    assert autoscale.pull_back([step(10, 0.02, None), step(14, 0.035, None)]) is None
+    back = autoscale.pull_back(near)
+    assert back is not None and 10 <= back[0] < 14
+    assert wide[1].margin < bare[1].margin
