@@ -94,6 +94,7 @@ class Run:
         self.backend = None
         self.meta = {}
         self.procs = {}
+        self.retired = []            # a restarted worker's earlier lives (their CPU counts)
         self.vllm_pids = None        # vllmrun.PidRecord under model.engine vllm
 
     def execute(self):
@@ -166,7 +167,7 @@ class Run:
         t0 = time.monotonic()
         errors = registry.close()
         self.meta["phases_s"]["teardown"] = round(time.monotonic() - t0, 3)
-        self.meta["processes_cpu"] = cost.processes_cpu(self.procs.values())
+        self.meta["processes_cpu"] = cost.processes_cpu([*self.retired, *self.procs.values()])
         self.meta["end_time"] = time.time()
         self.meta["teardown_errors"] = errors
         if self.backend is not None:     # measured at start and at teardown
@@ -258,6 +259,8 @@ class Run:
     def _respawn(self, events, name):
         """A `restart` fault: start a killed worker again; it rejoins through the health check."""
         self.rd.ready_file(name).unlink(missing_ok=True)
+        if name in self.procs:
+            self.retired.append(self.procs[name])
         self._spawn(name, self.rt.instance(name).module)
         events("worker_restarted", name=name, pid=self.procs[name].pid)
 

@@ -97,6 +97,9 @@ def test_restart_prefill_rejoins_and_serves_again(tmp_path):
     # The restarted worker prefilled requests again.
     assert ((df.prefill_start > restarted) & (df.prefill_instance == "rp0")).sum() > 0
     assert _moves(df, "prefill")
+    # Both of rp0's lives were measured: one process more than the run's logs name.
+    cpu = json.loads((out / "metadata.json").read_text())["processes_cpu"]
+    assert cpu["measured"] == cpu["processes"] == len(list((out / "logs").glob("*.log"))) + 1
 
 
 def test_paused_decode_requests_fail_fast_or_reroute(tmp_path):
