@@ -32,11 +32,10 @@ above the largest faithful one, the scale above it where the excess through the 
 faithful steps (growing at least as the scale) is predicted at 80% of its bound, at most the
 next jump (`extrapolate`; `extrapolated`; the piloted run's own scale: the other runs derive
 theirs from the largest faithful step). Where the largest faithful step kept less headroom
-than that (`pull_back`; `pulled_back`), the choice moves below it. A step's share is planned
-with where its 90% interval reaches further (`Step.planned`). The pilot stops before a step
-that would take it past `autojudge.PILOT_SHARE` of the runs' expected wall time, after at
-least `autojudge.MIN_STEPS`; the record says what the scale above the choice did
-(`faithful_hint`). Steps, not a CPU-cost model: the guards define faithful.
+than that (`pull_back`; `pulled_back`), the choice moves below it. The search plans with a
+step's 90% interval where it reaches further (`Step.planned`). The pilot stops before a step
+past `autojudge.PILOT_SHARE` of the runs' expected wall time, after `autojudge.MIN_STEPS`; the
+record says what the scale above did (`faithful_hint`). Steps, not a CPU-cost model: guards decide.
 """
 
 import dataclasses
