@@ -13,13 +13,16 @@ for, it runs a pilot-sized run and the whole run side by side (alternated, no li
 prints per scale
 
 | scale.time | pilot steady excess p90 | run excess p90 | run TTFT p90 | the planner's p90 |
-pilot share x1 | run share | implied factor |
+pilot share x1 [90% interval] | run share | implied factor |
 
 where a share is an excess over the planner's p90 (the pilot's, as `autojudge.judge` forms
 it, factor 1) or over the run's own TTFT p90 (the run's guard, `emulation.ttft_excess_ms
 .share_p90`), and the implied factor is the run's share over the pilot's: the factor at which
 the pilot's judgement would have matched the run's guard at that scale. Below 1 the pilot
-over-counts, above 1 it under-counts. `--repeat N` runs each pair N times.
+over-counts, above 1 it under-counts. The interval is the pilot's steady p90's 90% bootstrap
+interval (`autojudge.steady_interval_ms`), which the search plans with
+(`autojudge.planned_share`); the last line says in how many pairs the run's share was above
+its high end. `--repeat N` runs each pair N times.
 
 Needs root (it starts `testbed run`): on a shared machine run it under the lock, e.g.
 
@@ -48,7 +51,7 @@ CAPACITY_RATE = "workload.arrival.rate=4/s"     # above every policy's capacity
 VARIANT_KEY = "scheduler.policy"
 SMOKE = {"scales": [10.0], "pilot": 6, "run": 12}
 HEADER = ("| scale.time | pilot steady excess p90 | run excess p90 | run TTFT p90 "
-          "| planner's p90 | pilot share x1 | run share | implied factor |\n"
+          "| planner's p90 | pilot share x1 [90% interval] | run share | implied factor |\n"
           "|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
@@ -70,17 +73,21 @@ def pair(experiment, scale, sets, out, pilot_n, run_n=None):
     cost.timed_run(experiment, out / "run",
                    [*common, *([f"requests={run_n}"] if run_n else [])], REPO, False)
     pdir, rdir = (rundir.find_runs(out / d)[0] for d in ("pilot", "run"))
-    steady = autojudge.steady_excess_p90_ms(rundir.requests(pdir))
+    requests = rundir.requests(pdir)
+    steady = autojudge.steady_excess_p90_ms(requests)
+    interval = autojudge.steady_interval_ms(requests)
     look = autojudge.outlook(rundir.load_run(rdir).experiment)
     summary = rundir.summary(rdir)
     ex = (summary.get("emulation") or {}).get("ttft_excess_ms") or {}
     base = max(rundir.summary(pdir).get("p90_ttft_ms") or 0.0, look.ttft_p90_ms or 0.0)
     pilot_share = steady / base if steady is not None and base else None
+    interval = interval and pilot_share is not None and tuple(x / base for x in interval)
     run_share = ex.get("share_p90")
     implied = run_share / pilot_share if run_share is not None and pilot_share else None
     return {"scale": scale, "steady_ms": steady, "run_excess_ms": ex.get("p90"),
             "run_p90_ms": summary.get("p90_ttft_ms"), "planner_p90_ms": look.ttft_p90_ms,
             "above_capacity": look.above_capacity, "pilot_share": pilot_share,
+            "pilot_interval": interval or None,
             "run_share": run_share, "implied": implied}
 
 
@@ -88,11 +95,16 @@ def fmt(value, spec, unit=""):
     return "-" if value is None else format(value, spec) + unit
 
 
+def _interval(iv):
+    return f" [{100 * iv[0]:.2f}, {100 * iv[1]:.2f}]" if iv else ""
+
+
 def row(r):
     return (f"| {r['scale']:g} | {fmt(r['steady_ms'], '.0f', ' ms')} "
             f"| {fmt(r['run_excess_ms'], '.0f', ' ms')} | {fmt(r['run_p90_ms'], '.0f', ' ms')} "
             f"| {fmt(r['planner_p90_ms'], '.0f', ' ms')} "
-            f"| {fmt(r['pilot_share'] and 100 * r['pilot_share'], '.2f', '%')} "
+            f"| {fmt(r['pilot_share'] and 100 * r['pilot_share'], '.2f', '%')}"
+            f"{_interval(r['pilot_interval'])} "
             f"| {fmt(r['run_share'] and 100 * r['run_share'], '.2f', '%')} "
             f"| {fmt(r['implied'], '.2f')} |")
 
@@ -131,6 +143,12 @@ def main():
             print(f"implied factor {implied[0]:.2f}-{implied[-1]:.2f} over {len(implied)} "
                   f"pairs (testbed.autojudge.ABOVE_CAPACITY_FACTOR: "
                   f"{autojudge.ABOVE_CAPACITY_FACTOR:g})")
+        known = [r for r in rows if r["pilot_interval"] and r["run_share"] is not None]
+        if known:
+            over = sum(r["run_share"] > r["pilot_interval"][1] for r in known)
+            print(f"the run's share above its pilot's interval's high end in {over} of "
+                  f"{len(known)} pairs (above the pilot's share in "
+                  f"{sum(r['run_share'] > r['pilot_share'] for r in known)})")
 
 
 if __name__ == "__main__":
