@@ -90,26 +90,13 @@ def pilot_line(vdir):
 
 
 def pilot_share(run_dir):
-    """The pilot's wall time over the measured runs' (metadata start to end), in one line. A
-    link check probe that a run took as its own (its `link_fidelity.measured_at`) is that
-    run's probe made early: it counts as the run's time, not the pilot's."""
-    pilot, runs, metas = 0.0, 0.0, []
-    for vdir in rundir.find_runs(run_dir):
-        meta = rundir.metadata(vdir)
-        if meta.get("scale_auto"):
-            metas.append(meta)
-            pilot += meta["scale_auto"].get("pilot_s", 0.0)
-            runs += meta["end_time"] - meta["start_time"]
-    checks = {p.get("measured_at"): p.get("wall_s") or 0.0 for m in metas
-              for p in (m["scale_auto"].get("link_check") or {}).get("probes", ())
-              if p.get("measured_at") is not None}
-    taken = sum(checks[at] for at in {(m.get("link_fidelity") or {}).get("measured_at")
-                                      for m in metas} if at in checks)
-    if not runs:
+    """The pilot's wall time over the measured runs' (`cost.pilot_cost`), in one line."""
+    got = cost.pilot_cost(run_dir)
+    if got is None:
         return None
+    pilot, runs, taken = got
     own = f" (less {taken:.1f} s of link probes the runs took as theirs)" if taken else ""
-    return (f"pilot {pilot - taken:.1f} s{own} over the runs' {runs + taken:.1f} s: "
-            f"{100 * (pilot - taken) / (runs + taken):.0f}%")
+    return f"pilot {pilot:.1f} s{own} over the runs' {runs:.1f} s: {100 * pilot / runs:.0f}%"
 
 
 def _share(step):

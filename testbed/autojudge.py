@@ -52,6 +52,7 @@ import math
 import numpy as np
 
 from testbed import excess, metrics, stats
+from testbed.profiling import cost
 from testbed.workload import generate
 
 WARN_SHARE, WARN_PREFIX = excess.WARN_SHARE, excess.WARN_PREFIX    # the run's TTFT guard
@@ -214,3 +215,21 @@ def within_budget(steps, spent_s, look, pilot_requests, scale, others=()):
     runs = [(look, 1.0), *others]
     expected = sum(expected_run_s(first, lk, pilot_requests, scale * f) for lk, f in runs)
     return spent_s + step_cost_s(first, scale) <= PILOT_SHARE * expected
+
+
+def pilot_line(top):
+    """What the pilot of the auto runs at or below `top` cost, in one line ('' without one),
+    and where it was over its budget, why and what skips it: each step starts the whole
+    deployment (many_instances: 98 processes, ~3 s a step besides its requests, against a
+    10 s run), which a fixed scale.time does not."""
+    got = cost.pilot_cost(top)
+    if got is None:
+        return ""
+    pilot, runs, _ = got
+    line = (f"scale.time auto: the pilot took {pilot:.1f} s, {100 * pilot / runs:.3g}% of the "
+            f"runs' {runs:.1f} s")
+    if pilot <= PILOT_SHARE * runs:
+        return line
+    return (f"{line}, over its {100 * PILOT_SHARE:.0f}% budget: a pilot takes {MIN_STEPS} steps "
+            f"at least, each starting the whole deployment; a fixed scale.time (the scale "
+            f"printed above) repeats these runs without one")

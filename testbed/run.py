@@ -33,9 +33,9 @@ import subprocess
 import sys
 import time
 
-from testbed import (analysis, clocks, config, deploy, faultspec, fidelity, lifecycle, loadgen,
-                     loadrun, ownership, plot, plot_load, replicates, rundir, runinputs, sim,
-                     vllmrun)
+from testbed import (analysis, autojudge, clocks, config, deploy, faultspec, fidelity, lifecycle,
+                     loadgen, loadrun, ownership, plot, plot_load, replicates, rundir, runinputs,
+                     sim, vllmrun)
 from testbed.autoscale import AutoRun
 from testbed.autoshare import Shared
 from testbed.backend import open_backend, preflight
@@ -417,6 +417,8 @@ def execute(path, overrides=(), out=None, probe=True, cli=False, progress=True, 
                 summaries.append(_replicate(exp, run_dir, _runner(
                     exp, dep, run_dir, shared, cli=cli, progress=progress, hold=hold,
                     probes=probes)))
+            if shared.pilot is not None:        # what scale.time auto's pilot cost
+                print(autojudge.pilot_line(top), flush=True)
             if len(runs) > 1:
                 analysis.write_sweep(top, summaries)
                 plot_load.write_table(top)

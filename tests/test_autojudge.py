@@ -147,3 +147,39 @@ def test_the_search_on_recorded_steps_jumps_by_the_headroom(outlooks):
     look = _look(outlooks, "case-prfaas")
     assert autoscale.next_scale([s10, s40], 10, lambda s: autojudge.within_budget(
         [s10, s40], s10.wall_s + s40.wall_s, look, 40, s)) is None
+
+
+def _auto_run(d, start, end, pilot_s=None, probes=(), measured_at=None, auto=True):
+    """A run directory as `cost.pilot_cost` reads it: summary.json and metadata.json."""
+    d.mkdir(parents=True)
+    (d / "summary.json").write_text("{}")
+    meta = {"start_time": start, "end_time": end}
+    if auto:
+        meta["scale_auto"] = {"link_check": {"probes": [
+            {"measured_at": at, "wall_s": w} for at, w in probes]}}
+        if pilot_s is not None:         # the run that ran the experiment's pilot
+            meta["scale_auto"]["pilot_s"] = pilot_s
+    if measured_at is not None:         # its link probe was the check's
+        meta["link_fidelity"] = {"measured_at": measured_at}
+    (d / "metadata.json").write_text(json.dumps(meta))
+
+
+def test_the_pilots_cost_against_the_runs_and_why_when_over_its_budget(tmp_path):
+    """many_instances on 2026-12-07 15:54 (Intel VM): a pilot of 18.1 s, 4.0 s of it the link
+    check's probe that the 10.4 s run took as its own: 14.1 s over 14.4 s, over the budget,
+    and the line says what skips it. Three runs sharing a 5 s pilot: within it, no advice."""
+    from testbed.profiling import cost
+    _auto_run(tmp_path / "many", 100.0, 110.4, 18.1, probes=[(95.0, 4.0)], measured_at=95.0)
+    pilot, runs, taken = cost.pilot_cost(tmp_path / "many")
+    assert (pilot, runs, taken) == pytest.approx((14.1, 14.4, 4.0))
+    line = autojudge.pilot_line(tmp_path / "many")
+    assert line.startswith("scale.time auto: the pilot took 14.1 s, 97.9% of the runs' 14.4 s")
+    assert "over its 20% budget" in line and "a fixed scale.time" in line
+    for i, label in enumerate("abc"):
+        _auto_run(tmp_path / "cs" / label, 10.0 * i, 10.0 * i + 9.0, 5.0 if i == 0 else None)
+    assert cost.pilot_cost(tmp_path / "cs") == pytest.approx((5.0, 27.0, 0.0))
+    assert autojudge.pilot_line(tmp_path / "cs") == (
+        "scale.time auto: the pilot took 5.0 s, 18.5% of the runs' 27.0 s")
+    _auto_run(tmp_path / "fixed", 0.0, 9.0, auto=False)
+    assert cost.pilot_cost(tmp_path / "fixed") is None
+    assert autojudge.pilot_line(tmp_path / "fixed") == ""

@@ -19,6 +19,7 @@ import yaml
 
 from conftest import assert_decisions_replay, assert_remote_kv_crossed_the_wan
 from testbed import autolink, excess
+from testbed.profiling import cost
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -94,6 +95,10 @@ def test_auto_scale_runs_a_pilot_on_one_network_and_records_it(tmp_path):
     rec = json.loads((out / "metadata.json").read_text())["scale_auto"]
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("scale.time auto (prfaas): ")]
     assert len(line) == 1 and f"{rec['chosen']:g}" in line[0]
+    said = [ln for ln in r.stdout.splitlines() if ln.startswith("scale.time auto: the pilot")]
+    pilot_s, runs_s, probe_s = cost.pilot_cost(out)     # the check's probe was the run's
+    assert pilot_s == pytest.approx(rec["pilot_s"] - probe_s) and runs_s > pilot_s
+    assert len(said) == 1 and f"the pilot took {pilot_s:.1f} s" in said[0], said
     steps = rec["steps"]
     assert steps[0]["scale"] == 10 and rec["pilot_requests"] == 6
     for st in steps:     # each step measured: its own summary agrees with the record
@@ -161,6 +166,9 @@ def test_auto_scale_pilots_one_variant_and_the_others_take_a_scale_from_it(tmp_p
             rec["chosen"]
         assert json.loads((out / v / "summary.json").read_text())["completed"] == 6
     assert len([ln for ln in r.stdout.splitlines() if ln.startswith("scale.time auto (")]) == 2
+    # and once, after both, what the pilot cost against them
+    assert len([ln for ln in r.stdout.splitlines()
+                if ln.startswith("scale.time auto: the pilot took ")]) == 1
     assert recs[piloted[0]]["link_check"] == {"skipped": "--no-probe"}
     assert leftovers(out / "prfaas") == [] and leftovers(out / "naive") == []
 

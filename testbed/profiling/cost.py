@@ -44,6 +44,26 @@ def measured_cpu_s(meta):
     return cpu["cpu_s"] if cpu.get("processes") and cpu["measured"] == cpu["processes"] else None
 
 
+def pilot_cost(top):
+    """(pilot s, runs s, probes s) of the `scale.time: auto` runs at or below `top`: their
+    pilots' `pilot_s` and the runs' wall time (metadata.json start to end), a link check probe
+    that a run took as its own (its `link_fidelity.measured_at`) moved from the pilot to the
+    runs (it is that run's probe, made early; `probes s` says how much); None without one."""
+    pilot, runs, metas = 0.0, 0.0, []
+    for vdir in rundir.find_runs(top):
+        meta = rundir.metadata(vdir)
+        if meta.get("scale_auto") and meta.get("end_time"):
+            metas.append(meta)
+            pilot += meta["scale_auto"].get("pilot_s", 0.0)
+            runs += meta["end_time"] - meta["start_time"]
+    checks = {p.get("measured_at"): p.get("wall_s") or 0.0 for m in metas
+              for p in (m["scale_auto"].get("link_check") or {}).get("probes", ())
+              if p.get("measured_at") is not None}
+    taken = sum(checks[at] for at in {(m.get("link_fidelity") or {}).get("measured_at")
+                                      for m in metas} if at in checks)
+    return (pilot - taken, runs + taken, taken) if runs else None
+
+
 def run_cost(cpu_s, top) -> dict:
     """{cpu_s, requests, instance_s, cpu_ms_per_request, cpu_ms_per_instance_s} of the
     variants found at or below `top` (`rundir.find_runs`), for `cpu_s` CPU seconds."""
