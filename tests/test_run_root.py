@@ -97,7 +97,7 @@ def test_auto_scale_runs_a_pilot_on_one_network_and_records_it(tmp_path):
     assert len(line) == 1 and f"{rec['chosen']:g}" in line[0]
     said = [ln for ln in r.stdout.splitlines() if ln.startswith("scale.time auto: the pilot")]
     pilot_s, runs_s, probe_s = cost.pilot_cost(out)     # the check's probe was the run's
-    assert pilot_s == pytest.approx(rec["pilot_s"] - probe_s) and runs_s > pilot_s
+    assert pilot_s == pytest.approx(rec["pilot_s"] - probe_s) and runs_s > 0
     assert len(said) == 1 and f"the pilot took {pilot_s:.1f} s" in said[0], said
     steps = rec["steps"]
     assert steps[0]["scale"] == 10 and rec["pilot_requests"] == 6
