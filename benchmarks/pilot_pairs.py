@@ -81,13 +81,14 @@ def pair(experiment, scale, sets, out, pilot_n, run_n=None):
     ex = (summary.get("emulation") or {}).get("ttft_excess_ms") or {}
     base = max(rundir.summary(pdir).get("p90_ttft_ms") or 0.0, look.ttft_p90_ms or 0.0)
     pilot_share = steady / base if steady is not None and base else None
-    interval = interval and pilot_share is not None and tuple(x / base for x in interval)
+    interval = (tuple(x / base for x in interval) if interval and pilot_share is not None
+                else None)
     run_share = ex.get("share_p90")
     implied = run_share / pilot_share if run_share is not None and pilot_share else None
     return {"scale": scale, "steady_ms": steady, "run_excess_ms": ex.get("p90"),
             "run_p90_ms": summary.get("p90_ttft_ms"), "planner_p90_ms": look.ttft_p90_ms,
             "above_capacity": look.above_capacity, "pilot_share": pilot_share,
-            "pilot_interval": interval or None,
+            "pilot_interval": interval,
             "run_share": run_share, "implied": implied}
 
 
