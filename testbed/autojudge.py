@@ -50,9 +50,11 @@ import dataclasses
 import math
 
 import numpy as np
+import pandas as pd
 
 from testbed import excess, metrics, stats
 from testbed.profiling import cost
+from testbed.records import read_events
 from testbed.workload import generate
 
 WARN_SHARE, WARN_PREFIX = excess.WARN_SHARE, excess.WARN_PREFIX    # the run's TTFT guard
@@ -186,8 +188,9 @@ def jump(headroom):
 def expected_run_s(first, look, pilot_requests, scale):
     """The measured run's expected wall time (s) at `scale`, from the first pilot step
     (`first`: its scale, wall_s and span_s, the requests' span) and the run's `Outlook`: the
-    step's fixed costs (start, stop, analysis) plus its span in real-world seconds and the
-    rest of the run's requests at the rate the planner expects them served."""
+    step's fixed costs (start, stop, analysis) plus its span in real-world seconds, the rest
+    of the run's requests at the rate the planner expects them served, and the decode tail
+    the step's cut skipped (`skipped_tail_s`)."""
     fixed = max(first.wall_s - first.span_s, 0.0)
     span_real = first.span_s * first.scale
     more = max(look.requests - pilot_requests, 0)
@@ -195,7 +198,26 @@ def expected_run_s(first, look, pilot_requests, scale):
         span_real += more / look.serve_rate
     else:                 # no planner: the pilot's pace
         span_real *= look.requests / max(pilot_requests, 1)
-    return fixed + span_real / scale
+    return fixed + (span_real + (getattr(first, "tail_s", None) or 0.0)) / scale
+
+
+def skipped_tail_s(rd, requests):
+    """Real-world seconds of decode that a pilot step's cut (testbed/run.py `TAIL_FACTOR`)
+    left out of its span: the tokens still to come, at the cut, of the request whose first
+    token came last, each at the median step its decode workers took before the cut; None
+    without a cut (`rd`: the step's `RunDir`, `requests`: its requests table)."""
+    cut = next((e.time for e in read_events(rd.events) if e.kind == "pilot_tail"), None)
+    ok = requests[requests.first_token.notna()] if requests is not None else None
+    if cut is None or ok is None or not len(ok) or not rd.tokens.exists():
+        return None
+    tok = pd.read_parquet(rd.tokens, columns=["id", "decode_time", "itl_decode_ms"])
+    before = tok[tok.decode_time < cut]
+    step_ms = before.itl_decode_ms.median()
+    if not np.isfinite(step_ms):
+        return None
+    last = ok.loc[ok.first_token.idxmax()]
+    left = int(last.output_len) - int((before.id == last.id).sum())
+    return round(max(left, 0) * step_ms / 1e3, 3)
 
 
 def step_cost_s(first, scale):

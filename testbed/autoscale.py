@@ -5,15 +5,14 @@ Place in the architecture: beside the runner. `testbed.run` hands its `Run` clas
 module never imports it: layers point down), and `AutoRun` drives one expanded run:
 
 1. the experiment's pilot, when no run before this one ran it (`Pilot`; one per experiment,
-   on the run with the least room: testbed/autoshare.py). It builds the backend once (the
-   network, the WAN) at the first scale tried, then runs steps, each a short `Run` (the first
-   `PILOT_REQUESTS` requests of the same workload, no link probe) on that same network,
-   carried over to the step's scale (`rescale`: the WAN's links and the hosts' TCP timers; the
-   workers start afresh, forked from the launcher, since runtime.json is in emulated units).
-   A step is judged as testbed/autojudge.py says: every guard of the run (first-token lag,
-   decode wake-ups, step and prefill ratios, KV transfers, TCP timeouts, start-up) but the
-   TTFT excess as the run has it; that one on the requests after the warm-up, against the
-   TTFT p90 the planner expects of the measured run, not the pilot's. Then the link check
+   on the run with the least room: testbed/autoshare.py). It builds the backend once at the
+   first scale tried, then runs steps, each a short `Run` (the first `PILOT_REQUESTS` requests
+   of the same workload, no link probe, the decode tail after the last first token run fast:
+   `Run(tail=True)`) on that network, carried over to the step's scale (`rescale`: the WAN's
+   links, the hosts' TCP timers; the workers start afresh: runtime.json is in emulated units).
+   A step is judged as testbed/autojudge.py says: every guard of the run as the run has it
+   but the TTFT excess, judged on the requests after the warm-up against the TTFT p90 the
+   planner expects of the measured run, not the pilot's. Then the link check
    (testbed/autolink.py): the kv link probed on that network at the fastest run's rate, and
    every run's scale lowered where the machine's path carried less;
 2. the measured run at the scale `autoshare.Shared.scale_for` gives it (the pilot's choice,
@@ -22,20 +21,18 @@ module never imports it: layers point down), and `AutoRun` drives one expanded r
    `testbed run` prints the scale in one line.
 
 The search (`next_scale`, pure): start at `AUTO_START` (10); from a faithful step jump up by
-the headroom its guards measured (`autojudge.jump`: 1.4-4x; 2x when a step measured none),
-halve while not faithful, and once there is a faithful scale a below an unfaithful one b > 1.5
-a, try their geometric mean once; the largest faithful scale tried is the choice, or, where the
-budget stopped the search before that mean and b failed on the TTFT excess alone, the scale
-between a and the mean at which the excess, through the two steps as ~ scale ** k, is predicted
-at 80% of its bound (`interpolate`; `interpolated`); where it stopped with no unfaithful step
-above the largest faithful one, the scale above it where the excess through the two largest
-faithful steps (growing at least as the scale) is predicted at 80% of its bound, at most the
-next jump (`extrapolate`; `extrapolated`; the piloted run's own scale: the other runs derive
-theirs from the largest faithful step). Where the largest faithful step kept less headroom
-than that (`pull_back`; `pulled_back`), the choice moves below it. The search plans with a
-step's 90% interval where it reaches further (`Step.planned`). The pilot stops before a step
-past `autojudge.PILOT_SHARE` of the runs' expected wall time, after `autojudge.MIN_STEPS`; the
-record says what the scale above did (`faithful_hint`). Steps, not a CPU-cost model: guards decide.
+its guards' headroom (`autojudge.jump`: 1.4-4x; 2x when a step measured none), halve while not
+faithful, and between a faithful scale a and an unfaithful b > 1.5 a try their geometric mean
+once. The choice is the largest faithful scale tried, moved where the budget stopped the
+search: between a and that mean where b failed on the TTFT excess alone (`interpolate`;
+`interpolated`), above the largest faithful step where none above it failed (`extrapolate`;
+`extrapolated`: at most the next jump, the piloted run's own scale; the other runs derive
+theirs from the largest faithful step), each where the excess, ~ scale ** k through two steps
+(k at least 1 above), is predicted at 80% of its bound; below that step where it kept less
+headroom (`pull_back`; `pulled_back`). The search plans with a step's 90% interval where it
+reaches further (`Step.planned`). The pilot stops before a step past `autojudge.PILOT_SHARE` of
+the runs' expected wall time, after `autojudge.MIN_STEPS`; the record says what the scale above
+did (`faithful_hint`). Steps, not a CPU-cost model: guards decide.
 """
 
 import dataclasses
@@ -80,6 +77,7 @@ class Step:
     steady_share: float | None = None         # judged: x length factor / the run's p90
     span_s: float | None = None               # the requests' span, wall seconds
     load: float | None = None                 # the machine's 1-minute load when it started
+    tail_s: float | None = None               # real-world decode its cut skipped (autojudge)
 
     def as_dict(self):
         return {**dataclasses.asdict(self), "warnings": list(self.warnings),
@@ -93,11 +91,12 @@ class Step:
     @property
     def margin(self):
         """The guards' headroom at this step, on its planned share (None: not measured)."""
-        if self.steady_share is not None or self.first_token_lag_ms is not None:
-            return autojudge.margin(self.planned, self.first_token_lag_ms)
+        measured = self.steady_share is not None or self.first_token_lag_ms is not None
+        return autojudge.margin(self.planned, self.first_token_lag_ms) if measured else None
 
 
-def step_of(scale, summary, wall_s, cpu_s=None, requests=None, look=None, load=None):
+def step_of(scale, summary, wall_s, cpu_s=None, requests=None, look=None, load=None,
+            tail_s=None):
     """The `Step` of a pilot run from its summary.json (`testbed.analysis.analyse`) and, when
     given, its requests table: judged on the steady excess against the measured run's
     `autojudge.Outlook` `look` (testbed/autojudge.py); without them, on every warning."""
@@ -120,7 +119,8 @@ def step_of(scale, summary, wall_s, cpu_s=None, requests=None, look=None, load=N
                                     if cpu_s is not None and summary.get("completed") else None),
                 steady_excess_p90_ms=steady, steady_share=steady_share,
                 steady_share_interval=interval,
-                span_s=None if span is None else round(span / scale, 3), load=load)
+                span_s=None if span is None else round(span / scale, 3), load=load,
+                tail_s=tail_s)
 
 
 def _round(x):
@@ -455,8 +455,7 @@ class Pilot:
         self.record["expected_run_s"] = self._expected(chosen or fallback)
 
     def _requests(self):
-        n = self.exp.requests
-        return min(n, PILOT_REQUESTS) if n is not None else PILOT_REQUESTS
+        return min(self.exp.requests or PILOT_REQUESTS, PILOT_REQUESTS)
 
     def _expected(self, scale):
         """The experiment's runs' expected wall time together at `scale` (the piloted run's)."""
@@ -485,7 +484,7 @@ class Pilot:
             self.record["network_build_s"] = round(time.monotonic() - t0, 3)
         t0, load = time.monotonic(), os.getloadavg()[0]
         run = self.make_run(exp, self.dir / f"time{scale:g}", deployment=dep,
-                            backend=self.backend, probe=False, progress=False)
+                            backend=self.backend, probe=False, progress=False, tail=True)
         try:
             summary = run.execute()
         except RunInterrupted:
@@ -494,7 +493,8 @@ class Pilot:
             print(f"scale.time auto: the pilot at {scale:g} failed: {e}", file=sys.stderr)
             return Step(scale, faithful=False, wall_s=round(time.monotonic() - t0, 3),
                         error=f"{type(e).__name__}: {e}")
-        table = RunDir(run.dir).requests
-        requests = pd.read_parquet(table) if table.exists() else None
+        rd = RunDir(run.dir)
+        requests = pd.read_parquet(rd.requests) if rd.requests.exists() else None
         return step_of(scale, summary, time.monotonic() - t0,
-                       cost.measured_cpu_s(getattr(run, "meta", {})), requests, self.look, load)
+                       cost.measured_cpu_s(getattr(run, "meta", {})), requests, self.look, load,
+                       autojudge.skipped_tail_s(rd, requests))

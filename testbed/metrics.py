@@ -389,7 +389,7 @@ def _in_instance_faults(steps, events, scale):
     starts, ends = {}, {}
     for t, kind, f, *_ in events:
         key = (f.get("fault"), f.get("occurrence"))
-        if kind == "fault_inject" and f.get("fault_kind") in INSTANCE_FAULTS:
+        if kind in ("fault_inject", "pilot_tail") and f.get("fault_kind") in INSTANCE_FAULTS:
             starts[key] = (t, set(str(f.get("target", "")).split(",")))
         elif kind == "fault_end":
             ends[key] = t

@@ -58,24 +58,23 @@ class RunDir:
     CONFORMANCE = "conformance.csv"             # with WAN faults (testbed.faults.write_matrix)
     CONFORMANCE_MD = "conformance.md"
     CACHE_POOL = "cache_{dc}.json"      # a datacenter's prefix cache pool at its exit
-    LOGS = "logs"                       # logs/<instance>.log
-    FIGURES = "figures"
+    LOGS, FIGURES = "logs", "figures"   # logs/<instance>.log
     PAPER_FIGURES = "paper"             # in figures/: `testbed plot --style paper`'s PDFs
     CAPTIONS = "captions.md"            # in figures/: caption stubs of the paper figures
     LOAD_CURVE = "load_curve.csv"       # at an experiment's top: the load sweep per policy, load
-    READY = "ready"                     # ready/<instance>, ready/start_at, ready/first_request
+    READY = "ready"                     # ready/<instance>, ready/start_at, ...
     CONTROL = "control"                 # control/<instance>.json (the `slow` fault)
     STATUS = "status"                   # status/<instance>.json: live state, only under --metrics
     VLLM = "vllm"                       # vllm/<instance>.json: a vLLM server's PIDs and bytes
     KV_EVENTS, KV_EVENTS_SUMMARY = "kv_events.csv", "kv_events.json"   # vLLM: workers/kvfeed.py
     AIPERF = "aiperf"                   # aiperf's artifact directory
-    AIPERF_RECORDS = "profile_export.jsonl"
-    AIPERF_AGGREGATE = "profile_export_aiperf.json"
+    AIPERF_RECORDS, AIPERF_AGGREGATE = "profile_export.jsonl", "profile_export_aiperf.json"
     VLLM_BENCH = "vllm_bench"           # `vllm bench serve`'s result directory
     VLLM_BENCH_RESULT = "result.json"   # its --save-detailed result
     VLLM_BENCH_CLOCK = "clock.json"     # Unix time minus its perf_counter (workers/vllm_bench.py)
     START_AT = "start_at"               # in ready/: arrival 0 for the built-in client
     FIRST_REQUEST = "first_request"     # in ready/: an external client's first arrival
+    FIRST_TOKENS = "first_tokens"       # in ready/: a pilot step's client has every first token
 
     def __init__(self, path):
         self.path = pathlib.Path(path)
@@ -129,6 +128,7 @@ class RunDir:
     vllm_bench_clock = property(lambda self: self.vllm_bench / self.VLLM_BENCH_CLOCK)
     start_at = property(lambda self: self.ready / self.START_AT)
     first_request = property(lambda self: self.ready / self.FIRST_REQUEST)
+    first_tokens = property(lambda self: self.ready / self.FIRST_TOKENS)
 
     def log(self, name):
         """logs/<name>.log: one process's output."""

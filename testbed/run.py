@@ -4,14 +4,15 @@
 For each expanded run (`config.load_experiment`): compile its `testbed.deploy.Deployment` (once,
 every run before the first starts), write the resolved config, the request list,
 deployment.json and runtime.json (the workers' typed `WorkerRuntime`), start the backend
-(`testbed.backend`: today Mininet, which builds the network and shapes the WAN), start the workers on their instances and wait (bounded) for each to report
-ready, probe the WAN as built (once per distinct WAN of the experiment, `measure.LinkProbes`:
-a variant with the same WAN records the first one's probe, marked shared), sample the kernel
-counters, start the open-loop client, the link schedule and the faults from the same instant,
-show progress, then tear everything down in reverse order, also on Ctrl-C or when a worker
-dies. With an external client (`workload.client: command | aiperf`) arrival 0 is the tool's:
-the link schedule and faults start when its first request reaches the front door (minus that
-request's trace time), not when the tool is started.
+(`testbed.backend`: today Mininet, which builds the network and shapes the WAN), start the
+workers on their instances and wait (bounded) for each to report ready, probe the WAN as built
+(once per distinct WAN of the experiment, `measure.LinkProbes`: a variant with the same WAN
+records the first one's probe, marked shared), sample the kernel counters, start the open-loop
+client, the link schedule and the faults from the same instant, show progress, then tear
+everything down in reverse order, also on Ctrl-C or when a worker dies. With an external
+client (`workload.client: command | aiperf`) arrival 0 is the tool's: the link schedule and
+faults start when its first request reaches the front door (minus that request's trace time),
+not when the tool is started.
 `Hold` (`testbed up`) forwards the front door to the root namespace's loopback
 (testbed/net/forward.py) and the run lasts until Ctrl-C/SIGTERM; it runs no load generator
 unless `load` (`up --load`: the built-in client replays the workload once, beside whatever
@@ -54,6 +55,7 @@ from testbed.sim.run import SimRun
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 30.0
+TAIL_FACTOR = 1e-3  # a pilot step's decode tail after its last first token: 1000x its speed
 
 
 def default_out(exp_name):
@@ -76,19 +78,21 @@ class Run:
     summary."""
 
     def __init__(self, exp, run_dir, probe=True, cli=False, progress=True, hold=None,
-                 probes=None, deployment=None, backend=None, meta=None):
+                 probes=None, deployment=None, backend=None, meta=None, tail=False):
         """`probes`: the `LinkProbes` shared by the runs of one experiment (a run whose WAN
         was probed already records that probe); by default this run's own. `deployment`: the
         run's compiled `Deployment` (`execute` compiles every run once, before any starts);
         compiled here when not given. `backend`: one already built and lent (its owner tears
         it down), carried over to this deployment (testbed/autoscale.py); `meta`: more
-        metadata.json keys."""
+        metadata.json keys; `tail`: a pilot step's (profile engine): once the client has every
+        first token, the decode workers run the rest `TAIL_FACTOR` times their time."""
         self.lent, self.extra_meta = backend, meta or {}
         self.exp, self.dir = exp, pathlib.Path(run_dir)
         self.rd = RunDir(run_dir)
         self.cli, self.progress = cli, progress
         self.probes = probes if probes is not None else LinkProbes(probe)
         self.hold = hold
+        self.tail = tail and exp.model.engine == "profile"
         self.deployment = deployment if deployment is not None else deploy.compile(exp)
         self.rt = self.deployment.runtime
         self.backend = None
@@ -271,7 +275,9 @@ class Run:
         start_file = self.rd.start_at
         self._spawn("client", self.rt.instance("client").module,
                     ["--workload", str(self.rd.workload), "--out", str(self.rd.records),
-                     "--start-file", str(start_file)])
+                     "--start-file", str(start_file),
+                     *(["--first-tokens-file", str(self.rd.first_tokens)]
+                       if self.tail else [])])
         self._wait_ready(["client"])
         start_at = time.time() + 0.1
         tmp = start_file.with_suffix(".tmp")     # read on the client host's clock
@@ -292,11 +298,14 @@ class Run:
         last_arrival = float(workload.arrival_s.max()) if len(workload) else 0.0
         bound = (start_at + self.deployment.scale.emulated_s(last_arrival)
                  + self.rt.drain_timeout_s + 30.0)
-        dead = set()
+        dead, cut = set(), not self.tail
         client = self.procs["client"]
         try:
             while client.poll() is None:
                 progress.poll()
+                if not cut and self.rd.first_tokens.exists():   # a pilot step's
+                    cut = injector.fast_tail([i.name for i in self.rt.instances.values()
+                                              if i.may_decode], TAIL_FACTOR)
                 self._check_workers(dead, events, progress.write)
                 if self.vllm_pids:       # also a server that a `restart` fault started
                     self.vllm_pids.refresh()

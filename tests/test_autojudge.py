@@ -3,6 +3,7 @@ steps: the 2026-12-02 pilots of the case study (600 requests offered at 4/s) and
 many_instances (tests/data/pilot_steps.json: each step's summary, wall time and per-request
 TTFT excess, and the measured run that followed). No root."""
 
+import dataclasses
 import json
 import math
 import pathlib
@@ -183,3 +184,27 @@ def test_the_pilots_cost_against_the_runs_and_why_when_over_its_budget(tmp_path)
     _auto_run(tmp_path / "fixed", 0.0, 9.0, auto=False)
     assert cost.pilot_cost(tmp_path / "fixed") is None
     assert autojudge.pilot_line(tmp_path / "fixed") == ""
+
+
+def test_the_decode_tail_a_steps_cut_skipped(tmp_path):
+    """A pilot step's tail ran fast after its last first token (testbed/run.py): what it
+    skipped is the last request's tokens still to come at the cut, each at the median step
+    before it, and the measured run's expected wall time counts it (real-world seconds)."""
+    from testbed.records import RunDir
+    rd = RunDir(tmp_path)
+    requests = pd.DataFrame({"id": [0, 1, 2], "first_token": [100.0, 101.0, None],
+                             "output_len": [50, 50, 50]})
+    assert autojudge.skipped_tail_s(rd, requests) is None          # no cut: nothing skipped
+    rd.events.write_text("time,kind,detail\n101.05,pilot_tail,fault=pilot_tail occurrence=0 "
+                         "fault_kind=slow target=ld0\n")
+    before = [(0, 100.0 + 0.03 * i, 30.0) for i in range(1, 3)] + [(1, 101.0, None),
+                                                                   (1, 101.03, 30.0)]
+    after = [(i, 101.06 + 1e-4 * k, 0.03) for i in (0, 1) for k in range(10)]
+    pd.DataFrame(before + after, columns=["id", "decode_time", "itl_decode_ms"]).to_parquet(
+        rd.tokens)
+    assert autojudge.skipped_tail_s(rd, requests) == pytest.approx(48 * 0.030)
+    look = autojudge.Outlook(600, 3000.0, 3.0)
+    cut = autoscale.Step(10.0, True, wall_s=4.0, span_s=1.5)
+    whole = dataclasses.replace(cut, tail_s=48 * 0.030)
+    assert autojudge.expected_run_s(whole, look, 40, 20) == pytest.approx(
+        autojudge.expected_run_s(cut, look, 40, 20) + 48 * 0.030 / 20)

@@ -184,6 +184,25 @@ def test_decode_steps_rebuilt_from_token_stamps(exp):
     assert steps.expected_ms[1] == pytest.approx(model.step_time(2, 2001) * 1e3)
 
 
+def test_a_pilot_steps_fast_tail_is_left_out_of_the_step_ratio(exp):
+    """After a `pilot_tail` event (testbed/inject.py `fast_tail`) an instance's steps are not
+    the emulated system's: left out as a fault's are."""
+    from testbed.profile import DecodeModel
+    from testbed.records import Event
+    model = DecodeModel(step_s=0.025, bs_max=20, base=0.5, per_request=0.3, context=0.2,
+                        reference_context=1000)
+    d = {0: done(0, 0.0, 1.0, 1.3, n=4), 1: done(1, 0.0, 1.0, 1.2, n=3)}
+    d[0].token_times, d[1].token_times = [1.0, 1.1, 1.2, 1.3], [1.0, 1.1, 1.2]
+    d[0].decode_instance, d[1].decode_instance = "ld0", "ld1"
+    scale = Scale(10, 1e-3)
+    steps = metrics.decode_steps(metrics.build_requests(workload(2), {}, d, scale=scale), model,
+                                 scale=scale)
+    tail = [Event(1.15, "pilot_tail", {"fault": "pilot_tail", "occurrence": "0",
+                                       "fault_kind": "slow", "target": "ld0,ld1"})]
+    out = metrics._in_instance_faults(steps, tail, scale)
+    assert out.tolist() == (steps.time > 1.15).tolist() and out.sum() == 3
+
+
 def test_decode_model_full_batch_at_reference_is_t_decode():
     from testbed import profile
 

@@ -181,3 +181,17 @@ def test_the_links_analysis_reads_are_the_ones_the_run_compiled():
     built = deploy.compile(info.experiment).links
     assert {k: dataclasses.asdict(v) for k, v in info.links.items()} == {
         k: dataclasses.asdict(v) for k, v in built.items()}
+
+
+def test_the_client_says_when_every_request_has_its_first_token(tmp_path):
+    """`--first-tokens-file` (a pilot step's, testbed/run.py): written once, when the last of
+    the workload's requests had its first token or ended, not before."""
+    from workers.client import FirstTokens
+    path = tmp_path / "ready" / "first_tokens"
+    path.parent.mkdir()
+    first = FirstTokens(path, [3, 4, 9])
+    for rid in (4, 4, 9, 7):        # twice, or not one of the workload's: no matter
+        first.seen(rid)
+        assert not path.exists()
+    first.seen(3)
+    assert float(path.read_text()) > 0 and not list(path.parent.glob(".*"))

@@ -20,6 +20,7 @@ import yaml
 from conftest import assert_decisions_replay, assert_remote_kv_crossed_the_wan
 from testbed import autolink, excess
 from testbed.profiling import cost
+from testbed.records import read_events
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -89,7 +90,9 @@ def test_auto_scale_runs_a_pilot_on_one_network_and_records_it(tmp_path):
     run used the choice, and the pilot's network is gone afterwards."""
     out = tmp_path / "run"
     r = subprocess.run(tb_cmd("run", str(TINY), "--out", str(out), "--no-progress",
-                              "--set", "scale.time=auto", "--set", "requests=6"),
+                              "--set", "scale.time=auto", "--set", "requests=6",
+                              # a decode tail of ~0.5 s at 10x after the last first token
+                              "--set", "workload.output.tokens=512"),
                        capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     rec = json.loads((out / "metadata.json").read_text())["scale_auto"]
@@ -101,10 +104,20 @@ def test_auto_scale_runs_a_pilot_on_one_network_and_records_it(tmp_path):
     assert len(said) == 1 and f"the pilot took {pilot_s:.1f} s" in said[0], said
     steps = rec["steps"]
     assert steps[0]["scale"] == 10 and rec["pilot_requests"] == 6
+    fast = 0
     for st in steps:     # each step measured: its own summary agrees with the record
-        summary = json.loads((out / "pilot" / f"time{st['scale']:g}" / "summary.json")
-                             .read_text())
-        assert summary["completed"] == 6 and st["wall_s"] > 0
+        step_dir = out / "pilot" / f"time{st['scale']:g}"
+        summary = json.loads((step_dir / "summary.json").read_text())
+        assert summary["completed"] == 6 and st["wall_s"] > 0     # every token came
+        # its decode tail after the last first token ran fast (testbed/run.py TAIL_FACTOR),
+        # and was left out of the step ratio
+        (cut,) = [e.time for e in read_events(step_dir / "events.csv") if e.kind == "pilot_tail"]
+        tok = pd.read_parquet(step_dir / "tokens.parquet")
+        after = tok[tok.decode_time > cut].itl_decode_ms.dropna()
+        if len(after) >= 5:     # tokens came after the cut: each 1000x closer than before
+            fast += 1
+            assert after.median() < 0.1 * tok[tok.decode_time < cut].itl_decode_ms.median()
+        assert 0.5 < summary["emulation"]["decode_step_ratio"] and st["tail_s"] >= 0
         # its processes' CPU, as the launcher reaped them (the step's own record agrees)
         cpu = json.loads((out / "pilot" / f"time{st['scale']:g}" / "metadata.json")
                          .read_text())["processes_cpu"]
@@ -118,8 +131,10 @@ def test_auto_scale_runs_a_pilot_on_one_network_and_records_it(tmp_path):
         moved = rec.get("interpolated") or rec.get("extrapolated") or rec.get("pulled_back")
         assert rec["pilot_chosen"] == (moved or {}).get("scale", best)   # the run's: after
         assert (rec["pilot_chosen"] < best) == ("pulled_back" in rec)    # the link check
+    assert fast > 0
     assert yaml.safe_load((out / "config.yaml").read_text())["scale"]["time"] == rec["chosen"]
     assert json.loads((out / "summary.json").read_text())["completed"] == 6
+    assert not [e for e in read_events(out / "events.csv") if e.kind == "pilot_tail"]
     check = rec["link_check"]
     first = check["probes"][0]        # at the choice before any cap: this run is the fastest
     assert first["scale"] == rec["uncapped"] and first["goodput_bps"] > 0

@@ -2,6 +2,7 @@
 `DecodeService.emit_run`) gives what one `emit` per step gives (`_step_each`): the same stamps
 on every request, the same token messages, flushes, wake-ups and busy time. No root, no loop."""
 
+import asyncio
 import copy
 import logging
 import time
@@ -113,3 +114,55 @@ def test_copies_share_nothing(tmp_path):
     a.batch[0].times.append(0.0)
     assert b.batch[0].times != a.batch[0].times
     assert copy.copy(a.batch[0].times) == a.batch[0].times
+
+
+def test_a_fast_tail_runs_a_batch_out_and_samples_no_wake_up(tmp_path):
+    """A pilot step's tail (testbed/run.py `TAIL_FACTOR`): the same steps, 1000x closer, at a
+    few wake-ups, and none of them is a lateness sample (it is not the emulated system)."""
+    from testbed.run import TAIL_FACTOR
+    slots = [("c", 1, 300), ("c", 4, 200)]
+    svc = _service(tmp_path, slots)
+    svc.clock._late(0.002)      # one wake-up before the cut, sampled
+    svc.clock.factor = svc.engine.clock_factor = TAIL_FACTOR    # as the loop reads it
+    tick, wakeups = START, 0
+    while svc.batch and wakeups < 50:
+        end = svc.clock._next_event(tick)
+        svc.clock._late(0.5)    # however late: not sampled
+        tick = svc.clock._run(tick, end, end + OFFSET, OFFSET) if svc.steady() else \
+            svc.clock._step_each(tick, end, end + OFFSET, OFFSET)
+        for s in svc.batch:
+            s.wake.clear()
+        wakeups += 1
+    assert not svc.batch and wakeups <= 5 and svc.clock.steps == 299
+    assert svc.clock.lateness == [0.002] and svc.clock.wakeups == 1
+    full = sum(svc.engine.step_seconds(2, 2000) for _ in range(10))      # 10 modelled steps
+    assert tick - START < full     # 299 steps in less than 10 take at the model's speed
+
+
+def test_a_new_clock_factor_stamps_no_step_before_it_was_set(tmp_path):
+    """The paced loop running: the factor drops to the tail's while it sleeps; every step
+    stamped at the new factor (1000x closer) comes after the moment it was set, and the steps
+    before keep the modelled spacing."""
+    from testbed.run import TAIL_FACTOR
+    svc = _service(tmp_path, [("c", 1, 3000), ("c", 2, 3000)])
+    slots = list(svc.batch)
+    svc.clock.factor = svc.engine.clock_factor = 1.0
+    model_s = svc.engine.step_seconds(2, 2000)
+
+    async def drive():
+        task = asyncio.create_task(svc.clock.run())
+        await asyncio.sleep(0.05)
+        set_at = time.time()
+        svc.engine.clock_factor = TAIL_FACTOR       # what workers/control.py does
+        while svc.batch:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        return set_at
+
+    set_at = asyncio.run(drive())
+    times = slots[0].times
+    # the 20 ms before the change hold the steps the model gives them (~60; at the new factor
+    # thousands would fit), and the rest of the 3000 came after it
+    before = [t for t in times if set_at - 0.02 <= t < set_at]
+    assert len(times) == 3000 and 20 < len(before) < 1.5 * 0.02 / model_s + 10
+    assert sum(t >= set_at for t in times) > 2000

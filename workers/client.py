@@ -8,7 +8,8 @@ first token's arrival here minus the send time (vLLM `bench serve` definition); 
 worker's per-token stamps come along for ITL (written compactly: testbed/tokentimes.py). The
 tokens come straight from the decode workers, one stream per worker (workers/tokens.py); the
 scheduler's `Submit` stream, on one framed connection (workers/submit.py), brings the route and
-the last chunk.
+the last chunk. With `--first-tokens-file` (a pilot step, testbed/autoscale.py) it writes that
+file once every request has its first token or has ended.
 """
 
 import argparse
@@ -102,7 +103,23 @@ class Tracker:
         return out
 
 
-async def one_request(stub, row, scheduled, rec, timeout_s):
+class FirstTokens:
+    """Writes `path` (the time, atomically) once each request of `ids` has had its first
+    token or ended: what a pilot step judges has all happened by then (testbed/autoscale.py)."""
+
+    def __init__(self, path, ids):
+        self.path, self.left = pathlib.Path(path), set(ids)
+
+    def seen(self, i):
+        if i in self.left:
+            self.left.discard(i)
+            if not self.left:
+                tmp = self.path.with_name(f".{self.path.name}")
+                tmp.write_text(f"{time.time():.6f}")
+                tmp.replace(self.path)
+
+
+async def one_request(stub, row, scheduled, rec, timeout_s, first=None):
     req = pb.Request(id=int(row.id), input_len=int(row.input_len),
                      output_len=int(row.output_len), cached_len=int(getattr(row, "cached_len", 0)))
     prefix = getattr(row, "prefix_blocks", None)
@@ -117,13 +134,16 @@ async def one_request(stub, row, scheduled, rec, timeout_s):
     try:
         call = stub.Submit(req, timeout=timeout_s)
         async for chunk in call:
-            track.add(chunk, tokens.received(call))
+            if track.add(chunk, tokens.received(call)) and first is not None:
+                first.seen(req.id)
     except grpc.aio.AioRpcError as e:
         error = f"scheduler: {e.code().name}: {e.details()}"
     except asyncio.CancelledError:
         rec.write(track.record("run ended before the request finished", end=False))
         raise
     rec.write(track.record(error))
+    if first is not None:
+        first.seen(req.id)
 
 
 async def _read_start(path, timeout_s=60.0):
@@ -168,6 +188,8 @@ async def run(args):
         common.mark_ready(rt, args.name)
         start_at = await _read_start(pathlib.Path(args.start_file))
     start = max(start_at, time.time())
+    first = (FirstTokens(args.first_tokens_file, [int(r.id) for r in workload])
+             if args.first_tokens_file else None)
     tasks = []
     for row in workload:
         at = start + rt.scale.emulated_s(row.arrival_s)
@@ -175,7 +197,7 @@ async def run(args):
         if delay > 0:
             await asyncio.sleep(delay)
         tasks.append(asyncio.create_task(
-            one_request(stub, row, at, rec, rt.request_timeout_s)))
+            one_request(stub, row, at, rec, rt.request_timeout_s, first)))
     rec.write({"ev": "all_sent", "time": time.time()})
     if tasks:
         done, pending = await asyncio.wait(tasks, timeout=rt.drain_timeout_s)
@@ -198,6 +220,8 @@ def main():
     p.add_argument("--start-at", type=float, default=0.0, help="Unix time of arrival 0")
     p.add_argument("--start-file", default="",
                    help="say ready, then read the Unix time of arrival 0 from this file")
+    p.add_argument("--first-tokens-file", default="",
+                   help="write this file once every request has its first token or has ended")
     args = p.parse_args()
     common.die_with_orchestrator()
     eventloop.run(run(args))

@@ -16,7 +16,10 @@ admit waiting requests (`admit`) and handing it every step's tokens (`emit`):
   the steps before the last, at which nothing but a stamp happens, only append their stamps
   (~7 of ~14 us per step with 20 requests batched; tests/test_stepclock.py checks the result
   is that of one `emit` per step). How late each wake-up came against its schedule is
-  recorded (`report`: the `decode_wakeups` row of events.csv).
+  recorded (`report`: the `decode_wakeups` row of events.csv). A new clock factor (the `slow`
+  fault, a pilot step's fast tail: workers/control.py) is read at the top of a wake-up: the
+  steps up to the one it woke for keep the factor they were scheduled with, and the new one
+  starts no earlier than it was read, so no step is stamped before the change at its factor.
 
 Idle, either clock waits for work and lets the service reap unclaimed KV every second (`reap`).
 """
@@ -53,6 +56,7 @@ class StepClock:
         self.has_work = asyncio.Event()
         self._waiter = None         # the paced loop's sleep, ended early by `kick`
         self.steps = self.wakeups = 0
+        self.factor = engine.clock_factor   # the engine's, as the paced loop last read it
         self.last_stamp = 0.0
         self.lateness, self.late_max = [], 0.0
 
@@ -71,7 +75,11 @@ class StepClock:
             self.service.reap()
 
     def _late(self, late_s):
-        """One wake-up's lateness against its schedule (emulated s), a bounded sample."""
+        """One wake-up's lateness against its schedule (emulated s), a bounded sample. Not
+        under a clock factor below 1: a pilot step's tail, run fast once every first token is
+        out (testbed/autoscale.py; the `slow` fault's factor is above 1)."""
+        if self.factor < 1:
+            return
         self.wakeups += 1
         self.late_max = max(self.late_max, late_s)
         if len(self.lateness) < LATE_SAMPLES:
@@ -126,6 +134,9 @@ class PacedClock(StepClock):
         next_tick = time.monotonic()        # end of the last step run = start of the next
         while True:
             self.has_work.clear()
+            if self.engine.clock_factor != self.factor:     # set since (workers/control.py):
+                self.factor = self.engine.clock_factor      # from now on, no step before it
+                next_tick = max(next_tick, time.monotonic())
             svc.admit()
             if not svc.batch:
                 await self._idle()
@@ -148,7 +159,7 @@ class PacedClock(StepClock):
         while svc.batch:
             step_s = engine.step_seconds(
                 len(svc.batch), sum(s.input_len + len(s.times) for s in svc.batch))
-            t = next_tick + step_s * engine.clock_factor
+            t = next_tick + step_s * self.factor
             if t > end + 1e-9:
                 break
             next_tick = t
@@ -175,7 +186,7 @@ class PacedClock(StepClock):
         run = []
         while True:
             step_s = engine.step_seconds(n, context)
-            t = next_tick + step_s * engine.clock_factor
+            t = next_tick + step_s * self.factor
             if t > end + 1e-9:
                 break
             next_tick = t
@@ -196,7 +207,7 @@ class PacedClock(StepClock):
         first = any(not s.times for s in batch)
         flush = self.service.flush_due()
         offset = time.time() - time.monotonic()
-        factor = self.engine.clock_factor
+        factor = self.factor
         t, j = start, 0
         while True:
             t += self.engine.step_seconds(n, context) * factor
