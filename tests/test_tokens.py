@@ -188,7 +188,7 @@ class _Sink:
 
 def _decode_service():
     rt = types.SimpleNamespace(token_flush_s=0.5, kv_deadline_s=1.0)
-    return DecodeService(rt, "ld0", types.SimpleNamespace(), None)
+    return DecodeService(rt, "ld0", types.SimpleNamespace(clock_factor=1.0), None)
 
 
 def _slot(rid, client, n, emitted=0):
