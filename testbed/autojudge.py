@@ -241,9 +241,10 @@ def within_budget(steps, spent_s, look, pilot_requests, scale, others=()):
 
 def pilot_line(top):
     """What the pilot of the auto runs at or below `top` cost, in one line ('' without one),
-    and where it was over its budget, why and what skips it: each step starts the whole
-    deployment (many_instances: 98 processes, ~3 s a step besides its requests, against a
-    10 s run), which a fixed scale.time does not."""
+    and where it was over its budget, why, how long runs would hold it and what skips it: each
+    step starts the whole deployment (many_instances: 98 processes, ~3 s a step besides its
+    requests, against a 10 s run of 150 requests; 18% of a run of 1,800), which a fixed
+    scale.time does not."""
     got = cost.pilot_cost(top)
     if got is None:
         return ""
@@ -253,5 +254,6 @@ def pilot_line(top):
     if pilot <= PILOT_SHARE * runs:
         return line
     return (f"{line}, over its {100 * PILOT_SHARE:.0f}% budget: a pilot takes {MIN_STEPS} steps "
-            f"at least, each starting the whole deployment; a fixed scale.time (the scale "
-            f"printed above) repeats these runs without one")
+            f"at least, each starting the whole deployment; runs of {pilot / PILOT_SHARE:.0f} s "
+            f"or more together would hold it, and a fixed scale.time (the scale printed above) "
+            f"repeats these runs without one")

@@ -176,6 +176,7 @@ def test_the_pilots_cost_against_the_runs_and_why_when_over_its_budget(tmp_path)
     line = autojudge.pilot_line(tmp_path / "many")
     assert line.startswith("scale.time auto: the pilot took 14.1 s, 97.9% of the runs' 14.4 s")
     assert "over its 20% budget" in line and "a fixed scale.time" in line
+    assert "runs of 70 s or more together would hold it" in line      # 14.1 / 0.2
     for i, label in enumerate("abc"):
         _auto_run(tmp_path / "cs" / label, 10.0 * i, 10.0 * i + 9.0, 5.0 if i == 0 else None)
     assert cost.pilot_cost(tmp_path / "cs") == pytest.approx((5.0, 27.0, 0.0))
