@@ -24,6 +24,9 @@ the load average before and after is printed, because other work on the machine 
 Beside each side's CPU (a share of a core over the trial), the receiver's CPU time per payload
 byte (ns/byte, median over trials) says what the path costs whatever the rate it reached: the
 receiver is what limits the worker path, so this is the number that travels between machines.
+`--receiver wire` takes the decode engine out of the worker side to say where its cost is: the
+same frames over the same `kvwire.serve`, each received into a buffer of kvwire's own, counted
+and dropped (no state tensors, no per-tensor crc32, no assembly).
 Its numbers are not part of the test suite's pass/fail (its `--smoke` run is).
 """
 
@@ -62,17 +65,18 @@ SMOKE = {"tokens": 256, "requests": 4, "chunks": [1 << 16], "streams": [2], "rep
 
 # ---- receiver (in the decode namespace) ----
 
-async def receiver(host):
+async def receiver(host, wire_only=False):
     kvwire.keep_receive_memory()       # as the decode worker does
     dec = TorchDecodeEngine(HybridConfig(), "cpu")
     state = {"want": None, "done": 0, "failed": 0, "raw": 0, "raw_want": None,
              "event": asyncio.Event()}
 
     def on_frame(rid, seq, flags, payload, t_first, t_last):
-        dec.receive(rid, seq, 0, payload)
+        if not wire_only:
+            dec.receive(rid, seq, 0, payload)
         if flags & kvwire.FLAG_LAST:
             asm = dec.assemblers.pop(rid, None)
-            if asm is None or not asm.complete or dec.error(rid):
+            if not wire_only and (asm is None or not asm.complete or dec.error(rid)):
                 print(f"request {rid} incomplete: {dec.error(rid)}", file=sys.stderr)
                 state["failed"] += 1
             state["done"] += 1
@@ -107,7 +111,8 @@ async def receiver(host):
         writer.close()
 
     raw = await asyncio.get_running_loop().create_server(RawSink, host, RAW_PORT)
-    kv = await kvwire.serve(host, KV_PORT, on_frame, payload_buffer=dec.frame_buffer)
+    kv = await kvwire.serve(host, KV_PORT, on_frame,
+                            payload_buffer=None if wire_only else dec.frame_buffer)
     ctl = await asyncio.start_server(control, host, CTL_PORT)
     print("ready", flush=True)
     await asyncio.gather(raw.serve_forever(), kv.serve_forever(), ctl.serve_forever())
@@ -224,8 +229,8 @@ def measure(a):
         with veth_pair(reg, names=("pre", "dec")) as pair:
             env = dict(os.environ, PYTHONPATH=str(ROOT))
             base = [sys.executable, __file__, "--host", pair.ip_b]
-            recv = ns_popen(pair.b, base + ["--role", "recv"], stdout=subprocess.PIPE, text=True,
-                            env=env)
+            recv = ns_popen(pair.b, base + ["--role", "recv", "--receiver", a.receiver],
+                            stdout=subprocess.PIPE, text=True, env=env)
             reg.add_process(recv.pid, "kv_transfer receiver")
             if recv.stdout.readline().strip() != "ready":
                 sys.exit("kv_transfer: receiver did not start")
@@ -243,7 +248,8 @@ def measure(a):
 
 def print_table(a, res, load_before):
     load = " ".join(f"{x:.2f}" for x in load_before)
-    print(f"# unshaped veth between two namespaces; state of a {a.tokens}-token request "
+    print(f"# receiver {a.receiver}; unshaped veth between two namespaces; state of a "
+          f"{a.tokens}-token request "
           f"= {res['state_bytes']} bytes; {a.requests} requests per trial; medians of "
           f"{a.repeat} alternated trials; {os.cpu_count()} cores; load average {load} before, "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} after")
@@ -272,6 +278,9 @@ def parse_args(argv=None):
     p.add_argument("--streams", type=int, nargs="+", default=[1, 4])
     p.add_argument("--repeat", type=int, default=7, help="alternated raw/worker trials per row")
     p.add_argument("--timeout", type=float, default=600, help="bound on the whole sender run (s)")
+    p.add_argument("--receiver", choices=["decoder", "wire"], default="decoder",
+                   help="the worker side's receiver: the decode engine's (default) or kvwire's "
+                        "alone (frames counted and dropped: where the engine's cost is)")
     p.add_argument("--smoke", action="store_true",
                    help=f"tiny parameters, seconds: {SMOKE} (the same path end to end)")
     p.add_argument("--role", choices=["recv", "send"], help=argparse.SUPPRESS)
@@ -285,7 +294,7 @@ def parse_args(argv=None):
 def main(argv=None):
     a = parse_args(argv)
     if a.role == "recv":
-        return eventloop.run(receiver(a.host))
+        return eventloop.run(receiver(a.host, a.receiver == "wire"))
     if a.role == "send":
         return eventloop.run(sender(a.host, a.tokens, a.requests, a.chunks, a.streams, a.repeat))
     if os.geteuid() != 0:
