@@ -187,7 +187,7 @@ def jump(headroom):
 
 def expected_run_s(first, look, pilot_requests, scale):
     """The measured run's expected wall time (s) at `scale`, from the first pilot step
-    (`first`: its scale, wall_s and span_s, the requests' span) and the run's `Outlook`: the
+    (`first`: its scale, wall_s, span_s and tail_s, a `Step`) and the run's `Outlook`: the
     step's fixed costs (start, stop, analysis) plus its span in real-world seconds, the rest
     of the run's requests at the rate the planner expects them served, and the decode tail
     the step's cut skipped (`skipped_tail_s`)."""
@@ -198,7 +198,7 @@ def expected_run_s(first, look, pilot_requests, scale):
         span_real += more / look.serve_rate
     else:                 # no planner: the pilot's pace
         span_real *= look.requests / max(pilot_requests, 1)
-    return fixed + (span_real + (getattr(first, "tail_s", None) or 0.0)) / scale
+    return fixed + (span_real + (first.tail_s or 0.0)) / scale
 
 
 def skipped_tail_s(rd, requests):
