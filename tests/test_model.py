@@ -11,7 +11,8 @@ from workers.model.hybrid import (HybridModel, RequestState, analytical_layer_by
                                   analytical_state_bytes, state_bytes)
 from workers.model.kda import kda_chunked, kda_recurrent
 from workers.model.mla import LatentCache
-from workers.model.state_wire import LayerAssembler, StateWireError, encode_layer, encode_state
+from workers.model.state_wire import (ALIGN, PACK_BYTES, LayerAssembler, StateWireError,
+                                      encode_layer, encode_state)
 
 TOL = 1e-4
 
@@ -143,10 +144,28 @@ def test_wire_roundtrip_is_bit_exact_and_rebuilds_the_state(model):
 
 
 def test_wire_sends_tensor_memory_without_copying():
-    t = torch.arange(1000, dtype=torch.float32)
+    t = torch.arange(PACK_BYTES // 4, dtype=torch.float32)
     frames = encode_layer(0, {"x": t}, n_layers=1, chunk_bytes=1024)
-    t[0] = 42.0   # a data frame is a view of the tensor itself
+    t[0] = 42.0   # a large tensor's data frame is a view of the tensor itself
     assert bytes(frames[1][:4]) == t[:1].numpy().tobytes()
+
+
+def test_wire_packs_small_tensors_into_one_frame_and_aligns_them():
+    """A KDA-like layer: small tensors of odd sizes share a data frame (copied, each at an
+    ALIGN-aligned offset), a large one is cut into views; the receiver rebuilds all of them."""
+    g = torch.Generator().manual_seed(3)
+    ts = {"a": torch.randn(5, 3, generator=g), "b": torch.randint(0, 9, (7,), generator=g),
+          "h": torch.randn(3, generator=g).to(torch.bfloat16), "e": torch.empty(0, 4),
+          "big": torch.randn(PACK_BYTES // 4 + 3, generator=g)}
+    frames = encode_layer(0, ts, n_layers=1, chunk_bytes=1 << 15)
+    big = ts["big"].numel() * 4
+    assert [memoryview(f).nbytes for f in frames[1:]][1:] == [1 << 15, 1 << 15, big - (1 << 16)]
+    asm = LayerAssembler(1)
+    for f in frames:
+        asm.feed(bytes(f))
+    got = asm.states()[0]
+    assert all(torch.equal(got[n], t) and got[n].dtype == t.dtype for n, t in ts.items())
+    assert all(got[n].data_ptr() % ALIGN == 0 for n in ts if ts[n].numel())
 
 
 def test_wire_handles_empty_tensors_and_interleaved_streams():
@@ -185,7 +204,8 @@ def test_wire_detects_a_flipped_byte(model):
 
 @pytest.mark.parametrize("mutate,match", [
     (lambda fr: [fr[0][:-3] + b"xyz"] + fr[1:], "header corrupt"),
-    (lambda fr: fr[:1] + [fr[1][:-1]] + fr[2:], "expected"),
+    (lambda fr: fr[:1] + [fr[1][:-1]] + fr[2:], "crc32 mismatch"),     # a byte lost
+    (lambda fr: fr[:-1] + [fr[-1] + b"x"], "runs past"),               # one too many
     (lambda fr: fr[1:], "magic"),
 ])
 def test_wire_rejects_corrupt_or_truncated_frames(model, mutate, match):

@@ -264,7 +264,7 @@ class TorchDecodeEngine(AssemblingDecodeEngine):
     """Continuous-batching greedy decode over states assembled from the wire.
 
     `receive(rid, seq, flags, payload)` feeds a request's frames (the decode worker's KV
-    socket calls it; its `frame_buffer` lets the socket read data chunks straight into the
+    socket calls it; its `frame_buffer` lets the socket read data frames straight into the
     state tensors, so `receive` need not copy them); `admit` turns the assembled state into a
     live request; `step` advances a batch by one token each; `release` frees everything held
     for a request.
@@ -311,8 +311,9 @@ class TorchDecodeEngine(AssemblingDecodeEngine):
             self.assemblers.pop(request_id, None)
 
     def frame_buffer(self, request_id, seq, flags, length):
-        """Where kvwire should receive a frame's payload: the slice of the state tensor it
-        fills (then `receive` does not copy it), or None for a buffer of kvwire's own."""
+        """Where kvwire should receive a frame's payload: the slice of the layer's state (its
+        tensors' memory) it fills (then `receive` does not copy it), or None for a buffer of
+        kvwire's own."""
         asm = self.assemblers.get(request_id)
         if asm is None or flags & 2 or request_id in self.errors:
             return None

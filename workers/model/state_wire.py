@@ -1,15 +1,20 @@
-"""The wire format of one layer's state: a header frame, then the raw tensor bytes in chunks.
+"""The wire format of one layer's state: a header frame, then the layer's bytes in data frames.
 
-Transport-agnostic: `encode_layer` returns a list of frames (bytes or memoryview) and the
-receiver feeds each frame's payload to a `LayerAssembler` in the order it was produced. The
-spine's KV data socket (`workers/kvwire.py`) carries one frame per kvwire frame.
+Transport-agnostic: `encode_layer` returns a list of frames (bytes, bytearray or memoryview)
+and the receiver feeds each frame's payload to a `LayerAssembler` in the order it was produced.
+The spine's KV data socket (`workers/kvwire.py`) carries one frame per kvwire frame.
 
     header frame = 'PKVL' | version u8 | 0 u8 | json length u32 | crc32(json) u32 | json
-    json         = {layer, n_layers, kind, chunk_bytes,
-                    tensors: [{name, dtype, shape, nbytes, crc32, chunks}, ...][, start]}
-                   (`start`, when present: the tensors hold tokens start.. of the layer; a
-                   suffix shipped against a cached prefix, see `workers.model.prefix`)
-    data frames  = each tensor's bytes, in header order, cut into `chunk_bytes` pieces
+    json         = {layer, n_layers, kind, nbytes,
+                    tensors: [{name, dtype, shape, offset, nbytes, crc32}, ...][, start]}
+                   (`nbytes`: the layer's bytes; each tensor lies at its `offset` in them,
+                   `ALIGN`-aligned, zero padding between; `start`, when present: the tensors
+                   hold tokens start.. of the layer; a suffix shipped against a cached prefix,
+                   see `workers.model.prefix`)
+    data frames  = the layer's `nbytes` bytes in order, in frames of any length: the receiver
+                   needs no chunk size. The sender packs tensors under `PACK_BYTES` together
+                   (copied, up to `chunk_bytes` a frame: a KDA layer's four tensors are one
+                   frame) and cuts larger ones into `chunk_bytes` views of the tensor itself
     trailer      = 'PKVT' | version u8 | 0 u8 | json length u32 | crc32(json) u32 | json
                    (optional, after the last layer: {first_token, length, n_layers[, prefix]};
                    `prefix` = {length, keys}: the decode side adds the first `length` tokens
@@ -18,22 +23,26 @@ spine's KV data socket (`workers/kvwire.py`) carries one frame per kvwire frame.
                    (a prefix-cache block's own record, first in its `pack`ed bytes)
 
 `pack` joins frames into one byte string (a pool holds a block as one) and `unpack` cuts it
-back into the same frames, reading each header to know its data chunks.
+back into frames: each header, then its layer's bytes as one frame.
 
-Data frames carry no header of their own, so on the sending side they are memoryviews of the
-tensors themselves (torch -> numpy -> memoryview, no copy; a CUDA tensor is first copied to
-host memory, which is the transfer buffer). The price is ordering: the frames of one layer must
-reach the assembler in order and not interleaved with another layer of the same request on the
-same `stream` -- true for one TCP connection. A sender that spreads one request's layers over
-several connections passes the connection as `stream`; each stream keeps its own cursor.
+Large tensors' data frames carry no header of their own, so on the sending side they are
+memoryviews of the tensors themselves (torch -> numpy -> memoryview, no copy; a CUDA tensor is
+first copied to host memory, which is the transfer buffer). Small ones are copied into a packed
+frame: per frame the receiver pays a wake-up's worth of Python (kvwire's header, the engine's
+bookkeeping), which for a 1.5 KB tensor cost more than its copy (version 1 sent a frame a
+tensor: 37 frames for the 8-layer model's state, 19 now). The price of headerless frames is
+ordering: the frames of one layer must reach the assembler in order and not interleaved with
+another layer of the same request on the same `stream` -- true for one TCP connection. A sender
+that spreads one request's layers over several connections passes the connection as `stream`;
+each stream keeps its own cursor.
 
-The receiver copies each chunk once into a preallocated tensor, checks every tensor's crc32
-and every length, shape and dtype against the header, and raises `StateWireError` naming the
-layer and the tensor on any mismatch. A transport that can receive in place asks
-`LayerAssembler.buffer_for(length, stream)` for the slice of the tensor the next chunk fills
-and reads the socket straight into it; `feed` of that very buffer then skips the copy (the
-crc32 still covers what landed in the tensor). The crc32 is accumulated chunk by chunk, while
-each chunk is still in cache.
+The receiver allocates each layer's bytes once (the tensors are views of them), copies each
+frame once into place, checks every tensor's crc32 and every length, shape, dtype and offset
+against the header, and raises `StateWireError` naming the layer and the tensor on any
+mismatch. A transport that can receive in place asks `LayerAssembler.buffer_for(length,
+stream)` for the slice of the layer the next frame fills and reads the socket straight into it;
+`feed` of that very buffer then skips the copy (the crc32 still covers what landed). The crc32
+is accumulated frame by frame, while each frame is still in cache.
 """
 
 import json
@@ -52,9 +61,11 @@ from testbed.errors import TestbedError
 MAGIC = b"PKVL"
 TRAILER_MAGIC = b"PKVT"
 BLOCK_MAGIC = b"PKVB"
-VERSION = 1
+VERSION = 2                   # 2: a layer's bytes in frames of any length (1: a tensor's)
 HEADER = struct.Struct("!4sBBII")
 DEFAULT_CHUNK_BYTES = 1 << 20
+ALIGN = 64                    # a tensor's offset in its layer's bytes (any dtype; a cache line)
+PACK_BYTES = 64 << 10         # tensors below this are copied into packed frames
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8}
@@ -77,28 +88,51 @@ def _host_bytes(t):
 
 
 def encode_layer(idx, tensors, n_layers=None, kind="", chunk_bytes=DEFAULT_CHUNK_BYTES, start=0):
-    """Frames of layer `idx`'s state (`tensors`: name -> tensor): a header, then data chunks.
+    """Frames of layer `idx`'s state (`tensors`: name -> tensor): a header, then data frames
+    of at most `chunk_bytes`.
 
     `start` > 0 marks per-token tensors that begin at token `start` (a suffix)."""
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
-    descs, views = [], []
+    descs, views, end = [], [], 0
     for name, t in tensors.items():
         if t.dtype not in DTYPE_NAMES:
             raise StateWireError(f"layer {idx} tensor {name!r}: dtype {t.dtype} not supported")
         mv = _host_bytes(t)
+        offset = -(-end // ALIGN) * ALIGN
         descs.append({"name": name, "dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape),
-                      "nbytes": mv.nbytes, "crc32": crc32(mv),
-                      "chunks": math.ceil(mv.nbytes / chunk_bytes)})
+                      "offset": offset, "nbytes": mv.nbytes, "crc32": crc32(mv)})
         views.append(mv)
-    head = {"layer": idx, "n_layers": n_layers, "kind": kind, "chunk_bytes": chunk_bytes,
-            "tensors": descs}
+        end = offset + mv.nbytes
+    head = {"layer": idx, "n_layers": n_layers, "kind": kind, "nbytes": end, "tensors": descs}
     if start:
         head["start"] = int(start)
     meta = json.dumps(head, separators=(",", ":")).encode()
-    frames = [HEADER.pack(MAGIC, VERSION, 0, len(meta), crc32(meta)) + meta]
-    for mv in views:
-        frames.extend(mv[o:o + chunk_bytes] for o in range(0, mv.nbytes, chunk_bytes))
+    return [HEADER.pack(MAGIC, VERSION, 0, len(meta), crc32(meta)) + meta,
+            *_data_frames(descs, views, chunk_bytes)]
+
+
+def _data_frames(descs, views, chunk_bytes):
+    """The layer's bytes as frames: tensors under PACK_BYTES copied together (with the padding
+    before each) into frames of at most `chunk_bytes`, larger ones as views of themselves cut
+    at `chunk_bytes`."""
+    frames, packed, pos = [], bytearray(), 0     # pos: layer bytes in frames or `packed`
+    for d, mv in zip(descs, views):
+        pad, n = d["offset"] - pos, mv.nbytes
+        if packed and len(packed) + pad + n > chunk_bytes:
+            frames.append(packed)
+            packed = bytearray()
+        packed += bytes(pad)
+        if n < PACK_BYTES and len(packed) + n <= chunk_bytes:
+            packed += mv
+        else:
+            if packed:
+                frames.append(packed)
+                packed = bytearray()
+            frames.extend(mv[o:o + chunk_bytes] for o in range(0, n, chunk_bytes))
+        pos = d["offset"] + n
+    if packed:
+        frames.append(packed)
     return frames
 
 
@@ -125,8 +159,8 @@ def pack(frames):
 def unpack(data):
     """The frames of `pack(frames)`, in order, as memoryviews of `data`.
 
-    Each header frame says how long it is; a layer header also says how many data chunks of
-    which sizes follow. Truncated data raises `StateWireError`.
+    Each header frame says how long it is; a layer header also says how many bytes of data
+    follow (one frame here). Truncated data raises `StateWireError`.
     """
     mv = memoryview(data).cast("B")
     off = 0
@@ -146,14 +180,8 @@ def unpack(data):
         frame = take(HEADER.size + n, "a header")
         magic, meta = _parse_header(frame)
         yield frame
-        if magic != MAGIC:
-            continue
-        for d in meta["tensors"]:
-            left = d["nbytes"]
-            while left > 0:
-                k = min(meta["chunk_bytes"], left)
-                yield take(k, f"layer {meta['layer']} tensor {d['name']!r}")
-                left -= k
+        if magic == MAGIC and meta["nbytes"]:
+            yield take(meta["nbytes"], f"layer {meta['layer']}'s bytes")
 
 
 def encode_state(state, chunk_bytes=DEFAULT_CHUNK_BYTES):
@@ -191,86 +219,103 @@ def read_record(frame, magic):
     return meta
 
 
-def _byte_view(t):
-    """A writable memoryview of the bytes of a fresh contiguous CPU tensor. The tensor is made
-    with its dtype and shape at once (not bytes viewed as it later): per tensor that is one
-    torch call instead of three, which showed at ~30 tensors per request."""
-    if not t.numel():
-        return memoryview(bytearray(0))
-    if t.dtype == torch.bfloat16:           # numpy has no bfloat16: the same bytes as int16
-        t = t.view(torch.int16)
-    return memoryview(t.numpy()).cast("B")
-
-
 class _Pending:
-    """A layer being received: its header and the tensors filled so far."""
+    """A layer being received: its header, its bytes (one allocation; the tensors are views of
+    it) and the tensors checked so far."""
 
     def __init__(self, meta, where):
         self.meta = meta
         self.layer = meta["layer"]
-        self.chunk = meta["chunk_bytes"]
-        self.bufs, self.views = [], []
+        self.total = meta.get("nbytes")
+        if not isinstance(self.total, int) or self.total < 0:
+            raise StateWireError(f"{where}: header says {self.total!r} bytes")
+        self.ranges, end = [], 0
         for d in meta["tensors"]:
             if d["dtype"] not in DTYPES:
                 raise StateWireError(f"{where}: tensor {d['name']!r} has unknown dtype {d['dtype']!r}")
             if not all(isinstance(n, int) and n >= 0 for n in d["shape"]):
                 raise StateWireError(f"{where}: tensor {d['name']!r} has shape {d['shape']}")
-            want = math.prod(d["shape"]) * ITEMSIZE[d["dtype"]]
-            if want != d["nbytes"] or d["chunks"] != math.ceil(d["nbytes"] / self.chunk):
+            want, off = math.prod(d["shape"]) * ITEMSIZE[d["dtype"]], d.get("offset")
+            if (want != d["nbytes"] or not isinstance(off, int) or off < end
+                    or off % ITEMSIZE[d["dtype"]] or off + want > self.total):
                 raise StateWireError(f"{where}: tensor {d['name']!r} header inconsistent "
-                                     f"(shape {d['shape']} {d['dtype']} = {want} bytes, "
-                                     f"header says {d['nbytes']} in {d['chunks']} chunks)")
-            self.bufs.append(torch.empty(d["shape"], dtype=DTYPES[d["dtype"]]))
-            self.views.append(_byte_view(self.bufs[-1]))
-        self.t = 0          # tensor being filled
-        self.off = 0        # bytes of it filled
-        self.crc = 0        # crc32 of those bytes
+                                     f"(shape {d['shape']} {d['dtype']} = {want} bytes, header "
+                                     f"says {d['nbytes']} at byte {off} of {self.total}, the "
+                                     f"tensor before ends at {end})")
+            end = off + want
+            self.ranges.append((off, end, d))
+        # whole ALIGN units, so that one view of it per dtype holds every tensor (`tensors`)
+        self.flat = torch.empty(-(-self.total // ALIGN) * ALIGN, dtype=torch.uint8)
+        self.mv = memoryview(self.flat.numpy()) if self.total else memoryview(bytearray(0))
+        self.off = 0        # layer bytes received
+        self.t = 0          # the first tensor not yet checked
+        self.crc = 0        # crc32 of its bytes received so far
         self.lent = None    # the slice handed out by `buffer_for`, not yet fed
-        self._skip_empty()
-
-    def _skip_empty(self):
-        while self.t < len(self.bufs) and self.meta["tensors"][self.t]["nbytes"] == 0:
-            self.t += 1
+        self._check(0)
 
     @property
     def done(self):
-        return self.t >= len(self.bufs)
-
-    def _expect(self):
-        d = self.meta["tensors"][self.t]
-        return d, min(self.chunk, d["nbytes"] - self.off)
+        return self.off >= self.total
 
     def buffer_for(self, length):
-        """The tensor slice the next chunk fills, if it is `length` bytes long, else None."""
-        d, expect = self._expect()
-        if length != expect:
+        """The slice of the layer's bytes the next `length`-byte frame fills, else None (it
+        would run past them)."""
+        if self.off + length > self.total:
             return None
-        self.lent = self.views[self.t][self.off:self.off + expect]
+        self.lent = self.mv[self.off:self.off + length]
         return self.lent
 
     def fill(self, frame):
-        d, expect = self._expect()
-        if frame is self.lent:          # received in place: already in the tensor
-            dst, self.lent = frame, None
+        off = self.off
+        if frame is self.lent:          # received in place: already where it belongs
+            n, self.lent = len(frame), None
         else:
             mv = memoryview(frame).cast("B")
-            if mv.nbytes != expect:
-                raise StateWireError(f"layer {self.layer} tensor {d['name']!r}: chunk at byte "
-                                     f"{self.off} is {mv.nbytes} bytes, expected {expect}")
-            dst = self.views[self.t][self.off:self.off + expect]
-            dst[:] = mv
-        self.crc = crc32(dst, self.crc)
-        self.off += expect
-        if self.off == d["nbytes"]:
+            n = mv.nbytes
+            if off + n > self.total:
+                raise StateWireError(f"layer {self.layer}: a data frame of {n} bytes at byte "
+                                     f"{off} runs past the layer's {self.total} bytes (expected "
+                                     f"at most {self.total - off})")
+            self.mv[off:off + n] = mv
+        self.off = off + n
+        self._check(off)
+
+    def _check(self, lo):
+        """crc32 the tensors' bytes in [lo, self.off); check each tensor that ended."""
+        hi = self.off
+        while self.t < len(self.ranges):
+            s, e, d = self.ranges[self.t]
+            a = max(s, lo)
+            if a < min(e, hi):
+                self.crc = crc32(self.mv[a:min(e, hi)], self.crc)
+            if e > hi:
+                return
             if self.crc != d["crc32"]:
                 raise StateWireError(f"layer {self.layer} tensor {d['name']!r}: crc32 mismatch "
                                      f"({d['nbytes']} bytes arrived corrupt)")
             self.t += 1
-            self.off = self.crc = 0
-            self._skip_empty()
+            self.crc = 0
 
     def tensors(self):
-        return {d["name"]: buf for d, buf in zip(self.meta["tensors"], self.bufs)}
+        """name -> tensor, each a view of the layer's bytes: `as_strided` on one view of them
+        per dtype (one torch call a tensor; slicing and two views took 3.8x as long here)."""
+        out, typed = {}, {}
+        for s, _, d in self.ranges:
+            dt = DTYPES[d["dtype"]]
+            if dt not in typed:
+                typed[dt] = self.flat.view(dt)
+            out[d["name"]] = typed[dt].as_strided(d["shape"], _strides(d["shape"]),
+                                                  s // ITEMSIZE[d["dtype"]])
+        return out
+
+
+def _strides(shape):
+    """A contiguous tensor's strides (elements) for `shape`."""
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= max(n, 1)
+    return out[::-1]
 
 
 class LayerAssembler:
@@ -295,8 +340,8 @@ class LayerAssembler:
 
     def buffer_for(self, length, stream=None):
         """Where the next `length`-byte frame of `stream` should be received, to be passed to
-        `feed` as is: the slice of the tensor it fills, or None (a header is next, or the
-        length is not the next chunk's; `feed` then copies as usual)."""
+        `feed` as is: the slice of the layer's bytes it fills, or None (a header is next, or
+        the frame would run past the layer; `feed` then copies, or says what is wrong)."""
         cur = self.pending.get(stream)
         return cur.buffer_for(length) if cur is not None else None
 
