@@ -206,6 +206,7 @@ def test_wire_detects_a_flipped_byte(model):
     (lambda fr: [fr[0][:-3] + b"xyz"] + fr[1:], "header corrupt"),
     (lambda fr: fr[:1] + [fr[1][:-1]] + fr[2:], "crc32 mismatch"),     # a byte lost
     (lambda fr: fr[:-1] + [fr[-1] + b"x"], "runs past"),               # one too many
+    (lambda fr: [fr[0][:4] + b"\x01" + fr[0][5:]] + fr[1:], "version 1, this receiver reads 2"),
     (lambda fr: fr[1:], "magic"),
 ])
 def test_wire_rejects_corrupt_or_truncated_frames(model, mutate, match):

@@ -180,8 +180,9 @@ def unpack(data):
         frame = take(HEADER.size + n, "a header")
         magic, meta = _parse_header(frame)
         yield frame
-        if magic == MAGIC and meta["nbytes"]:
-            yield take(meta["nbytes"], f"layer {meta['layer']}'s bytes")
+        n = meta.get("nbytes") if magic == MAGIC else None
+        if isinstance(n, int) and n > 0:    # else the assembler says what is wrong with it
+            yield take(n, f"layer {meta.get('layer')}'s bytes")
 
 
 def encode_state(state, chunk_bytes=DEFAULT_CHUNK_BYTES):
