@@ -12,8 +12,8 @@ One run, side by side, over one unshaped veth between two fresh namespaces (`tb<
           plus its trailer) sent with `workers.kvwire` as the prefill worker sends them (a
           layer's frames in one `send_frames`; no frame crc32: state frames carry a crc32 per
           tensor and header) to a receiver set up as the decode
-          worker's (`kvwire.serve` with `TorchDecodeEngine.frame_buffer`: data chunks received
-          in place into the state tensors; `TorchDecodeEngine.receive`: per-tensor crc32,
+          worker's (`kvwire.serve` with `TorchDecodeEngine.frame_buffer`: data frames received
+          in place into the layer's state memory; `TorchDecodeEngine.receive`: per-tensor crc32,
           assembly) -- per chunk size and number of concurrent TCP streams (one request per
           stream at a time).
 Goodput = state payload bytes / time from the first byte sent to the receiver's report that

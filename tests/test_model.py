@@ -168,6 +168,17 @@ def test_wire_packs_small_tensors_into_one_frame_and_aligns_them():
     assert all(got[n].data_ptr() % ALIGN == 0 for n in ts if ts[n].numel())
 
 
+def test_wire_sends_padding_with_the_packed_frame_before_a_large_tensor():
+    """Padding before a large tensor ends the packed frame before it, not a frame of its own."""
+    ts = {"a": torch.ones(10, dtype=torch.uint8), "big": torch.ones(100000, dtype=torch.uint8)}
+    frames = encode_layer(0, ts, n_layers=1, chunk_bytes=65536)
+    assert [memoryview(f).nbytes for f in frames[1:]] == [ALIGN, 65536, 100000 - 65536]
+    asm = LayerAssembler(1)
+    for f in frames:
+        asm.feed(bytes(f))
+    assert all(torch.equal(asm.states()[0][n], t) for n, t in ts.items())
+
+
 def test_wire_handles_empty_tensors_and_interleaved_streams():
     cfg = HybridConfig(conv_kernel=1, n_layers=4, d_model=64)   # empty conv tails
     m = HybridModel(cfg)

@@ -24,8 +24,8 @@ Cost, measured on 2 cores (benchmarks/kv_transfer.py): the receiver is what limi
 it avoids asyncio streams. `StreamReader.readexactly` copies every byte three times after the
 kernel (recv -> bytes, bytes -> the reader's bytearray, slice -> bytes); the receiver here is a
 `BufferedProtocol` whose socket reads land directly in the frame's payload buffer -- and, when
-the consumer offers one (`payload_buffer`), directly in the tensor the payload is for -- and it
-delivers frames from the read callback, without a task switch per frame. The sender
+the consumer offers one (`payload_buffer`), directly in the state memory the payload is for --
+and it delivers frames from the read callback, without a task switch per frame. The sender
 (`SocketConnection`, what `SenderPool` hands out) writes the headers and payloads of all the
 frames it is given (`send_frames`: a layer's frames at once) with `sendmsg` straight from the
 caller's buffers and waits for the socket, not for a copy in a transport buffer, when the

@@ -119,14 +119,18 @@ def _data_frames(descs, views, chunk_bytes):
     frames, packed, pos = [], bytearray(), 0     # pos: layer bytes in frames or `packed`
     for d, mv in zip(descs, views):
         pad, n = d["offset"] - pos, mv.nbytes
-        if packed and len(packed) + pad + n > chunk_bytes:
+        small = n < PACK_BYTES
+        if packed and not (small and len(packed) + pad + n <= chunk_bytes):
+            if len(packed) + pad <= chunk_bytes:    # the padding ends the frame before
+                packed += bytes(pad)
+                pad = 0
             frames.append(packed)
             packed = bytearray()
         packed += bytes(pad)
-        if n < PACK_BYTES and len(packed) + n <= chunk_bytes:
+        if small and len(packed) + n <= chunk_bytes:
             packed += mv
         else:
-            if packed:
+            if packed:                              # padding after a large tensor: alone
                 frames.append(packed)
                 packed = bytearray()
             frames.extend(mv[o:o + chunk_bytes] for o in range(0, n, chunk_bytes))
