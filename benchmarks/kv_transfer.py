@@ -75,10 +75,11 @@ async def receiver(host, wire_only=False):
         if not wire_only:
             dec.receive(rid, seq, 0, payload)
         if flags & kvwire.FLAG_LAST:
-            asm = dec.assemblers.pop(rid, None)
-            if not wire_only and (asm is None or not asm.complete or dec.error(rid)):
-                print(f"request {rid} incomplete: {dec.error(rid)}", file=sys.stderr)
-                state["failed"] += 1
+            if not wire_only:
+                asm = dec.assemblers.pop(rid, None)
+                if asm is None or not asm.complete or dec.error(rid):
+                    print(f"request {rid} incomplete: {dec.error(rid)}", file=sys.stderr)
+                    state["failed"] += 1
             state["done"] += 1
             if state["done"] == state["want"]:
                 state["event"].set()

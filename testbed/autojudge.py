@@ -243,7 +243,7 @@ def pilot_line(top):
     """What the pilot of the auto runs at or below `top` cost, in one line ('' without one),
     and where it was over its budget, why, how long runs would hold it and what skips it: each
     step starts the whole deployment (many_instances: 98 processes, ~3 s a step besides its
-    requests, against a 10 s run of 150 requests; 18% of a run of 1,800), which a fixed
+    requests, against a 12-15 s run of 150 requests; 18% of a run of 1,800), which a fixed
     scale.time does not."""
     got = cost.pilot_cost(top)
     if got is None:

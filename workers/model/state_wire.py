@@ -251,7 +251,7 @@ class _Pending:
             self.ranges.append((off, end, d))
         # whole ALIGN units, so that one view of it per dtype holds every tensor (`tensors`)
         self.flat = torch.empty(-(-self.total // ALIGN) * ALIGN, dtype=torch.uint8)
-        self.mv = memoryview(self.flat.numpy()) if self.total else memoryview(bytearray(0))
+        self.mv = memoryview(self.flat.numpy())
         self.off = 0        # layer bytes received
         self.t = 0          # the first tensor not yet checked
         self.crc = 0        # crc32 of its bytes received so far
